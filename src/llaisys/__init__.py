@@ -1,0 +1,11 @@
+"""llaisys: a small LLM inference system with a pluggable hardware runtime."""
+from .runtime import (DataType, Device, DeviceType, MemcpyKind, current_device, get_runtime,
+                      set_device, synchronize)
+from .tensor import Tensor
+from . import ops
+
+empty = Tensor.empty
+zeros = Tensor.zeros
+from_numpy = Tensor.from_numpy
+
+__version__ = "0.1.0"

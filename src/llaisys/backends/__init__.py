@@ -1,0 +1,1 @@
+"""Device backends. Each is one module found by device type name and imported lazily."""

@@ -1,0 +1,28 @@
+"""Causal self-attention with grouped KV heads on the CPU."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import register_kernel
+from ._common import FLOATS, f32
+
+
+@register_kernel("self_attention", "cpu", dtypes=FLOATS)
+def self_attention(outputs, inputs, attrs) -> None:
+    out = outputs[0].host_array()  # (S, H, Dv)
+    q, k, v = (f32(t.host_array()) for t in inputs)  # (S, H, D), (T, KH, D), (T, KH, Dv)
+    s, h, d = q.shape
+    t, kh, dv = v.shape
+    g = h // kh
+    qg = q.reshape(s, kh, g, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T)
+    scores *= attrs["scale"]
+    if s > 1:
+        # query i sits at T - S + i and may see keys up to there
+        future = np.arange(t)[None, :] > (np.arange(s)[:, None] + (t - s))  # (S, T)
+        scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
+    out[...] = ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)

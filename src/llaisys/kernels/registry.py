@@ -1,0 +1,156 @@
+"""The kernel registry: kernels keyed by (op name, backend, layout, dtype).
+
+``register_kernel`` is the Python analogue of ``PD_REGISTER_PLUGIN_KERNEL``. A kernel has the
+uniform signature ``kernel(outputs, inputs, attrs)``: tuples of Tensors (outputs first, as
+the ops API orders them) and a dict of scalar attributes. Kernels trust their arguments; the
+public ops check them.
+
+Dispatch looks up (name, device type, layout, dtype), then the same key with ``Layout.ANY``.
+On a device with no such kernel the CPU kernel runs on host copies (inputs copied to the
+host, outputs copied back), logged once per op; set ``LLAISYS_KERNEL_FALLBACK=0`` to make
+that an error. With no kernel anywhere the error lists what is registered for the op.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from ..runtime.device import DeviceType
+from ..runtime.dtypes import DataType
+from ..runtime.errors import KernelNotFoundError
+
+if TYPE_CHECKING:
+    from ..tensor import Tensor
+
+log = logging.getLogger(__name__)
+
+Kernel = Callable[[tuple, tuple, dict], None]
+
+
+class Layout(enum.IntEnum):
+    """Memory layout a kernel accepts; values follow the plugin ABI's ``C_DataLayout``."""
+
+    NCHW = 0
+    NHWC = 1
+    NCDHW = 2
+    NDHWC = 3
+    ANY = 4  # ALL_LAYOUT: any strided tensor
+
+
+KernelKey = tuple  # (name, backend name, Layout, DataType)
+
+_lock = threading.Lock()
+_kernels: dict[KernelKey, Kernel] = {}
+_fallback_logged: set[tuple[str, str]] = set()
+
+
+def _backend_name(backend: "str | DeviceType") -> str:
+    return backend.name if isinstance(backend, DeviceType) else str(backend).lower()
+
+
+def register_kernel(
+    name: str,
+    backend: "str | DeviceType",
+    layout: Layout = Layout.ANY,
+    dtypes: Iterable[DataType] = (),
+    kernel: Kernel | None = None,
+    replace: bool = False,
+):
+    """Register ``kernel`` for op ``name`` on ``backend`` for each of ``dtypes``.
+
+    Usable as a decorator when ``kernel`` is omitted. Registering a key twice raises
+    ValueError unless ``replace`` is true.
+    """
+    dtypes = tuple(DataType(d) for d in dtypes)
+    if not dtypes:
+        raise ValueError(f"register_kernel({name!r}): give at least one dtype")
+    backend_name = _backend_name(backend)
+
+    def add(fn: Kernel) -> Kernel:
+        with _lock:
+            for dt in dtypes:
+                key = (name, backend_name, Layout(layout), dt)
+                if key in _kernels and not replace:
+                    raise ValueError(f"kernel {_fmt(key)} is already registered")
+                _kernels[key] = fn
+        return fn
+
+    return add(kernel) if kernel is not None else add
+
+
+def unregister_kernels(backend: "str | DeviceType") -> int:
+    """Drop every kernel of ``backend``; returns how many were dropped."""
+    backend_name = _backend_name(backend)
+    with _lock:
+        keys = [k for k in _kernels if k[1] == backend_name]
+        for k in keys:
+            del _kernels[k]
+    return len(keys)
+
+
+def registered_kernels(name: str | None = None) -> list[KernelKey]:
+    """The registered keys, optionally only those of op ``name``."""
+    with _lock:
+        keys = [k for k in _kernels if name is None or k[0] == name]
+    return sorted(keys, key=lambda k: (k[0], k[1], int(k[2]), int(k[3])))
+
+
+def find_kernel(name: str, backend: str, dtype: DataType, layout: Layout = Layout.ANY) -> Kernel | None:
+    """The kernel for the key, trying ``Layout.ANY`` after ``layout``; None when absent."""
+    fn = _kernels.get((name, backend, layout, dtype))
+    if fn is None and layout is not Layout.ANY:
+        fn = _kernels.get((name, backend, Layout.ANY, dtype))
+    return fn
+
+
+def fallback_enabled() -> bool:
+    """Whether ops missing on a device may run on the CPU (``LLAISYS_KERNEL_FALLBACK``)."""
+    return os.environ.get("LLAISYS_KERNEL_FALLBACK", "1").lower() not in ("0", "false", "no", "off")
+
+
+def dispatch(name: str, dtype: DataType, outputs: Sequence["Tensor"], inputs: Sequence["Tensor | None"], attrs: dict[str, Any]) -> None:
+    """Run op ``name`` on the device of ``outputs[0]``."""
+    device = outputs[0].device
+    fn = _kernels.get((name, device.type.name, Layout.ANY, dtype))
+    if fn is not None:
+        fn(outputs, inputs, attrs)
+        return
+    if not device.is_cpu:
+        cpu_fn = _kernels.get((name, "cpu", Layout.ANY, dtype))
+        if cpu_fn is not None and fallback_enabled():
+            _run_on_host(cpu_fn, name, device, outputs, inputs, attrs)
+            return
+        if cpu_fn is not None:
+            raise KernelNotFoundError(
+                f"no kernel {_fmt((name, device.type.name, Layout.ANY, dtype))} and CPU fallback is "
+                f"off (LLAISYS_KERNEL_FALLBACK=0); registered for {name!r}: {_listing(name)}"
+            )
+    raise KernelNotFoundError(
+        f"no kernel {_fmt((name, device.type.name, Layout.ANY, dtype))}; registered for {name!r}: {_listing(name)}"
+    )
+
+
+def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:
+    key = (name, device.type.name)
+    if key not in _fallback_logged:
+        _fallback_logged.add(key)
+        log.info("op %s has no kernel on %s; running it on the CPU with copies", name, device.type.name)
+    host_in = tuple(None if t is None else t.to("cpu") for t in inputs)
+    # Outputs are copied in too: a kernel may write only part of them.
+    host_out = tuple(t.to("cpu") for t in outputs)
+    fn(host_out, host_in, attrs)
+    for dev_t, host_t in zip(outputs, host_out):
+        dev_t.copy_(host_t)
+
+
+def _fmt(key: KernelKey) -> str:
+    name, backend, layout, dtype = key
+    return f"({name}, {backend}, {Layout(layout).name}, {DataType(dtype).name})"
+
+
+def _listing(name: str) -> str:
+    keys = registered_kernels(name)
+    return ", ".join(_fmt(k) for k in keys) if keys else "nothing"

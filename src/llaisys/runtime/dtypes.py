@@ -1,0 +1,104 @@
+"""Data types: the public enum (numbering fixed by the runtime's C header), sizes and NumPy mapping."""
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+
+class DataType(enum.IntEnum):
+    """Element type of a tensor; values match ``llaisysDataType_t``."""
+
+    INVALID = 0
+    BYTE = 1
+    BOOL = 2
+    I8 = 3
+    I16 = 4
+    I32 = 5
+    I64 = 6
+    U8 = 7
+    U16 = 8
+    U32 = 9
+    U64 = 10
+    F8 = 11
+    F16 = 12
+    F32 = 13
+    F64 = 14
+    C16 = 15
+    C32 = 16
+    C64 = 17
+    C128 = 18
+    BF16 = 19
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+    @property
+    def numpy(self) -> np.dtype:
+        """The NumPy dtype with the same bytes; raises for types NumPy cannot hold (C16, C32)."""
+        try:
+            return _TO_NUMPY[self]
+        except KeyError:
+            raise TypeError(f"data type {self.name} has no NumPy equivalent") from None
+
+    @property
+    def is_floating(self) -> bool:
+        return self in (DataType.F8, DataType.F16, DataType.F32, DataType.F64, DataType.BF16)
+
+
+MemcpyKind = enum.IntEnum("MemcpyKind", {"H2H": 0, "H2D": 1, "D2H": 2, "D2D": 3})
+MemcpyKind.__doc__ = "Direction of a memory copy; values match ``llaisysMemcpyKind_t``."
+
+_ITEMSIZE = {
+    DataType.INVALID: 0, DataType.BYTE: 1, DataType.BOOL: 1, DataType.I8: 1, DataType.I16: 2,
+    DataType.I32: 4, DataType.I64: 8, DataType.U8: 1, DataType.U16: 2, DataType.U32: 4,
+    DataType.U64: 8, DataType.F8: 1, DataType.F16: 2, DataType.F32: 4, DataType.F64: 8,
+    DataType.C16: 2, DataType.C32: 4, DataType.C64: 8, DataType.C128: 16, DataType.BF16: 2,
+}
+
+_TO_NUMPY = {
+    DataType.BYTE: np.dtype(np.uint8), DataType.BOOL: np.dtype(np.bool_),
+    DataType.I8: np.dtype(np.int8), DataType.I16: np.dtype(np.int16),
+    DataType.I32: np.dtype(np.int32), DataType.I64: np.dtype(np.int64),
+    DataType.U8: np.dtype(np.uint8), DataType.U16: np.dtype(np.uint16),
+    DataType.U32: np.dtype(np.uint32), DataType.U64: np.dtype(np.uint64),
+    DataType.F8: np.dtype(ml_dtypes.float8_e4m3fn), DataType.F16: np.dtype(np.float16),
+    DataType.F32: np.dtype(np.float32), DataType.F64: np.dtype(np.float64),
+    DataType.C64: np.dtype(np.complex64), DataType.C128: np.dtype(np.complex128),
+    DataType.BF16: np.dtype(ml_dtypes.bfloat16),
+}
+
+# uint8 maps back to U8, not BYTE: BYTE is only chosen explicitly.
+_FROM_NUMPY = {v: k for k, v in reversed(list(_TO_NUMPY.items()))}
+
+_BY_NAME = {
+    **{t.name.lower(): t for t in DataType if t is not DataType.INVALID},
+    "float32": DataType.F32, "float": DataType.F32, "float16": DataType.F16, "half": DataType.F16,
+    "bfloat16": DataType.BF16, "float64": DataType.F64, "double": DataType.F64,
+    "int64": DataType.I64, "int32": DataType.I32, "int16": DataType.I16, "int8": DataType.I8,
+    "uint8": DataType.U8, "bool": DataType.BOOL,
+}
+
+
+def as_dtype(value: "DataType | str | np.dtype | type") -> DataType:
+    """Convert a DataType, a name ("f32", "bfloat16") or a NumPy dtype to a DataType."""
+    if isinstance(value, DataType):
+        return value
+    if isinstance(value, str):
+        try:
+            return _BY_NAME[value.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown data type {value!r}; expected one of {sorted(_BY_NAME)}"
+            ) from None
+    try:
+        npd = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"cannot interpret {value!r} as a data type") from None
+    try:
+        return _FROM_NUMPY[npd]
+    except KeyError:
+        raise TypeError(f"NumPy dtype {npd} has no llaisys data type") from None

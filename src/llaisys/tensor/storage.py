@@ -1,0 +1,43 @@
+"""Storage: a block of one device's memory, shared by every tensor view of it."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..runtime.runtime import Runtime
+
+
+class Storage:
+    """``nbytes`` of memory at ``ptr`` on ``runtime``'s device, from its caching allocator.
+
+    Freed back to the allocator when the last tensor using it goes away.
+    """
+
+    __slots__ = ("runtime", "ptr", "nbytes", "__weakref__")
+
+    def __init__(self, runtime: Runtime, nbytes: int):
+        self.runtime = runtime
+        self.nbytes = nbytes
+        self.ptr = runtime.malloc(nbytes)
+
+    @property
+    def device(self):
+        return self.runtime.device
+
+    def host_bytes(self) -> np.ndarray:
+        """The storage as a uint8 NumPy array, without a copy (CPU storage only).
+
+        The array keeps this storage alive.
+        """
+        if not self.runtime.is_cpu:
+            raise TypeError(f"storage on {self.device} is not host-addressable; copy it to the CPU first")
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        raw.owner = self  # the array's base is ``raw``: tie the storage's life to the array
+        return np.frombuffer(raw, dtype=np.uint8)
+
+    def __del__(self) -> None:
+        try:
+            self.runtime.free(self.ptr)
+        except Exception:  # interpreter shutdown: the allocator may be gone
+            pass
