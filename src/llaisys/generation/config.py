@@ -1,0 +1,115 @@
+"""GenerationConfig: the knobs of one generation request, checked when it is built."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def _number(name: str, value: object, *, integer: bool = False) -> None:
+    """Raise TypeError unless ``value`` is a real number (an int when ``integer``); bools are refused."""
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"GenerationConfig.{name} must be {kind}, got {type(value).__name__} {value!r}")
+    if not integer and not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"GenerationConfig.{name} must be finite, got {value!r}")
+
+
+@dataclass(slots=True)
+class GenerationConfig:
+    """How to pick tokens and when to stop.
+
+    temperature == 0 means greedy decoding (argmax after the repetition penalty); the other
+    sampling knobs are then ignored. top_k == 0, top_p == 1 and min_p == 0 switch those
+    filters off; repetition_penalty == 1 switches the penalty off. ``seed`` makes sampling
+    reproducible: each request draws from its own ``numpy.random.Generator(seed)``.
+    Generation stops at any of ``eos_token_ids`` (the model's own are added unless
+    ``ignore_eos``), at the first of ``stop`` strings (not emitted), or after
+    ``max_new_tokens`` tokens.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens_to_keep: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _number("max_new_tokens", self.max_new_tokens, integer=True)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"GenerationConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"GenerationConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _number("top_k", self.top_k, integer=True)
+        if self.top_k < 0:
+            raise ValueError(f"GenerationConfig.top_k must be >= 0 (0 = off), got {self.top_k}")
+        _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"GenerationConfig.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"GenerationConfig.min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"GenerationConfig.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        _number("min_tokens_to_keep", self.min_tokens_to_keep, integer=True)
+        if self.min_tokens_to_keep < 1:
+            raise ValueError(f"GenerationConfig.min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
+        if self.seed is not None:
+            _number("seed", self.seed, integer=True)
+            if self.seed < 0:
+                raise ValueError(f"GenerationConfig.seed must be >= 0 or None, got {self.seed}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"GenerationConfig.stop must hold non-empty strings, got {s!r}")
+        if isinstance(self.eos_token_ids, int):
+            self.eos_token_ids = (self.eos_token_ids,)
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        for t in self.eos_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"GenerationConfig.eos_token_ids must hold token ids >= 0, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are picked by argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> "GenerationConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_defaults(cls, defaults: Mapping[str, Any] | None, **overrides: Any) -> "GenerationConfig":
+        """Build from a model's ``generation_config.json`` values, then ``overrides`` (None = keep).
+
+        Keys this class does not know (pad_token_id, bos_token_id...) are ignored. As in
+        Hugging Face, ``do_sample: false`` in the defaults means greedy.
+        """
+        known = {f.name for f in dataclasses.fields(cls)} - {"eos_token_ids"}
+        values: dict[str, Any] = {}
+        for key, value in (defaults or {}).items():
+            if key in known and value is not None:
+                values[key] = value
+        if defaults is not None and defaults.get("do_sample") is False:
+            values["temperature"] = 0.0
+        for key, value in overrides.items():
+            if key not in known and key != "eos_token_ids":
+                raise TypeError(f"GenerationConfig has no field {key!r}")
+            if value is not None:
+                values[key] = value
+        return cls(**values)

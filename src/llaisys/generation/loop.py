@@ -1,0 +1,161 @@
+"""The generation loop: prefill the prompt, then pick, stream and feed back one token at a time."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from .config import GenerationConfig
+from .detokenizer import IncrementalDetokenizer
+from .prompt_cache import PromptCache
+from .protocol import LanguageModel
+from .results import FinishReason, GenerationResult, StreamEvent, Timings
+from .sampler import Sampler
+from .stopping import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+
+def _context_limit(model: LanguageModel) -> int | None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def encode_prompt(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+    """Token ids (S,) of ``prompt``: text is encoded with the tokenizer's special tokens (BOS),
+    ids are checked against the vocabulary. Raises ValueError for an empty or bad prompt."""
+    if isinstance(prompt, str):
+        ids = list(model.tokenizer.encode(prompt, add_special_tokens=True))
+    elif isinstance(prompt, (np.ndarray, Sequence)) and not isinstance(prompt, (bytes, bytearray)):
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"prompt ids must be a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
+        ids = [int(t) for t in arr]
+    else:
+        raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: give some text or at least one token id")
+    vocab = getattr(model.tokenizer, "vocab_size", None) or getattr(model.config, "vocab_size", None)
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    return ids
+
+
+class GenerationStream:
+    """Iterate for StreamEvents, one per generated token; the last carries the finish reason.
+
+    While and after iterating, ``text``, ``token_ids``, ``finish_reason`` and ``timings`` tell
+    the state so far; ``result()`` runs to the end and returns a GenerationResult.
+    """
+
+    def __init__(self, model: LanguageModel, prompt_ids: list[int], config: GenerationConfig,
+                 prompt_cache: PromptCache | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.prompt_ids = prompt_ids
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.timings = Timings(prompt_tokens=len(prompt_ids))
+        limit = _context_limit(model)
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds {limit}, "
+                             "leaving no room to generate")
+        if prompt_cache is None:
+            want = len(prompt_ids) + config.max_new_tokens
+            prompt_cache = PromptCache(model, min(want, limit) if limit else want)
+        elif len(prompt_ids) >= prompt_cache.max_tokens:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the cache holds {prompt_cache.max_tokens}")
+        self.prompt_cache = prompt_cache
+        self._events = self._run()
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stop early; the cache keeps what was run so far."""
+        self._events.close()
+
+    def result(self) -> GenerationResult:
+        """Run to the end (if not there yet) and return the whole result."""
+        for _ in self:
+            pass
+        assert self.finish_reason is not None
+        return GenerationResult(self.text, list(self.token_ids), self.finish_reason,
+                                len(self.prompt_ids), self.timings)
+
+    def _forward(self, ids: list[int]) -> np.ndarray:
+        logits = self.model.forward(ids, self.prompt_cache.cache)  # (V,)
+        self.prompt_cache.token_ids.extend(ids)
+        return logits
+
+    def _run(self) -> Iterator[StreamEvent]:
+        cfg, tok = self.config, self.model.tokenizer
+        t0 = time.perf_counter()
+        sampler = Sampler(cfg)
+        eos = set() if cfg.ignore_eos else {*cfg.eos_token_ids, *self.model.eos_token_ids}
+        detok = IncrementalDetokenizer(tok, self.prompt_ids, skip_special_tokens=cfg.skip_special_tokens)
+        stops = StopStringMatcher(cfg.stop)
+        context = list(self.prompt_ids)  # every id so far, for the repetition penalty
+
+        cached = self.prompt_cache.reuse(self.prompt_ids)
+        self.timings.cached_tokens = cached
+        logits = self._forward(self.prompt_ids[cached:])  # (V,)
+        t_prefill = time.perf_counter()
+        self.timings.prefill_s = t_prefill - t0
+        t_first = t_prefill
+        room = self.prompt_cache.max_tokens - len(self.prompt_cache.token_ids)
+        limit = min(cfg.max_new_tokens, room + 1)  # the last token picked is never run
+        for step in range(limit):
+            token = sampler(logits, context)
+            now = time.perf_counter()
+            if step == 0:
+                t_first = now
+                self.timings.ttft_s = now - t0
+            self.timings.decode_s = now - t_first
+            self.token_ids.append(token)
+            context.append(token)
+            self.timings.generated_tokens = len(self.token_ids)
+            finish: FinishReason | None = None
+            if token in eos:
+                delta = stops.push(detok.flush())
+                finish = "stop"
+            else:
+                delta = stops.push(detok.push(token))
+                if stops.stopped:
+                    finish = "stop"
+                elif step == limit - 1:
+                    delta += stops.push(detok.flush())
+                    finish = "stop" if stops.stopped else "length"
+            if finish is not None and not stops.stopped:
+                delta += stops.flush()
+            self.text += delta
+            if finish is not None:
+                self.finish_reason = finish
+                self.timings.total_s = time.perf_counter() - t0
+                logger.debug("finished (%s): %s", finish, self.timings)
+            yield StreamEvent(delta, token, finish)
+            if finish is not None:
+                return
+            logits = self._forward([token])
+
+
+def stream(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,
+           config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None) -> GenerationStream:
+    """Generate from ``prompt`` (text, or token ids (S,)) and stream it: iterate the returned
+    GenerationStream for StreamEvents. ``prompt_cache`` lets consecutive calls share the KV of
+    a common prompt prefix. Text prompts are encoded with the tokenizer's special tokens."""
+    return GenerationStream(model, encode_prompt(model, prompt), config or GenerationConfig(), prompt_cache)
+
+
+def generate(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,
+             config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None) -> GenerationResult:
+    """Generate from ``prompt`` (text, or token ids (S,)) to the end; returns the text, the
+    generated ids, the finish reason ("stop" or "length"), the prompt length and timings."""
+    return stream(model, prompt, config, prompt_cache=prompt_cache).result()

@@ -1,0 +1,62 @@
+"""What generation hands back: stream events, the final result and its timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(slots=True)
+class Timings:
+    """Where the time of one request went, in seconds (perf_counter)."""
+
+    prompt_tokens: int = 0  # tokens in the prompt
+    cached_tokens: int = 0  # of those, reused from a cache and not run again
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # running the prompt's uncached tokens up to the first logits
+    ttft_s: float = 0.0  # request start to the first token picked (prefill and sampling included)
+    decode_s: float = 0.0  # first token picked to the last token picked
+    total_s: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Uncached prompt tokens run per second of prefill (0 when nothing ran)."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first one (each needs one forward step)."""
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain numbers, rates included (for JSON and logs)."""
+        return {
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated_tokens, "prefill_s": self.prefill_s, "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s, "total_s": self.total_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class StreamEvent:
+    """One generated token: the text it releases (may be "" while held back), its id, and the
+    finish reason on the last event ("stop": eos or stop string; "length": token limit)."""
+
+    text_delta: str
+    token_id: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished request. ``text`` excludes the stop string; ``token_ids`` are all tokens picked,
+    the eos token that ended it included (as Hugging Face's generate returns them)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    timings: Timings = field(default_factory=Timings)
