@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ def register_device_type(name: str) -> DeviceType:
     with _types_lock:
         if key in _types_by_name:
             raise ValueError(f"device type {key!r} is already registered")
-        dt = DeviceType(key, len(_types_by_name))
+        # max + 1, not len: ids stay unique after a plugin's type is removed again
+        dt = DeviceType(key, max((t.id for t in _types_by_name.values()), default=-1) + 1)
         _types_by_name[key] = dt
         return dt
 
@@ -55,13 +57,27 @@ def device_types() -> list[DeviceType]:
     return sorted(_types_by_name.values(), key=lambda t: t.id)
 
 
+_resolvers: list[Callable[[str], None]] = []
+
+
+def add_device_type_resolver(resolver: Callable[[str], None]) -> None:
+    """Call ``resolver(name)`` when an unknown device type is asked for, before giving up; it
+    may register the type (the plugin loader does, from ``LLAISYS_PLUGIN_PATH``)."""
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
 def lookup_device_type(name: str) -> DeviceType:
     """The device type called ``name``; the error lists the known ones."""
-    try:
-        return _types_by_name[name.lower()]
-    except KeyError:
+    found = _types_by_name.get(name.lower())
+    if found is None and _resolvers:
+        for resolver in list(_resolvers):
+            resolver(name)
+        found = _types_by_name.get(name.lower())
+    if found is None:
         known = ", ".join(t.name for t in device_types())
-        raise ValueError(f"unknown device type {name!r}; known device types: {known}") from None
+        raise ValueError(f"unknown device type {name!r}; known device types: {known}")
+    return found
 
 
 DeviceType.CPU = register_device_type("cpu")  # id 0
