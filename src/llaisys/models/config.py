@@ -1,0 +1,142 @@
+"""The model configuration shared by both file formats, with Hugging Face field names."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ModelLoadError
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen2/Llama decoder. Field names follow ``config.json``."""
+
+    architecture: str  # "llama" | "qwen2" (config.json: model_type)
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # I, the MLP width
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int = 0  # KH; 0 means H (no grouping)
+    head_dim: int = 0  # Dh; 0 means D // H
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on the q/k/v projections
+    attention_out_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim == 0 and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        elif self.eos_token_id is None:
+            self.eos_token_id = []
+        else:
+            self.eos_token_id = [int(i) for i in self.eos_token_id]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """A config from ``values``, ignoring keys that are not fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def validate(self, source: str) -> "ModelConfig":
+        """Check the values describe a model we can run; raises ModelLoadError naming ``source``."""
+        if self.architecture not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {self.architecture!r}; expected one of {', '.join(ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
+        return self
+
+
+def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
+    """rope_theta from either the flat key or ``rope_parameters``/``rope_scaling`` (transformers 5)."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for table in (params, scaling):
+        if not isinstance(table, Mapping):
+            raise ModelLoadError(f"{source}: rope_parameters/rope_scaling must be an object, got {table!r}")
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind != "default":
+            raise ModelLoadError(f"{source}: rope type {kind!r} is not supported; expected 'default' (plain rotary embeddings)")
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    return theta
+
+
+def config_from_hf(raw: Any, source: str) -> ModelConfig:
+    """The config of a Hugging Face ``config.json`` already parsed into ``raw``."""
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    arch = raw.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{source}: unsupported model_type {arch!r}; expected one of {', '.join(ARCHITECTURES)}"
+        )
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+               if k not in raw]
+    if missing:
+        raise ModelLoadError(f"{source}: missing required key(s) {', '.join(missing)}")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported; expected MLP projections without bias")
+    if raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: use_sliding_window=true is not supported; expected full attention")
+    values = dict(raw)
+    values["architecture"] = arch
+    values["rope_theta"] = _rope_theta(raw, source)
+    if arch == "qwen2":  # Qwen2 always has q/k/v biases and none on the output projection
+        values["attention_bias"], values["attention_out_bias"] = True, False
+    else:
+        bias = bool(raw.get("attention_bias", False))
+        values["attention_bias"], values["attention_out_bias"] = bias, bias
+    for key in ("num_key_value_heads", "head_dim"):
+        if values.get(key) is None:
+            values[key] = 0
+    try:
+        config = ModelConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: bad value in config: {exc}") from exc
+    return config.validate(source)
+
+
+def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
+    """Read and check a ``config.json``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file; a model folder needs a config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    return config_from_hf(raw, path)

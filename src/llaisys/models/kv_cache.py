@@ -1,0 +1,47 @@
+"""The key/value cache: per layer, keys and values of every token seen, preallocated in the
+model's device memory."""
+from __future__ import annotations
+
+from ..runtime.device import Device
+from ..runtime.dtypes import DataType
+from ..tensor import Tensor
+
+
+class KVCache:
+    """Keys and values for up to ``max_tokens`` positions of each of ``num_layers`` layers.
+
+    ``length`` tokens are held; a forward pass writes the next ones at ``length`` onwards.
+    """
+
+    def __init__(self, num_layers: int, max_tokens: int, kv_heads: int, head_dim: int,
+                 dtype: DataType, device: Device):
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.length = 0
+        self.spec = (num_layers, kv_heads, head_dim, dtype, device)
+        # Never zeroed: positions at or past ``length`` are always written before they are read.
+        self.k = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
+        self.v = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
+        self.k_layers = [self.k.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
+        self.v_layers = [self.v.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
+
+    def reset(self) -> None:
+        """Forget every token."""
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (to reuse a shared prompt prefix)."""
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.length:
+            raise ValueError(f"truncate: length must be an integer in [0, {self.length}], got {length!r}")
+        self.length = length
+
+    @property
+    def free(self) -> int:
+        """Positions still available."""
+        return self.max_tokens - self.length
+
+    def __repr__(self) -> str:
+        layers, kh, dh, dtype, device = self.spec
+        return (f"KVCache(length={self.length}, max_tokens={self.max_tokens}, layers={layers}, "
+                f"kv_heads={kh}, head_dim={dh}, dtype={dtype.name}, device={device})")

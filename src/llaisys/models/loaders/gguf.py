@@ -1,0 +1,198 @@
+"""Reading GGUF files (llama.cpp's format) with the ``gguf`` package.
+
+Metadata becomes a ModelConfig and tokenizer fields; tensors are dequantized with
+``gguf.quants.dequantize``. Llama-architecture files store the q/k projection rows in the
+order of an interleaved rope; ``unpermute_rows`` restores the halves order our rope uses.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from ..config import ARCHITECTURES, ModelConfig
+from ..errors import ModelLoadError
+from ..weights import GGUF_NAMES, WeightSource, check_weights, map_names, sanitize
+
+log = logging.getLogger(__name__)
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+# "{arch}.<key>" metadata -> ModelConfig field.
+GGUF_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+REQUIRED_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count")
+
+
+class _Reader(GGUFReader):
+    """GGUFReader over a plain ndarray view of the memory map (the ``np.memmap`` subclass makes
+    each of the reader's many small slices slow), checking each tensor's extent first so a
+    truncated file is reported with the tensor that runs past its end."""
+
+    def __init__(self, path: str):
+        self._path = path
+        super().__init__(path, "r")
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self._plain)
+        for f in fields:
+            name = bytes(f.parts[1]).decode("utf-8", "replace")
+            raw_type = int(f.parts[4][0])
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise ModelLoadError(
+                    f"{self._path}: tensor {name!r} has unknown type id {raw_type}; "
+                    f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            end = start_offs + int(f.parts[5][0]) + math.prod(int(d) for d in f.parts[3]) * type_size // block
+            if end > size:
+                raise ModelLoadError(
+                    f"{self._path}: file is truncated: tensor {name!r} needs bytes up to {end} but the file has {size}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A GGUFReader for ``path``; a file it cannot parse is a ModelLoadError naming it."""
+    try:
+        return _Reader(path)
+    except ModelLoadError:
+        raise
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every metadata key with its value (strings decoded, arrays as lists)."""
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, GGUF interleaves the two rope halves row
+    by row (x0, y0, x1, y1, ...); ours keeps them as halves (x0, x1, ..., y0, y1, ...).
+
+    w: (n_heads * Dh, ...) rows of one projection (weight or bias). Returns the same shape.
+    """
+    dh = w.shape[0] // n_heads
+    return w.reshape(n_heads, dh // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # (n_heads*Dh, ...)
+
+
+def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
+    missing = [f"{arch}.{k}" for k in REQUIRED_KEYS if f"{arch}.{k}" not in meta]
+    if missing:
+        raise ModelLoadError(f"{path}: missing metadata key(s) {', '.join(missing)}")
+    values: dict[str, Any] = {"architecture": arch}
+    for key, name in GGUF_CONFIG_KEYS.items():
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, list):
+            raise ModelLoadError(f"{path}: {arch}.{key} holds per-layer values {value[:4]}...; expected one number")
+        if value is not None:
+            values[name] = value
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none'")
+    if "vocab_size" not in values:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        values["vocab_size"] = len(tokens) if tokens else int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+    values["tie_word_embeddings"] = "output.weight" not in tensors
+    if arch == "qwen2":
+        values["attention_bias"], values["attention_out_bias"] = True, False
+    else:
+        values["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        values["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    values["eos_token_id"] = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    config = ModelConfig.from_dict(values).validate(path)
+    rope_dim = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and rope_dim != config.head_dim:
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of each head; expected the whole head_dim={config.head_dim}"
+        )
+    return config
+
+
+def _reader_fn(t: Any, shape: tuple[int, ...], path: str, fix: Callable[[np.ndarray], np.ndarray] | None):
+    def read() -> np.ndarray:
+        if t.tensor_type in (Q.F32, Q.F16):
+            arr = t.data.reshape(shape)
+        elif t.tensor_type == Q.BF16:
+            arr = t.data.view(np.uint8).reshape(-1).view(ml_dtypes.bfloat16).reshape(shape)
+        else:
+            arr = dequantize(t.data, t.tensor_type)
+        if arr.shape != shape:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} decoded to shape {arr.shape}; expected {shape}")
+        return fix(arr) if fix is not None else arr
+    return read
+
+
+@dataclass
+class GGUFContents:
+    """What a GGUF file holds, checked: config, weights by our name, metadata, tensor types."""
+
+    config: ModelConfig
+    weights: dict[str, WeightSource]
+    meta: dict[str, Any]
+    tensor_types: dict[str, int] = field(default_factory=dict)  # type name -> count
+    reader: GGUFReader | None = None  # keeps the memory map alive while weights are read
+
+
+def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
+    """Parse a GGUF file: config from metadata and strict, checked weight sources."""
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(meta, tensors, path)
+    types = collections.Counter(t.tensor_type.name for t in reader.tensors)
+    sources: dict[str, WeightSource] = {}
+    for name, t in tensors.items():
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has type {t.tensor_type.name}; supported: "
+                f"{', '.join(q.name for q in SUPPORTED_TYPES)}"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
+        fix = None
+        if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            fix = lambda a, h=heads: unpermute_rows(a, h)  # noqa: E731
+        sources[name] = WeightSource(path, name, shape, t.tensor_type.name, _reader_fn(t, shape, path, fix))
+    weights = sanitize(map_names(sources, GGUF_NAMES, path), config)
+    check_weights(weights, config, GGUF_NAMES, path)
+    return GGUFContents(config, weights, meta, dict(types), reader)

@@ -1,0 +1,96 @@
+"""Reading Hugging Face model folders: ``config.json`` and single or sharded safetensors."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from ..config import ModelConfig, read_hf_config
+from ..errors import ModelLoadError
+from ..weights import HF_NAMES, WeightSource, check_weights, map_names, sanitize
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16")
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def safetensors_files(folder: Path) -> dict[Path, list[str] | None]:
+    """The weight files of ``folder``: each with the tensor names the index assigns it (None
+    for a single unindexed file)."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> file ({exc})") from exc
+        files: dict[Path, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(folder / file, []).append(name)  # type: ignore[union-attr]
+        for path in files:
+            if not path.is_file():
+                raise ModelLoadError(f"{index}: lists {path.name!r}, which is not in {folder}")
+        return files
+    single = folder / SINGLE_NAME
+    if single.is_file():
+        return {single: None}
+    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    if len(found) == 1:
+        return {folder / found[0]: None}
+    raise ModelLoadError(
+        f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}"
+        + (f" (found {', '.join(found)} without an index)" if found else "")
+    )
+
+
+def _open(path: Path, stack: contextlib.ExitStack):
+    try:
+        return stack.enter_context(safe_open(os.fspath(path), framework="numpy"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def _reader(handle, path: Path, name: str, shape: tuple[int, ...]):
+    def read():
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, TypeError) as exc:
+            raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+    return read
+
+
+def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -> tuple[ModelConfig, dict[str, WeightSource]]:
+    """The config and the checked weights (ours -> source) of a Hugging Face model folder.
+
+    Files stay memory-mapped, held open by ``stack``, until the caller closes it.
+    """
+    folder = Path(folder)
+    config = read_hf_config(folder / "config.json")
+    sources: dict[str, WeightSource] = {}
+    where: dict[str, Path] = {}
+    for path, listed in safetensors_files(folder).items():
+        handle = _open(path, stack)
+        names = list(handle.keys())
+        if listed is not None and set(listed) - set(names):
+            missing = sorted(set(listed) - set(names))[0]
+            raise ModelLoadError(f"{path}: missing tensor {missing!r}, which {INDEX_NAME} places in this file")
+        for name in names:
+            if name in sources:
+                raise ModelLoadError(f"{path}: tensor {name!r} is also in {where[name]}")
+            sl = handle.get_slice(name)
+            kind = sl.get_dtype()
+            if kind not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}"
+                )
+            shape = tuple(int(d) for d in sl.get_shape())
+            sources[name] = WeightSource(str(path), name, shape, kind, _reader(handle, path, name, shape))
+            where[name] = path
+    label = str(folder)
+    weights = sanitize(map_names(sources, HF_NAMES, label), config)
+    check_weights(weights, config, HF_NAMES, label)
+    return config, weights

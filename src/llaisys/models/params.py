@@ -1,0 +1,116 @@
+"""Weights as llaisys tensors on the model's device, fused where that saves ops per token:
+q/k/v stacked into one projection, gate/up into another."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..runtime.device import Device
+from ..runtime.dtypes import DataType
+from ..tensor import Tensor
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .weights import WeightSource
+
+
+@dataclass(slots=True)
+class LayerParams:
+    """One decoder layer's weights. Dq = H*Dh, Dkv = KH*Dh."""
+
+    attn_norm: Tensor  # (D,)
+    qkv: Tensor  # (Dq + 2*Dkv, D): rows of q, then k, then v
+    qkv_bias: Tensor | None  # (Dq + 2*Dkv,)
+    o: Tensor  # (D, Dq)
+    o_bias: Tensor | None  # (D,)
+    ffn_norm: Tensor  # (D,)
+    gate_up: Tensor  # (2*I, D): rows of gate, then up
+    down: Tensor  # (D, I)
+
+
+@dataclass(slots=True)
+class DecoderParams:
+    """All weights of a decoder."""
+
+    embed: Tensor  # (V, D)
+    norm: Tensor  # (D,)
+    lm_head: Tensor  # (V, D); the very tensor ``embed`` when the embeddings are tied
+    layers: list[LayerParams]
+
+
+class Progress:
+    """A progress line on stderr (``loading NAME: 12/272 tensors``), redrawn at most 10 times a second."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.done, self._last, self._start = 0, 0.0, time.perf_counter()
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+            self._last = now
+            sys.stderr.write(f"\rloading {self.label}: {self.done}/{self.total} tensors")
+            sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\rloading {self.label}: {self.total}/{self.total} tensors in "
+                             f"{time.perf_counter() - self._start:.1f} s\n")
+            sys.stderr.flush()
+
+
+class _Builder:
+    def __init__(self, weights: Mapping[str, WeightSource], dtype: DataType, device: Device, progress: Progress):
+        self.weights, self.dtype, self.device, self.progress = weights, dtype, device, progress
+
+    def _read(self, name: str) -> np.ndarray:
+        src = self.weights[name]
+        arr = src.read()
+        if arr.shape != src.shape:
+            raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} holds shape {arr.shape}; expected {src.shape}")
+        self.progress.step()
+        return arr
+
+    def one(self, name: str) -> Tensor:
+        arr = self._read(name)
+        return Tensor.empty(arr.shape, self.dtype, self.device).load(arr)
+
+    def maybe(self, name: str) -> Tensor | None:
+        return self.one(name) if name in self.weights else None
+
+    def stacked(self, names: Sequence[str]) -> Tensor:
+        """The named tensors stacked along dim 0, each read straight into its rows."""
+        shapes = [self.weights[n].shape for n in names]
+        rows = sum(s[0] for s in shapes)
+        out = Tensor.empty((rows, *shapes[0][1:]), self.dtype, self.device)
+        start = 0
+        for name, shape in zip(names, shapes):
+            out.slice(0, start, start + shape[0]).load(self._read(name))
+            start += shape[0]
+        return out
+
+
+def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype: DataType,
+                 device: Device, progress: Progress) -> DecoderParams:
+    """Read every weight into a tensor of ``dtype`` on ``device``, fusing q/k/v and gate/up."""
+    b = _Builder(weights, dtype, device, progress)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        layers.append(LayerParams(
+            attn_norm=b.one(p + "attn_norm"),
+            qkv=b.stacked([p + "q", p + "k", p + "v"]),
+            qkv_bias=b.stacked([p + "q_bias", p + "k_bias", p + "v_bias"]) if config.attention_bias else None,
+            o=b.one(p + "o"),
+            o_bias=b.maybe(p + "o_bias"),
+            ffn_norm=b.one(p + "ffn_norm"),
+            gate_up=b.stacked([p + "gate", p + "up"]),
+            down=b.one(p + "down"),
+        ))
+    embed = b.one("embed")
+    lm_head = embed if config.tie_word_embeddings else b.one("lm_head")
+    return DecoderParams(embed=embed, norm=b.one("norm"), lm_head=lm_head, layers=layers)

@@ -1,0 +1,290 @@
+"""The tokenizer: a ``tokenizers.Tokenizer`` from a model folder's ``tokenizer.json`` or built
+from a GGUF file's ``tokenizer.ggml.*`` metadata, plus special token ids and chat template."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from .chat_template import render_chat
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGITS = "digits"  # each digit alone, then the GPT-2 split (llama.cpp: "\p{N}" before the GPT-2 regex)
+_GPT2 = "gpt2"  # the GPT-2 split built into ByteLevel
+
+# tokenizer.ggml.pre -> how text is split before byte-level BPE (names as llama.cpp writes them)
+PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _DIGITS),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are written in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special tokens and chat template."""
+
+    def __init__(self, backend: _Backend, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
+                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()):
+        self.backend = backend
+        self.missing: str | None = None  # why there is no vocabulary, for a model folder without one
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        ids = [backend.token_to_id(t) for t in eos_tokens]
+        self.eos_token_ids: list[int] = list(dict.fromkeys([i for i in ids if i is not None] + list(extra_eos_ids)))
+        self.eos_token = backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        self.chat_template = chat_template
+
+    @classmethod
+    def unavailable(cls, reason: str, vocab_size: int) -> "Tokenizer":
+        """A stand-in for a model without a tokenizer: ids still work, text raises ``reason``."""
+        tok = cls(_Backend(models.BPE()))
+        tok.vocab_size, tok.missing = vocab_size, reason
+        return tok
+
+    def _require(self) -> None:
+        if self.missing is not None:
+            raise ValueError(self.missing)
+
+    # ---- text <-> ids ------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it are recognised. With
+        ``add_special_tokens`` the tokenizer's own additions (a BOS, for some models) are made."""
+        self._require()
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: "Sequence[int] | np.ndarray", skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens left out when ``skip_special_tokens``."""
+        self._require()
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"decode: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text for ``messages`` (dicts with "role" and "content") rendered with the
+        model's chat template; ``add_generation_prompt`` appends the assistant turn opener."""
+        self._require()
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; give a plain prompt instead of chat messages")
+        variables.setdefault("bos_token", self.bos_token or "")
+        variables.setdefault("eos_token", self.eos_token or "")
+        return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_ids})"
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, folder: "str | os.PathLike[str]") -> "Tokenizer":
+        """From a Hugging Face folder: ``tokenizer.json`` plus ``tokenizer_config.json`` (special
+        tokens, chat template) and ``chat_template.jinja`` when present."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        try:
+            backend = _Backend.from_file(os.fspath(path))
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: no such file; a model folder needs a tokenizer.json") from None
+        except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+            raise ModelLoadError(f"{path}: not a readable tokenizer ({exc})") from exc
+        cfg = _read_json(folder / "tokenizer_config.json")
+        template = _folder_chat_template(folder, cfg)
+        eos = _token_content(cfg.get("eos_token"))
+        return cls(backend, bos_token=_token_content(cfg.get("bos_token")), eos_tokens=[eos] if eos else [],
+                   chat_template=template)
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], source: str) -> "Tokenizer":
+        """From a GGUF file's ``tokenizer.ggml.*`` metadata and ``tokenizer.chat_template``."""
+        kind = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens; the file carries no tokenizer")
+        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(meta, tokens, source)
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(meta, tokens, types, source)
+        else:
+            raise ModelLoadError(f"{source}: tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' or 'llama'")
+        _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+
+        def token(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            if i is None:
+                return None
+            if not 0 <= i < len(tokens):
+                raise ModelLoadError(f"{source}: tokenizer.ggml.{key}={i} is outside the {len(tokens)} tokens")
+            return tokens[i]
+
+        bos = token("bos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        eos_tokens = [t for t in (token("eos_token_id"), token("eot_token_id"), token("eom_token_id")) if t]
+        _set_post_processor(backend, bos if add_bos else None, eos_tokens[0] if add_eos and eos_tokens else None)
+        return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _folder_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = cfg.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str) -> _Backend:
+    """BPE over GPT-2 byte characters, split first as ``tokenizer.ggml.pre`` says."""
+    spell = byte_alphabet()
+    alphabet = set(spell.values())
+    # Files spell tokens in the byte alphabet; a token using other characters is respelled from its UTF-8 bytes.
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.merges holds an entry without a space between its two parts")
+    backend = _Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        log.warning("%s: unknown tokenizer.ggml.pre %r; splitting text as GPT-2 does", source, pre)
+        split = _GPT2
+    if split == _GPT2:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == _DIGITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int], source: str) -> _Backend:
+    """SentencePiece-style BPE ("▁" for spaces, byte tokens <0xNN> as fallback)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    raw_merges = meta.get("tokenizer.ggml.merges")
+    if raw_merges:
+        merges = [tuple(m.split(" ", 1)) for m in raw_merges]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if not scores or len(scores) != len(tokens):
+            raise ModelLoadError(f"{source}: a 'llama' tokenizer needs tokenizer.ggml.merges or one score per token")
+        merges = _merges_from_scores(tokens, scores, types)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = _Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        *([decoders.Strip(" ", 1, 0)] if prepend == "first" else []),
+    ])
+    return backend
+
+
+def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
+    """Merges a SentencePiece vocabulary implies: every split of a normal token into two
+    tokens, best-scored merged token first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[float, int, int, str, str]] = []
+    for token, score, kind in zip(tokens, scores, types):
+        if kind != NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def _add_special_tokens(backend: _Backend, tokens: Sequence[str], types: Sequence[int], byte_level: bool) -> None:
+    """Control tokens (``<|im_end|>``) become special added tokens, user-defined ones plain added
+    tokens, so text containing them keeps them whole."""
+    alphabet = set(byte_alphabet().values()) if byte_level else None
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+               # a control token outside the byte alphabet is a converter mislabel; it is not a real token
+               if k == CONTROL and (alphabet is None or set(t) <= alphabet)]
+    if not byte_level:
+        control += [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == UNKNOWN]
+    if control:
+        backend.add_special_tokens(control)
+    vocab = backend.get_vocab(with_added_tokens=False)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens(user)
+
+
+def _set_post_processor(backend: _Backend, bos: str | None, eos: str | None) -> None:
+    if bos is None and eos is None:
+        return
+    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
+    pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+    special = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -1,0 +1,178 @@
+"""Weight names: one table per file format mapping file names to ours, the shapes a config
+implies, strict checking, and the one fix-up step (``sanitize``).
+
+Our names: ``embed`` (V, D), ``norm`` (D,), ``lm_head`` (V, D) and per layer ``layers.{i}.X``
+with X in attn_norm (D,), q (H*Dh, D), k (KH*Dh, D), v (KH*Dh, D), q_bias/k_bias/v_bias,
+o (D, H*Dh), o_bias (D,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+# Hugging Face (safetensors) names -> ours.
+HF_GLOBAL = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+HF_LAYER_PREFIX = "model.layers.{i}."
+HF_LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.o_proj.bias": "o_bias",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+# Buffers some checkpoints carry that the model recomputes.
+HF_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+# GGUF (llama.cpp) names -> ours.
+GGUF_GLOBAL = {
+    "token_embd.weight": "embed",
+    "output_norm.weight": "norm",
+    "output.weight": "lm_head",
+}
+GGUF_LAYER_PREFIX = "blk.{i}."
+GGUF_LAYER = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o",
+    "attn_output.bias": "o_bias",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+GGUF_IGNORED = re.compile(r"^rope_freqs\.weight$")
+
+
+@dataclass(frozen=True)
+class NameTable:
+    """How one file format names the weights."""
+
+    globals: Mapping[str, str]
+    layer_prefix: str  # with "{i}" for the layer index
+    layer: Mapping[str, str]
+    ignored: re.Pattern
+
+    def to_ours(self, name: str) -> str | None:
+        """Our name for the file's ``name``; None when the table does not know it."""
+        if name in self.globals:
+            return self.globals[name]
+        head, _, tail = self.layer_prefix.partition("{i}")
+        if name.startswith(head):
+            index, dot, rest = name[len(head):].partition(".")
+            if dot and index.isdigit() and tail == "." and rest in self.layer:
+                return f"layers.{int(index)}.{self.layer[rest]}"
+        return None
+
+    def to_file(self, ours: str) -> str:
+        """The file's name for our name ``ours``."""
+        for file_name, name in self.globals.items():
+            if name == ours:
+                return file_name
+        _, index, short = ours.split(".", 2)
+        for file_name, name in self.layer.items():
+            if name == short:
+                return self.layer_prefix.format(i=index) + file_name
+        raise KeyError(ours)
+
+
+HF_NAMES = NameTable(HF_GLOBAL, HF_LAYER_PREFIX, HF_LAYER, HF_IGNORED)
+GGUF_NAMES = NameTable(GGUF_GLOBAL, GGUF_LAYER_PREFIX, GGUF_LAYER, GGUF_IGNORED)
+
+
+@dataclass
+class WeightSource:
+    """One tensor of a file, read on demand."""
+
+    file: str  # the file holding it, for messages
+    file_name: str  # its name in that file, for messages
+    shape: tuple[int, ...]  # logical (NumPy order) shape
+    kind: str  # the stored type: "F32", "BF16", "Q4_1", ...
+    read: Callable[[], np.ndarray]  # the values as a float array of ``shape``
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the config implies, by our name, with its shape."""
+    d, dh, i = config.hidden_size, config.head_dim, config.intermediate_size
+    nq, nkv = config.num_attention_heads * dh, config.num_key_value_heads * dh
+    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, d), "norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, d)
+    for layer in range(config.num_hidden_layers):
+        p = f"layers.{layer}."
+        shapes.update({
+            p + "attn_norm": (d,), p + "q": (nq, d), p + "k": (nkv, d), p + "v": (nkv, d),
+            p + "o": (d, nq), p + "ffn_norm": (d,), p + "gate": (i, d), p + "up": (i, d), p + "down": (d, i),
+        })
+        if config.attention_bias:
+            shapes.update({p + "q_bias": (nq,), p + "k_bias": (nkv,), p + "v_bias": (nkv,)})
+        if config.attention_out_bias:
+            shapes[p + "o_bias"] = (d,)
+    return shapes
+
+
+def map_names(file_tensors: Mapping[str, WeightSource], table: NameTable, source: str) -> dict[str, WeightSource]:
+    """Rename a file's tensors to ours; a name the table does not know is an error naming it."""
+    out: dict[str, WeightSource] = {}
+    for name, src in file_tensors.items():
+        ours = table.to_ours(name)
+        if ours is None:
+            if table.ignored.match(name):
+                continue
+            raise ModelLoadError(f"{src.file}: unexpected tensor {name!r}; it is not part of a Qwen2/Llama decoder")
+        out[ours] = src
+    return out
+
+
+def sanitize(weights: dict[str, WeightSource], config: ModelConfig) -> dict[str, WeightSource]:
+    """The one fix-up step: a tied model uses ``embed`` as its head, so a stored copy of the
+    head (some checkpoints keep one) is dropped rather than loaded twice."""
+    if config.tie_word_embeddings:
+        weights.pop("lm_head", None)
+    return weights
+
+
+def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str) -> None:
+    """Strict loading: every expected tensor present with its shape, nothing else.
+
+    Raises ModelLoadError naming the file and the tensor (by its name in the file).
+    """
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        names = ", ".join(repr(table.to_file(n)) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{source}: missing tensor {names}{more}")
+    for name, src in weights.items():
+        if name not in expected:
+            raise ModelLoadError(
+                f"{src.file}: unexpected tensor {src.file_name!r}; the config "
+                f"({config.architecture}, attention_bias={config.attention_bias}, "
+                f"tie_word_embeddings={config.tie_word_embeddings}) has no use for it"
+            )
+        if tuple(src.shape) != expected[name]:
+            raise ModelLoadError(
+                f"{src.file}: tensor {src.file_name!r} has shape {tuple(src.shape)}; expected {expected[name]} from the config"
+            )
