@@ -3,6 +3,7 @@ from .runtime import (DataType, Device, DeviceType, MemcpyKind, current_device, 
                       set_device, synchronize)
 from .tensor import Tensor
 from . import ops
+from .plugins import load_plugin, load_plugins_from_env  # light: the loader is imported on first use
 
 empty = Tensor.empty
 zeros = Tensor.zeros
