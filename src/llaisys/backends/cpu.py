@@ -9,6 +9,7 @@ import ctypes
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -62,24 +63,31 @@ class CpuStream:
             return self._pending == 0
 
     def close(self) -> None:
-        self.synchronize()
-        self._tasks.put(None)
-        self._thread.join()
+        try:
+            self.synchronize()
+        finally:
+            self._tasks.put(None)
+            self._thread.join()
 
 
 class CpuEvent:
-    """Complete when the stream it was recorded on has run everything queued before it."""
+    """Complete when the stream it was recorded on has run everything queued before it.
+
+    Each record starts a new flag, so a wait queued earlier waits for the record it saw
+    (as with CUDA events), not for a later one.
+    """
 
     def __init__(self) -> None:
-        self._done = threading.Event()
-        self._done.set()  # a never-recorded event counts as complete, as in CUDA
+        self.done = threading.Event()
+        self.done.set()  # a never-recorded event counts as complete, as in CUDA
 
     def record(self, stream: CpuStream | None) -> None:
-        self._done.clear()
+        done = threading.Event()
         if stream is None:
-            self._done.set()
+            done.set()
         else:
-            stream.submit(self._done.set)
+            stream.submit(done.set)
+        self.done = done
 
 
 class CpuBackend(DeviceBackend):
@@ -90,16 +98,24 @@ class CpuBackend(DeviceBackend):
     def __init__(self) -> None:
         self._buffers: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._streams: "weakref.WeakSet[CpuStream]" = weakref.WeakSet()
 
     def device_count(self) -> int:
         return 1
 
     def synchronize_device(self, index: int) -> None:
-        pass  # kernels run synchronously; streams are synchronised one by one
+        # Kernels run synchronously on the calling thread; only stream work can be pending.
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.synchronize()
 
     # ---- streams and events ------------------------------------------------------------
     def create_stream(self, index: int) -> CpuStream:
-        return CpuStream()
+        stream = CpuStream()
+        with self._lock:
+            self._streams.add(stream)
+        return stream
 
     def destroy_stream(self, index: int, stream: CpuStream | None) -> None:
         if stream is not None:
@@ -125,16 +141,16 @@ class CpuBackend(DeviceBackend):
         event.record(stream)
 
     def query_event(self, index: int, event: CpuEvent) -> bool:
-        return event._done.is_set()
+        return event.done.is_set()
 
     def synchronize_event(self, index: int, event: CpuEvent) -> None:
-        event._done.wait()
+        event.done.wait()
 
     def stream_wait_event(self, index: int, stream: CpuStream | None, event: CpuEvent) -> None:
         if stream is None:
-            event._done.wait()
+            event.done.wait()
         else:
-            stream.submit(event._done.wait)
+            stream.submit(event.done.wait)
 
     # ---- memory ------------------------------------------------------------------------
     def allocate(self, index: int, nbytes: int) -> int:

@@ -10,33 +10,37 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .errors import OutOfMemoryError
 from .interface import AllocatorSizes
 
 
-@dataclass(eq=False)
-class _Block:
-    chunk: "_Chunk"
-    offset: int
-    size: int
-    free: bool = True
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
-
-    @property
-    def ptr(self) -> int:
-        return self.chunk.ptr + self.offset
-
-
-@dataclass(eq=False)
 class _Chunk:
-    ptr: int
-    size: int
-    free_bytes: int = 0
-    head: "_Block | None" = field(default=None, repr=False)
+    """One allocation from the device, split into blocks."""
+
+    __slots__ = ("ptr", "size", "free_bytes", "head")
+
+    def __init__(self, ptr: int, size: int):
+        self.ptr = ptr
+        self.size = size
+        self.free_bytes = size
+        self.head = _Block(self, ptr, size)
+
+
+class _Block:
+    """A piece of a chunk; neighbours in address order are linked for coalescing."""
+
+    __slots__ = ("chunk", "ptr", "size", "free", "prev", "next")
+
+    def __init__(self, chunk: _Chunk, ptr: int, size: int, prev: "_Block | None" = None, nxt: "_Block | None" = None):
+        self.chunk = chunk
+        self.ptr = ptr
+        self.size = size
+        self.free = True
+        self.prev = prev
+        self.next = nxt
 
 
 @dataclass
@@ -56,7 +60,11 @@ class AllocatorStats:
 
 
 class CachingAllocator:
-    """Caching allocator over a device's raw ``allocate``/``deallocate`` functions."""
+    """Caching allocator over a device's raw ``allocate``/``deallocate`` functions.
+
+    ``raw_alloc(nbytes) -> ptr`` raises OutOfMemoryError when the device is full;
+    ``raw_free(ptr, nbytes)`` gives memory back. Thread-safe.
+    """
 
     def __init__(
         self,
@@ -67,44 +75,51 @@ class CachingAllocator:
     ):
         if sizes.min_chunk_size <= 0:
             raise ValueError(f"{name}: min_chunk_size must be positive, got {sizes.min_chunk_size}")
+        if sizes.extra_padding_size < 0:
+            raise ValueError(f"{name}: extra_padding_size must be >= 0, got {sizes.extra_padding_size}")
         self._raw_alloc = raw_alloc
         self._raw_free = raw_free
         self.sizes = sizes
         self.name = name
         self._lock = threading.Lock()
         self._chunks: list[_Chunk] = []
-        self._free: list[tuple[int, int, _Block]] = []  # sorted (size, seq, block)
-        self._seq = 0
+        # Free blocks by size: the sorted distinct sizes for best fit, and the blocks of each.
+        self._free_sizes: list[int] = []
+        self._free_by_size: dict[int, dict[_Block, None]] = {}
         self._live: dict[int, tuple[_Block | None, int, int]] = {}  # ptr -> (block, size, requested)
         self._stats = AllocatorStats()
 
     # ---- public ----------------------------------------------------------------------
     def round_size(self, nbytes: int) -> int:
-        """The size a request of ``nbytes`` really takes."""
+        """The size a request of ``nbytes`` really takes: ``nbytes`` (at least 1) plus the
+        padding, rounded up to a multiple of ``min_chunk_size``."""
         m = self.sizes.min_chunk_size
-        n = max(nbytes, 1) + self.sizes.extra_padding_size
+        n = (nbytes or 1) + self.sizes.extra_padding_size
         return (n + m - 1) // m * m
 
     def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes``; returns a device pointer."""
+        """Allocate ``nbytes``; returns a device pointer. Raises OutOfMemoryError when the
+        device cannot provide it even after the cache is emptied."""
         if nbytes < 0:
             raise ValueError(f"{self.name}: cannot allocate a negative size ({nbytes})")
         size = self.round_size(nbytes)
         with self._lock:
+            st = self._stats
             if size > self.sizes.max_chunk_size:
                 ptr = self._device_alloc(size)
                 self._live[ptr] = (None, size, nbytes)
-                self._stats.reserved += size
+                st.reserved += size
+                if st.reserved > st.peak_reserved:
+                    st.peak_reserved = st.reserved
             else:
                 block = self._take_block(size)
                 ptr = block.ptr
                 self._live[ptr] = (block, size, nbytes)
-            st = self._stats
             st.allocated += size
             st.requested += nbytes
             st.num_allocs += 1
-            st.peak_allocated = max(st.peak_allocated, st.allocated)
-            st.peak_reserved = max(st.peak_reserved, st.reserved)
+            if st.allocated > st.peak_allocated:
+                st.peak_allocated = st.allocated
             return ptr
 
     def free(self, ptr: int) -> None:
@@ -114,16 +129,16 @@ class CachingAllocator:
                 block, size, requested = self._live.pop(ptr)
             except KeyError:
                 raise ValueError(f"{self.name}: pointer {ptr:#x} was not allocated here or is freed") from None
-            self._stats.allocated -= size
-            self._stats.requested -= requested
+            st = self._stats
+            st.allocated -= size
+            st.requested -= requested
             if block is None:
                 self._raw_free(ptr, size)
-                self._stats.reserved -= size
+                st.reserved -= size
                 return
             block.free = True
             block.chunk.free_bytes += block.size
-            block = self._merge(block)
-            self._push_free(block)
+            self._push_free(self._merge(block))
 
     def empty_cache(self) -> int:
         """Give every wholly free chunk back to the device; returns the bytes released."""
@@ -144,61 +159,71 @@ class CachingAllocator:
     # ---- internals -------------------------------------------------------------------
     def _device_alloc(self, size: int) -> int:
         cap = self.sizes.max_alloc_size
-        for attempt in (0, 1):
-            if cap and self._stats.reserved + size > cap and attempt == 0:
-                self._release_free_chunks()
-                continue
-            if cap and self._stats.reserved + size > cap:
+        if cap and self._stats.reserved + size > cap:
+            self._release_free_chunks()
+            if self._stats.reserved + size > cap:
                 raise OutOfMemoryError(
                     self.name, "allocate",
                     f"{size} bytes would exceed the device's max_alloc_size of {cap} "
                     f"({self._stats.reserved} reserved)",
                 )
-            try:
-                ptr = self._raw_alloc(size)
-                self._stats.num_device_allocs += 1
-                return ptr
-            except OutOfMemoryError:
-                if attempt == 1 or not self._release_free_chunks():
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            ptr = self._raw_alloc(size)
+        except OutOfMemoryError:
+            self._release_free_chunks()
+            ptr = self._raw_alloc(size)  # once more; a second failure propagates
+        self._stats.num_device_allocs += 1
+        return ptr
 
     def _take_block(self, size: int) -> _Block:
-        i = bisect.bisect_left(self._free, (size, -1))
-        if i < len(self._free):
-            block = self._free.pop(i)[2]
+        sizes = self._free_sizes
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes):
+            fit = sizes[i]
+            bucket = self._free_by_size[fit]
+            block = bucket.popitem()[0]
+            if not bucket:
+                del self._free_by_size[fit]
+                del sizes[i]
         else:
-            first = not self._chunks and self._stats.num_chunks == 0
-            grow = self.sizes.init_alloc_size if first else self.sizes.realloc_size
-            chunk_size = max(size, min(grow, self.sizes.max_chunk_size) if grow else size)
-            ptr = self._device_alloc(chunk_size)
-            chunk = _Chunk(ptr, chunk_size, free_bytes=chunk_size)
-            block = _Block(chunk, 0, chunk_size)
-            chunk.head = block
-            self._chunks.append(chunk)
-            self._stats.reserved += chunk_size
-            self._stats.num_chunks += 1
+            block = self._new_chunk(size).head
         if block.size > size:  # split; the rest stays free
-            rest = _Block(block.chunk, block.offset + size, block.size - size, True, block, block.next)
+            rest = _Block(block.chunk, block.ptr + size, block.size - size, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
             self._push_free(rest)
         block.free = False
-        block.chunk.free_bytes -= block.size
+        block.chunk.free_bytes -= size
         return block
 
+    def _new_chunk(self, size: int) -> _Chunk:
+        grow = self.sizes.realloc_size if self._chunks else self.sizes.init_alloc_size
+        chunk_size = max(size, grow)
+        chunk = _Chunk(self._device_alloc(chunk_size), chunk_size)
+        self._chunks.append(chunk)
+        st = self._stats
+        st.reserved += chunk_size
+        st.num_chunks += 1
+        if st.reserved > st.peak_reserved:
+            st.peak_reserved = st.reserved
+        return chunk
+
     def _push_free(self, block: _Block) -> None:
-        self._seq += 1
-        bisect.insort(self._free, (block.size, self._seq, block))
+        bucket = self._free_by_size.get(block.size)
+        if bucket is None:
+            self._free_by_size[block.size] = {block: None}
+            bisect.insort(self._free_sizes, block.size)
+        else:
+            bucket[block] = None
 
     def _remove_free(self, block: _Block) -> None:
-        for i in range(bisect.bisect_left(self._free, (block.size, -1)), len(self._free)):
-            if self._free[i][2] is block:
-                del self._free[i]
-                return
-        raise AssertionError("free block missing from the free list")
+        bucket = self._free_by_size[block.size]
+        del bucket[block]
+        if not bucket:
+            del self._free_by_size[block.size]
+            del self._free_sizes[bisect.bisect_left(self._free_sizes, block.size)]
 
     def _merge(self, block: _Block) -> _Block:
         nxt = block.next
@@ -220,12 +245,12 @@ class CachingAllocator:
 
     def _release_free_chunks(self) -> int:
         released = 0
-        for chunk in list(self._chunks):
-            if chunk.free_bytes == chunk.size:
-                self._remove_free(chunk.head)
-                self._raw_free(chunk.ptr, chunk.size)
-                self._chunks.remove(chunk)
-                self._stats.reserved -= chunk.size
-                self._stats.num_chunks -= 1
-                released += chunk.size
+        for chunk in [c for c in self._chunks if c.free_bytes == c.size]:
+            # A wholly free chunk has merged back into its single head block.
+            self._remove_free(chunk.head)
+            self._chunks.remove(chunk)
+            self._raw_free(chunk.ptr, chunk.size)
+            self._stats.reserved -= chunk.size
+            self._stats.num_chunks -= 1
+            released += chunk.size
         return released

@@ -72,7 +72,7 @@ _TO_NUMPY = {
 }
 
 # uint8 maps back to U8, not BYTE: BYTE is only chosen explicitly.
-_FROM_NUMPY = {v: k for k, v in reversed(list(_TO_NUMPY.items()))}
+_FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items() if k is not DataType.BYTE}
 
 _BY_NAME = {
     **{t.name.lower(): t for t in DataType if t is not DataType.INVALID},
@@ -84,21 +84,28 @@ _BY_NAME = {
 
 
 def as_dtype(value: "DataType | str | np.dtype | type") -> DataType:
-    """Convert a DataType, a name ("f32", "bfloat16") or a NumPy dtype to a DataType."""
+    """Convert a DataType, a name ("f32", "bfloat16") or a NumPy dtype to a DataType.
+
+    Raises ValueError for an unknown name and TypeError for anything else without a match.
+    """
     if isinstance(value, DataType):
         return value
+    if value is None:  # np.dtype(None) would silently mean float64
+        raise TypeError("expected a data type (a DataType, a name such as 'f32', or a NumPy dtype), got None")
     if isinstance(value, str):
-        try:
-            return _BY_NAME[value.lower()]
-        except KeyError:
-            raise ValueError(
-                f"unknown data type {value!r}; expected one of {sorted(_BY_NAME)}"
-            ) from None
+        found = _BY_NAME.get(value.lower())
+        if found is not None:
+            return found
+        try:  # NumPy spellings such as "<f4" or "bfloat16" via ml_dtypes
+            npd = np.dtype(value)
+        except TypeError:
+            raise ValueError(f"unknown data type {value!r}; expected one of {sorted(_BY_NAME)}") from None
+        return as_dtype(npd)
     try:
         npd = np.dtype(value)
     except TypeError:
         raise TypeError(f"cannot interpret {value!r} as a data type") from None
     try:
-        return _FROM_NUMPY[npd]
+        return _FROM_NUMPY[npd.newbyteorder("=") if npd.byteorder == ">" else npd]
     except KeyError:
         raise TypeError(f"NumPy dtype {npd} has no llaisys data type") from None

