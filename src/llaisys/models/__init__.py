@@ -137,7 +137,12 @@ def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool) -> Ca
     from .loaders.gguf import read_gguf
 
     contents = read_gguf(path)
-    tokenizer = Tokenizer.from_gguf(contents.meta, str(path))
+    if "tokenizer.ggml.tokens" in contents.meta:
+        tokenizer = Tokenizer.from_gguf(contents.meta, str(path))
+    else:
+        log.warning("%s has no tokenizer metadata: the model takes token ids only", path)
+        tokenizer = Tokenizer.unavailable(f"{path} carries no tokenizer; pass token ids, not text",
+                                          contents.config.vocab_size)
     kinds = {w.kind for w in contents.weights.values() if len(w.shape) == 2}
     dtype = dtype or _natural_dtype(kinds)
     bar = Progress(path.name, len(contents.weights), progress)
