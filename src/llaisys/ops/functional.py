@@ -1,56 +1,73 @@
-"""The ops in functional form: each returns new output tensor(s) on the inputs' device."""
+"""The ops in functional form: each returns new output tensor(s) on the inputs' device.
+
+Only what is needed to size the output is checked here; the op in ``core`` checks the rest.
+"""
 from __future__ import annotations
 
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from . import core
+from ._checks import ndim_is, tensors_match
 
-
-def _new(shape, like: Tensor, dtype: DataType | None = None) -> Tensor:
-    return Tensor.empty(shape, dtype or like.dtype, like.device)
+_new = Tensor.empty_like
 
 
 def add(a: Tensor, b: Tensor) -> Tensor:
-    """a + b as a new tensor."""
-    return core.add(_new(a.shape, a), a, b)
+    """a + b as a new tensor of a's shape and dtype."""
+    tensors_match("add", ("a", "b"), (a, b))
+    return core.add(_new(a), a, b)
 
 
 def argmax(vals: Tensor) -> tuple[Tensor, Tensor]:
-    """(index I64, value) of the maximum over the last dimension of vals."""
+    """(index I64, value) of the maximum over the last dimension of vals (..., n): two
+    tensors of shape vals.shape[:-1], or (1,) when vals is 1-D."""
+    tensors_match("argmax", ("vals",), (vals,))
     shape = vals.shape[:-1] if vals.ndim > 1 else (1,)
-    return core.argmax(_new(shape, vals, DataType.I64), _new(shape, vals), vals)
+    return core.argmax(_new(vals, shape, DataType.I64), _new(vals, shape), vals)
 
 
 def embedding(index: Tensor, weight: Tensor) -> Tensor:
-    """Rows of weight (V, D) at index (S,): (S, D)."""
-    return core.embedding(_new((index.shape[0], weight.shape[1]), weight), index, weight)
+    """Rows of weight (V, D) at index (S,) I64: (S, D)."""
+    tensors_match("embedding", ("weight", "index"), (weight, index), dtypes=1)
+    ndim_is("embedding", "index", index, 1, "(S,) token ids")
+    ndim_is("embedding", "weight", weight, 2, "(V, D) table")
+    return core.embedding(_new(weight, (index.shape[0], weight.shape[1])), index, weight)
 
 
 def linear(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """inp (..., K) @ weight (N, K)^T + bias (N,): (..., N)."""
-    return core.linear(_new(inp.shape[:-1] + (weight.shape[0],), inp), inp, weight, bias)
+    tensors_match("linear", ("in", "weight", "bias"), (inp, weight, bias))
+    ndim_is("linear", "weight", weight, 2, "(N, K) matrix")
+    return core.linear(_new(inp, inp.shape[:-1] + weight.shape[:1]), inp, weight, bias)
 
 
 def rearrange(inp: Tensor) -> Tensor:
     """A contiguous copy of inp."""
-    return core.rearrange(_new(inp.shape, inp), inp)
+    tensors_match("rearrange", ("in",), (inp,))
+    return core.rearrange(_new(inp), inp)
 
 
 def rms_norm(inp: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMS normalisation of inp (..., D) scaled by weight (D,)."""
-    return core.rms_norm(_new(inp.shape, inp), inp, weight, eps)
+    """RMS normalisation of inp (..., D) scaled by weight (D,): (..., D)."""
+    tensors_match("rms_norm", ("in", "weight"), (inp, weight))
+    return core.rms_norm(_new(inp), inp, weight, eps)
 
 
 def rope(inp: Tensor, pos_ids: Tensor, theta: float) -> Tensor:
-    """Rotary embedding of inp (S, H, D) at positions pos_ids (S,)."""
-    return core.rope(_new(inp.shape, inp), inp, pos_ids, theta)
+    """Rotary embedding of inp (S, H, D) at positions pos_ids (S,) I64: (S, H, D)."""
+    tensors_match("rope", ("in", "pos_ids"), (inp, pos_ids), dtypes=1)
+    return core.rope(_new(inp), inp, pos_ids, theta)
 
 
 def self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal attention of q (S, H, D) over k (T, KH, D), v (T, KH, Dv): (S, H, Dv)."""
-    return core.self_attention(_new(q.shape[:2] + (v.shape[2],), q), q, k, v, scale)
+    tensors_match("self_attention", ("q", "k", "v"), (q, k, v))
+    ndim_is("self_attention", "q", q, 3, "(S, H, D)")
+    ndim_is("self_attention", "v", v, 3, "(T, KH, Dv)")
+    return core.self_attention(_new(q, q.shape[:2] + v.shape[2:]), q, k, v, scale)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """up * silu(gate) as a new tensor."""
-    return core.swiglu(_new(gate.shape, gate), gate, up)
+    """up * silu(gate) as a new tensor of gate's shape."""
+    tensors_match("swiglu", ("gate", "up"), (gate, up))
+    return core.swiglu(_new(gate), gate, up)
