@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-test run test bench loc
+.PHONY: install install-test run test bench loc plugins
 
 install:
 	$(PIP) -e .
@@ -22,3 +22,7 @@ bench: install
 
 loc:
 	@$(PYTHON) tools/loc.py
+
+# The reference device plugin (plugins/custom_cpu) -> build/plugins/libcustom_cpu.so
+plugins:
+	$(PYTHON) -m llaisys.plugins.build

@@ -116,6 +116,12 @@ class PluginBackend(DeviceBackend):
         """The ``C_Device`` of device ``index``, to pass to plugin functions."""
         return self._dev(index)
 
+    @property
+    def table(self) -> abi.C_DeviceInterface:
+        """The plugin's raw function table, for APIs llaisys does not wrap (collectives,
+        ``blas_axpby``). Calls through it get no status checks."""
+        return self._table
+
     def has_api(self, name: str) -> bool:
         """Whether the plugin filled in API ``name``."""
         return name in self._present

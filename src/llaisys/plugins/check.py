@@ -298,6 +298,16 @@ class _Checker:
         text = f"F32 kernels: {', '.join(have) or 'none'}"
         return text + (f"; CPU fallback for {', '.join(missing)}" if missing else "")
 
+    def model(self) -> str:
+        device = f"{self.plugin.name}:{self.i}"
+        want, want_tokens = random_model_run("cpu")
+        got, got_tokens = random_model_run(device)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg="model logits differ from the CPU")
+        if got_tokens != want_tokens:
+            raise AssertionError(f"greedy tokens on the device {got_tokens} != CPU {want_tokens}")
+        err = float(np.abs(got - want).max())
+        return f"2-layer Qwen2 logits {got.shape} match the CPU (max abs diff {err:.1e}); 8 greedy tokens equal"
+
     def decoder_layer(self) -> str:
         device = f"{self.plugin.name}:{self.i}"
         want = decoder_layer_chain("cpu")
@@ -350,6 +360,65 @@ def decoder_layer_chain(device: str, seed: int = 0) -> dict[str, np.ndarray]:
     return {"hidden": x.numpy(), "transposed": transposed.numpy(), "logits": logits.numpy(), "argmax": idx.numpy()}
 
 
+def write_random_qwen2(folder: "str | os.PathLike[str]", seed: int = 0) -> None:
+    """A small Qwen2 model with random F32 weights, as a Hugging Face folder (config.json and
+    model.safetensors, no tokenizer): V=96, D=32, 2 layers, 4 query and 2 key/value heads."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    v, d, inter, layers, heads, kv_heads = 96, 32, 48, 2, 4, 2
+    dh = d // heads
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": v, "hidden_size": d,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "max_position_embeddings": 64, "rope_theta": 10000.0,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}
+    w = lambda *shape, scale=0.15: (rng.standard_normal(shape) * scale).astype(np.float32)  # noqa: E731
+    norm = lambda: (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(v, d, scale=1.0), "model.norm.weight": norm()}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": w(heads * dh, d), p + "self_attn.q_proj.bias": w(heads * dh),
+            p + "self_attn.k_proj.weight": w(kv_heads * dh, d), p + "self_attn.k_proj.bias": w(kv_heads * dh),
+            p + "self_attn.v_proj.weight": w(kv_heads * dh, d), p + "self_attn.v_proj.bias": w(kv_heads * dh),
+            p + "self_attn.o_proj.weight": w(d, heads * dh),
+            p + "mlp.gate_proj.weight": w(inter, d), p + "mlp.up_proj.weight": w(inter, d),
+            p + "mlp.down_proj.weight": w(d, inter),
+        })
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+
+
+def random_model_run(device: str, seed: int = 0) -> tuple[np.ndarray, list[int]]:
+    """Load ``write_random_qwen2``'s model on ``device``; return the logits (S, V) of a 6-token
+    prompt and 8 greedy tokens decoded after it with the KV cache."""
+    import tempfile
+
+    from ..models import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_random_qwen2(folder, seed)
+        models_log = logging.getLogger("llaisys.models")
+        level = models_log.level
+        models_log.setLevel(logging.ERROR)  # the folder has no tokenizer, on purpose
+        try:
+            model = load_model(folder, device=device)
+        finally:
+            models_log.setLevel(level)
+    prompt = [3, 17, 42, 5, 77, 8]
+    cache = model.new_cache(len(prompt) + 8)
+    logits = model.forward(prompt, cache, all_logits=True)  # (S, V)
+    tokens = [int(np.argmax(logits[-1]))]
+    while len(tokens) < 8:
+        tokens.append(int(np.argmax(model.forward([tokens[-1]], cache))))
+    return logits, tokens
+
+
 def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool = True) -> CheckReport:
     """Load the plugin at ``path`` and run every check on device ``device_index``; ``ops``
     also runs the decoder-layer chain against the CPU."""
@@ -384,8 +453,10 @@ def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool =
         c.fallbacks |= {f"kernel {op}" for op in missing}
         c.run("kernels", lambda: c.kernels(missing))
         c.run("decoder layer vs CPU", c.decoder_layer, [f"kernel {op}" for op in missing])
+        c.run("model vs CPU", c.model, [f"kernel {op}" for op in missing])
     else:
         report.rows.append(CheckRow("decoder layer vs CPU", SKIP, "not asked for (--no-ops)"))
+        report.rows.append(CheckRow("model vs CPU", SKIP, "not asked for (--no-ops)"))
     return report
 
 

@@ -39,7 +39,7 @@ class Plugin:
     sub_device_type: str
     version: tuple[int, int, int]
     backend: PluginBackend
-    kernels: list[PluginKernel] = field(default_factory=list)
+    kernels: list[PluginKernel] = field(default_factory=list, repr=False)
     library: ctypes.CDLL | None = field(default=None, repr=False)
 
     @property

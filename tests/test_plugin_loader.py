@@ -1,0 +1,261 @@
+"""Loading device plugins that are broken on purpose (tests/plugins/variants.c), a minimal one
+that runs everything through fallbacks, and discovery from the environment. Every failure
+must be a clear PluginError and leave the runtime usable."""
+from __future__ import annotations
+
+import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llaisys
+from llaisys import MemcpyKind, Tensor
+from llaisys.kernels import find_kernel
+from llaisys.plugins import (PluginAPIError, PluginError, PluginOutOfMemoryError, load_plugin, load_plugins_from_env,
+                             loaded_plugins, unload_plugin)
+from llaisys.plugins import abi
+from llaisys.plugins.build import build_plugin
+from llaisys.plugins.check import FAIL, FALLBACK, decoder_layer_chain, random_model_run, run_check
+from llaisys.runtime import KernelNotFoundError, OutOfMemoryError, available_backends, device_types
+
+SOURCE = Path(__file__).parent / "plugins" / "variants.c"
+VARIANTS = {  # name -> macros
+    "minimal": ['DEVICE_TYPE="mini_dev"'],
+    "no_init": ["NO_INIT_PLUGIN"],
+    "wrong_size": ["WRONG_SIZE_CHECK"],
+    "missing_apis": ["MISSING_APIS"],
+    "major": ["VERSION_MAJOR=1"],
+    "old_patch": ["VERSION_PATCH=0"],
+    "null_type": ["NULL_DEVICE_TYPE"],
+    "init_fails": ["INIT_FAILS", 'DEVICE_TYPE="init_fails_dev"'],
+    "bad_status": ["BAD_STATUS", 'DEVICE_TYPE="bad_status_dev"'],
+    "small": ["CAPACITY_KB=256", 'DEVICE_TYPE="small_dev"'],
+    "foreign_kernel": ["FOREIGN_KERNEL", 'DEVICE_TYPE="foreign_dev"'],
+    "failing_kernel": ["FAILING_KERNEL", 'DEVICE_TYPE="failing_dev"'],
+    "clash_cpu": ['DEVICE_TYPE="cpu"'],
+    "env_a": ['DEVICE_TYPE="env_a_dev"'],
+    "env_b": ['DEVICE_TYPE="env_b_dev"'],
+}
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("plugins")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {name: pool.submit(build_plugin, SOURCE, out / f"lib{name}.so", defines)
+                for name, defines in VARIANTS.items()}
+        built = {name: job.result() for name, job in jobs.items()}
+    yield built
+    for plugin in loaded_plugins():
+        if plugin.path.startswith(str(out)):
+            unload_plugin(plugin.name)
+
+
+@pytest.fixture(scope="module")
+def minimal(libs):
+    return load_plugin(libs["minimal"])
+
+
+def registered_state() -> tuple:
+    """Device types, backends, kernels and plugins registered now."""
+    return ([t.name for t in device_types()], available_backends(), llaisys.kernels.registered_kernels(),
+            [p.name for p in loaded_plugins()])
+
+
+def assert_nothing_left(name: str) -> None:
+    assert name not in [t.name for t in device_types()]
+    assert name not in available_backends()
+    assert not [k for k in llaisys.kernels.registered_kernels() if k[1] == name]
+
+
+def assert_runtime_usable() -> None:
+    a = Tensor.from_numpy(np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(llaisys.ops.functional.add(a, a).numpy(), np.arange(4) * 2.0)
+
+
+# ---- loads that must fail ------------------------------------------------------------------
+@pytest.mark.parametrize("variant, message", [
+    ("no_init", r"libno_init\.so: does not export InitPlugin"),
+    ("wrong_size", r"libwrong_size\.so: InitPlugin did not set the runtime version; it probably refused the "
+                   r"struct sizes .*CustomRuntimeParams 88 bytes, C_DeviceInterface 912 bytes"),
+    ("missing_apis", r"libmissing_apis\.so \(mini_dev\): required API\(s\) missing: memory_copy_d2h, device_memory_stats"),
+    ("major", r"libmajor\.so \(mini_dev\): built for custom runtime version 1\.1\.1; llaisys supports 0\.1\.x"),
+    ("old_patch", r"libold_patch\.so \(mini_dev\): built for custom runtime version 0\.1\.0; .* x >= 1"),
+    ("null_type", r"libnull_type\.so: InitPlugin left device_type NULL"),
+    ("init_fails", r"libinit_fails\.so: initialize on init_fails_dev returned C_ERROR"),
+    ("foreign_kernel", r"libforeign_kernel\.so: InitPluginKernels returned C_ERROR \(kernel 'add' for backend "
+                       r"'some_other_device', but this plugin's device type is 'foreign_dev'\)"),
+    ("clash_cpu", r"libclash_cpu\.so: device type 'cpu' is already registered by llaisys itself"),
+])
+def test_broken_plugin_is_refused_clearly(libs, variant, message):
+    before = registered_state()
+    with pytest.raises(PluginError, match=message):
+        load_plugin(libs[variant])
+    assert registered_state() == before
+    assert_runtime_usable()
+
+
+def test_not_a_library(tmp_path):
+    bad = tmp_path / "libgarbage.so"
+    bad.write_bytes(b"\x7fELF but not really")
+    with pytest.raises(PluginError, match=r"libgarbage\.so: cannot be opened"):
+        load_plugin(bad)
+    with pytest.raises(PluginError, match="no such file"):
+        load_plugin(tmp_path / "libmissing.so")
+
+
+def test_clashing_device_type_is_refused(libs, minimal, tmp_path):
+    copy = tmp_path / "libsame_type.so"
+    shutil.copy(libs["minimal"], copy)
+    with pytest.raises(PluginError, match=rf"libsame_type\.so: device type 'mini_dev' is already registered by plugin .*libminimal\.so"):
+        load_plugin(copy)
+    assert llaisys.runtime.get_backend(minimal.device_type) is minimal.backend  # the first one still serves
+    assert load_plugin(libs["minimal"]) is minimal
+
+
+# ---- a minimal plugin: every optional API and every op through fallbacks --------------------------
+def test_minimal_plugin_reports_its_fallbacks(minimal):
+    fallbacks = minimal.backend.fallbacks()
+    assert set(fallbacks) == set(abi.FALLBACKS)  # it implements none of the optional APIs
+    assert not minimal.kernels
+
+
+def test_minimal_plugin_runtime_fallbacks_keep_semantics(minimal):
+    rt = llaisys.get_runtime("mini_dev:1")
+    n = 1000
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    back = np.zeros(n, np.uint8)
+    x = rt.malloc(n)
+    rt.memset(x, 7, n)  # fallback: H2D copy of a filled buffer
+    rt.memcpy(back.ctypes.data, x, n, MemcpyKind.D2H)
+    assert (back == 7).all()
+    seen = []
+    with rt.create_stream() as s:  # fallback: no streams, work is synchronous
+        rt.memcpy_async(x, src.ctypes.data, n, MemcpyKind.H2D, s)
+        rt.memcpy_async(back.ctypes.data, x, n, MemcpyKind.D2H, s)
+        s.add_callback(lambda: seen.append(bool((back == src).all())))
+        ev = s.record_event()
+        assert ev.query() and s.query()
+    assert seen == [True]
+    host = rt.malloc_host(64)  # fallback: pageable host memory
+    rt.free_host(host, 64)
+    rt.free(x)
+
+
+def test_minimal_plugin_runs_the_decoder_layer_through_cpu_fallback(minimal):
+    want, got = decoder_layer_chain("cpu"), decoder_layer_chain("mini_dev:0")
+    for key in want:  # the same CPU kernels on copies: identical results
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_minimal_plugin_runs_a_model_through_cpu_fallback(minimal):
+    want_logits, want_tokens = random_model_run("cpu")
+    logits, tokens = random_model_run("mini_dev:1")
+    np.testing.assert_array_equal(logits, want_logits)
+    assert tokens == want_tokens
+
+
+def test_fallback_switched_off_is_a_clear_error(minimal, monkeypatch):
+    monkeypatch.setenv("LLAISYS_KERNEL_FALLBACK", "0")
+    a = Tensor.from_numpy(np.ones(3, np.float32), "mini_dev:0")
+    with pytest.raises(KernelNotFoundError, match=r"no kernel \(add, mini_dev, ANY, F32\) and CPU fallback is off "
+                                                  r"\(LLAISYS_KERNEL_FALLBACK=0\)"):
+        llaisys.ops.functional.add(a, a)
+
+
+def test_fallback_logs_once_per_op(minimal, caplog):
+    from llaisys.kernels import registry
+
+    registry._fallback_logged.discard(("swiglu", "mini_dev"))
+    a = Tensor.from_numpy(np.ones(3, np.float32), "mini_dev:0")
+    with caplog.at_level(logging.INFO, logger="llaisys.kernels.registry"):
+        for _ in range(3):
+            llaisys.ops.functional.swiglu(a, a)
+    assert sum("op swiglu has no kernel on mini_dev" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_check_on_minimal_plugin_passes_with_fallbacks(minimal, libs):
+    report = run_check(libs["minimal"])
+    assert report.ok, report.table()
+    statuses = {r.name: r.status for r in report.rows}
+    assert statuses["copies (async)"] == FALLBACK and statuses["memset"] == FALLBACK
+    assert statuses["decoder layer vs CPU"] == FALLBACK and statuses["model vs CPU"] == FALLBACK
+    assert "kernel rms_norm" in report.table()
+
+
+# ---- plugins that fail while running ------------------------------------------------------------
+def test_api_errors_name_plugin_api_and_status(libs, caplog):
+    plugin = load_plugin(libs["bad_status"])
+    t = Tensor.from_numpy(np.arange(3, dtype=np.float32), "bad_status_dev:1")  # H2D works
+    with pytest.raises(PluginAPIError, match=r"libbad_status\.so: memory_copy_d2h on bad_status_dev:1 returned C_ERROR") as info:
+        t.numpy()
+    assert (info.value.api, info.value.status) == ("memory_copy_d2h", "C_ERROR")
+    with pytest.raises(PluginAPIError, match="device_memory_set on bad_status_dev:1 returned C_FAILED"):
+        Tensor.zeros((4,), device="bad_status_dev:1")
+    with caplog.at_level(logging.WARNING, logger="llaisys.plugins.backend"):
+        for _ in range(3):  # C_WARNING: the values are used, the warning logged once
+            assert llaisys.get_runtime("bad_status_dev:1").memory_stats()["total"] == 256 << 20
+    assert sum("device_memory_stats returned C_WARNING" in r.getMessage() for r in caplog.records) == 1
+    report = run_check(libs["bad_status"])
+    assert not report.ok and {r.name for r in report.rows if r.status == FAIL} >= {"copies (sync)", "memset"}
+    assert_runtime_usable()
+    unload_plugin(plugin.name)
+    assert_nothing_left("bad_status_dev")
+
+
+def test_out_of_memory_mid_run(libs):
+    plugin = load_plugin(libs["small"])  # 256 KiB of device memory, 64 KiB chunks
+    kept = [Tensor.zeros((4096,), device="small_dev:0") for _ in range(3)]  # 48 KiB
+    with pytest.raises(PluginOutOfMemoryError, match=r"device_memory_allocate on small_dev:0 returned C_FAILED") as info:
+        kept.append(Tensor.empty((100_000,), device="small_dev:0"))  # 400 KB
+    assert isinstance(info.value, OutOfMemoryError)
+    x = Tensor.from_numpy(np.arange(8, dtype=np.float32), "small_dev:0")  # still usable
+    np.testing.assert_array_equal(llaisys.ops.functional.add(x, x).numpy(), np.arange(8) * 2.0)
+    del kept
+    big = Tensor.empty((40_000,), device="small_dev:0")  # fits once the others are gone
+    assert big.numel() == 40_000
+    del big, x
+    assert_runtime_usable()
+    unload_plugin(plugin.name)
+
+
+def test_failing_kernel_raises_with_its_name(libs):
+    plugin = load_plugin(libs["failing_kernel"])
+    assert find_kernel("add", "failing_dev", llaisys.DataType.F32) is not None
+    a = Tensor.from_numpy(np.ones(3, np.float32), "failing_dev:0")
+    with pytest.raises(PluginAPIError, match=r"libfailing_kernel\.so: kernel add on failing_dev:0 returned C_INTERNAL_ERROR"):
+        llaisys.ops.functional.add(a, a)
+    np.testing.assert_array_equal(llaisys.ops.functional.swiglu(a, a).numpy(),
+                                  llaisys.ops.functional.swiglu(a.to("cpu"), a.to("cpu")).numpy())  # others fall back
+    del a
+    unload_plugin(plugin.name)
+    assert_nothing_left("failing_dev")
+
+
+# ---- discovery from the environment ------------------------------------------------------------
+def test_plugins_load_from_env_when_their_device_is_asked_for(libs, tmp_path, monkeypatch, caplog):
+    dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+    dir_a.mkdir()
+    dir_b.mkdir()
+    shutil.copy(libs["env_a"], dir_a / "libenv_a.so")
+    shutil.copy(libs["no_init"], dir_a / "libbroken.so")
+    shutil.copy(libs["env_b"], dir_b / "libenv_b.so")
+    (dir_a / "not_a_lib.txt").write_text("ignored")
+    monkeypatch.setenv("LLAISYS_PLUGIN_PATH", str(dir_a))
+    monkeypatch.setenv("CUSTOM_DEVICE_ROOT", str(dir_b))
+    assert "env_a_dev" not in [t.name for t in device_types()]
+    with caplog.at_level(logging.WARNING, logger="llaisys.plugins.loader"):
+        t = Tensor.from_numpy(np.arange(3, dtype=np.float32), "env_a_dev:1")  # loads on demand
+    np.testing.assert_array_equal(t.numpy(), np.arange(3))
+    assert "env_b_dev" in [p.name for p in loaded_plugins()]
+    assert any("libbroken.so: does not export InitPlugin" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="unknown device type 'nowhere_dev'"):
+        Tensor.empty((1,), device="nowhere_dev")
+    with pytest.raises(PluginError, match="libbroken.so: does not export InitPlugin"):
+        load_plugins_from_env(strict=True)
+    del t
+    unload_plugin("env_a_dev")
+    unload_plugin("env_b_dev")
