@@ -1,0 +1,119 @@
+"""``llaisys bench``: load time, time to first token, prefill and decode speed, peak memory.
+
+The workload: a prompt of exactly ``--prompt-tokens`` tokens (a fixed English passage,
+repeated as needed), then ``--gen-tokens`` greedy tokens with end-of-sequence ignored, in a
+fresh KV cache each time. Figures are medians over ``--repeats`` runs after ``--warmup`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+from ..generation import GenerationConfig, Timings, stream
+from .common import add_model_options, load_from_args, positive_int
+
+DESCRIPTION = """Measure load time, time to first token, prefill and decode speed and peak memory.
+
+The workload: a prompt of exactly --prompt-tokens tokens (a fixed English passage, repeated as
+needed), then --gen-tokens greedy tokens with end-of-sequence ignored, in a fresh KV cache each
+time. Figures are medians over --repeats runs after --warmup runs."""
+
+PASSAGE = (
+    "The sea was calm that morning, and the fishing boats left the harbour one by one. "
+    "Old Marta watched them from the hill above the village, counting the sails as she had "
+    "done for forty years. Her grandson asked why she still counted them. She said that the "
+    "sea keeps its own accounts, and someone on the shore should keep theirs too. "
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` sub-command."""
+    p = subparsers.add_parser("bench", help="measure load time, prefill and decode speed, memory",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-tokens", type=positive_int, default=512, metavar="N", help="prompt length (default 512)")
+    p.add_argument("--gen-tokens", type=positive_int, default=128, metavar="N", help="tokens to generate (default 128)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="measured runs (default 3)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured runs first (default 1)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_model_options(p)
+    p.set_defaults(func=run)
+
+
+def prompt_ids(tokenizer: Any, n: int) -> list[int]:
+    """Exactly ``n`` token ids (n,) of PASSAGE repeated, with the tokenizer's BOS when it adds one."""
+    base = tokenizer.encode(PASSAGE, add_special_tokens=False)
+    head = tokenizer.encode("", add_special_tokens=True)
+    ids = list(head)
+    while len(ids) < n:
+        ids.extend(base)
+    return ids[:n]
+
+
+def run_once(model: Any, ids: list[int], gen_tokens: int) -> Timings:
+    """One greedy generation of ``gen_tokens`` tokens after ``ids``, end-of-sequence ignored."""
+    events = stream(model, ids, GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True))
+    result = events.result()
+    if len(result.token_ids) != gen_tokens:
+        raise ValueError(f"generated {len(result.token_ids)} tokens, not {gen_tokens}: the context is too short")
+    return result.timings
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (ru_maxrss)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB elsewhere
+
+
+def summarize(runs: list[Timings]) -> dict[str, float]:
+    """Medians of the runs' figures."""
+    return {
+        "ttft_ms": statistics.median(t.ttft_s for t in runs) * 1000,
+        "prefill_tok_s": statistics.median(t.prefill_tokens_per_s for t in runs),
+        "decode_tok_s": statistics.median(t.decode_tokens_per_s for t in runs),
+    }
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the workload the options describe; return the figures."""
+    t0 = time.perf_counter()
+    model = load_from_args(args)
+    load_s = time.perf_counter() - t0
+    limit = model.config.max_position_embeddings
+    if args.prompt_tokens + args.gen_tokens > limit:
+        raise ValueError(f"--prompt-tokens + --gen-tokens = {args.prompt_tokens + args.gen_tokens} exceeds the "
+                         f"model's context of {limit}")
+    ids = prompt_ids(model.tokenizer, args.prompt_tokens)
+    for _ in range(max(args.warmup, 0)):
+        run_once(model, ids, args.gen_tokens)
+    runs = [run_once(model, ids, args.gen_tokens) for _ in range(args.repeats)]
+    return {
+        "engine": "llaisys", "model": str(model.source), "dtype": str(getattr(model.dtype, "name", model.dtype)),
+        "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "repeats": args.repeats, "load_s": load_s, **summarize(runs), "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def format_table(figures: dict[str, Any]) -> str:
+    """The figures as aligned lines."""
+    return "\n".join([
+        f"model          {figures['model']} ({figures['dtype']})",
+        f"workload       {figures['prompt_tokens']} prompt tokens, {figures['gen_tokens']} generated, "
+        f"median of {figures['repeats']}",
+        f"load time      {figures['load_s']:.2f} s",
+        f"time to first  {figures['ttft_ms']:.1f} ms",
+        f"prefill        {figures['prefill_tok_s']:.1f} tok/s",
+        f"decode         {figures['decode_tok_s']:.1f} tok/s",
+        f"peak memory    {figures['peak_rss_mb']:.0f} MiB",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark and print the figures."""
+    figures = benchmark(args)
+    print(json.dumps(figures, indent=2) if args.json else format_table(figures))
+    return 0

@@ -1,0 +1,141 @@
+"""``llaisys chat``: an interactive chat with history, streaming replies.
+
+Reads one user message per line, from a terminal or a pipe. Lines starting with ``/`` are
+commands (see HELP). The KV cache of the conversation so far is kept between turns, so each
+turn runs only its new tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ..generation import GenerationConfig, PromptCache, stream_chat
+from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
+                     load_from_args)
+from .generate import print_stats
+
+HELP = """commands:
+  /help          this text
+  /reset         forget the conversation (the system message stays)
+  /system TEXT   set the system message and start over (/system alone removes it)
+  /quit          leave (also /exit, Ctrl-D or Ctrl-C)"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``chat`` sub-command."""
+    p = subparsers.add_parser("chat", help="chat with a model interactively",
+                              description="Chat with the model; one message per line. " + HELP.replace("\n", " "),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message to start with")
+    p.add_argument("--stats", action="store_true", help="print timings to stderr after each reply")
+    add_model_options(p)
+    add_sampling_options(p, max_new_tokens=512)
+    p.set_defaults(func=run)
+
+
+class Conversation:
+    """Chat history plus the KV cache that holds its tokens."""
+
+    def __init__(self, model: Any, config: GenerationConfig, system: str | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self.cache = PromptCache(model)
+
+    def reset(self, system: str | None = None, *, keep_system: bool = True) -> None:
+        """Forget the turns; the cache is kept, as the next prompt may share its beginning."""
+        if not keep_system:
+            self.system = system
+        self.messages.clear()
+
+    def _all_messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def reply(self, text: str, stats: bool = False) -> None:
+        """Stream the reply to ``text`` to stdout and add both to the history.
+
+        On Ctrl-C the partial reply is dropped with its question; on an error (the conversation
+        outgrew the context) the question is dropped and the error goes to the caller.
+        """
+        self.messages.append({"role": "user", "content": text})
+        try:
+            events = stream_chat(self.model, self._all_messages(), self.config, prompt_cache=self.cache)
+            try:
+                for event in events:
+                    if event.text_delta:
+                        sys.stdout.write(event.text_delta)
+                        sys.stdout.flush()
+            finally:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.messages.append({"role": "assistant", "content": events.text})
+        if stats:
+            print_stats(events)
+
+
+def _lines(interactive: bool) -> Iterator[str]:
+    """User lines until end of input."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.rstrip("\r\n")
+        return
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    while True:
+        try:
+            yield input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and chat until /quit or end of input."""
+    check_sampling_args(args)
+    model = load_from_args(args)
+    if not model.tokenizer.chat_template:
+        raise ValueError(f"{model.source} has no chat template; use `llaisys generate --no-chat` instead")
+    conv = Conversation(model, config_from_args(args, model), args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {model.source}; /help for commands", file=sys.stderr)
+    try:
+        for line in _lines(interactive):
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                cmd, _, rest = text.partition(" ")
+                if cmd in ("/quit", "/exit"):
+                    break
+                if cmd == "/help":
+                    print(HELP, file=sys.stderr)
+                elif cmd == "/reset":
+                    conv.reset()
+                    print("[conversation reset]", file=sys.stderr)
+                elif cmd == "/system":
+                    conv.reset(rest.strip() or None, keep_system=False)
+                    print("[system message set]" if rest.strip() else "[system message removed]", file=sys.stderr)
+                else:
+                    print(f"unknown command {cmd}; /help lists the commands", file=sys.stderr)
+                continue
+            try:
+                conv.reply(text, stats=args.stats)
+            except KeyboardInterrupt:
+                print("[interrupted]", file=sys.stderr)
+                if not interactive:
+                    raise
+            except ValueError as exc:
+                print(f"error: {exc}; /reset to start over", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0

@@ -1,0 +1,64 @@
+"""``llaisys generate PROMPT``: stream a continuation (or, for a chat model, a reply) to stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..generation import GenerationStream, stream, stream_chat
+from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
+                     describe_sampling, load_from_args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``generate`` sub-command."""
+    p = subparsers.add_parser("generate", help="generate text from a prompt",
+                              description="Stream the model's text for PROMPT to stdout. A model with a chat "
+                                          "template gets PROMPT as a user message (turn off with --no-chat).")
+    p.add_argument("prompt", help="the prompt; '-' reads it from stdin")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap PROMPT as a user message in the chat template (default: when the model has one)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message (with --chat)")
+    p.add_argument("--stats", action="store_true", help="print timings to stderr at the end")
+    add_model_options(p)
+    add_sampling_options(p)
+    p.set_defaults(func=run)
+
+
+def print_stream(events: GenerationStream) -> None:
+    """Write each text delta to stdout as it comes."""
+    out = sys.stdout
+    for event in events:
+        if event.text_delta:
+            out.write(event.text_delta)
+            out.flush()
+
+
+def print_stats(events: GenerationStream) -> None:
+    """Timings of a finished stream, one line on stderr."""
+    t = events.timings
+    cached = f" ({t.cached_tokens} cached)" if t.cached_tokens else ""
+    print(f"[{t.prompt_tokens} prompt tokens{cached}, {t.generated_tokens} generated ({events.finish_reason}); "
+          f"prefill {t.prefill_tokens_per_s:.1f} tok/s, decode {t.decode_tokens_per_s:.1f} tok/s, "
+          f"time to first token {t.ttft_s * 1000:.0f} ms; {describe_sampling(events.config)}]", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, generate, stream to stdout."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    check_sampling_args(args)
+    model = load_from_args(args)
+    cfg = config_from_args(args, model)
+    use_chat = args.chat if args.chat is not None else bool(model.tokenizer.chat_template)
+    if use_chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        events = stream_chat(model, messages + [{"role": "user", "content": prompt}], cfg)
+    else:
+        if args.system:
+            raise ValueError("--system needs --chat")
+        events = stream(model, prompt, cfg)
+    print_stream(events)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats:
+        print_stats(events)
+    return 0

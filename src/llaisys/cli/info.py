@@ -1,0 +1,49 @@
+"""``llaisys info [MODEL]``: what a model file holds: architecture, sizes, dtypes, tensor types."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .common import add_model_options, load_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``info`` sub-command."""
+    p = subparsers.add_parser("info", help="describe a model",
+                              description="Load MODEL and print its architecture, sizes, data types and the "
+                                          "tensor types in the file.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    add_model_options(p, model_flag=False)
+    p.set_defaults(func=run)
+
+
+def format_info(info: dict[str, Any], indent: int = 0) -> list[str]:
+    """``info`` as aligned ``key: value`` lines, nested dicts indented."""
+    width = max((len(str(k)) for k in info), default=0)
+    lines = []
+    for key, value in info.items():
+        pad = " " * indent
+        if isinstance(value, dict):
+            lines.append(f"{pad}{key}:")
+            lines.extend(format_info(value, indent + 2))
+        else:
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+                value = f"{value:,}"
+            elif isinstance(value, (list, tuple)):
+                value = ", ".join(str(v) for v in value)
+            lines.append(f"{pad}{str(key) + ':':<{width + 1}} {value}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and print ``model.info()``."""
+    model = load_from_args(args, args.model)
+    info = model.info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print("\n".join(format_info(info)))
+    return 0

