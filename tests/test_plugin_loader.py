@@ -4,7 +4,10 @@ must be a clear PluginError and leave the runtime usable."""
 from __future__ import annotations
 
 import logging
+import resource
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +38,7 @@ VARIANTS = {  # name -> macros
     "small": ["CAPACITY_KB=256", 'DEVICE_TYPE="small_dev"'],
     "foreign_kernel": ["FOREIGN_KERNEL", 'DEVICE_TYPE="foreign_dev"'],
     "failing_kernel": ["FAILING_KERNEL", 'DEVICE_TYPE="failing_dev"'],
+    "crash": ["CRASH_IN_D2D", 'DEVICE_TYPE="crash_dev"'],
     "clash_cpu": ['DEVICE_TYPE="cpu"'],
     "env_a": ['DEVICE_TYPE="env_a_dev"'],
     "env_b": ['DEVICE_TYPE="env_b_dev"'],
@@ -233,6 +237,18 @@ def test_failing_kernel_raises_with_its_name(libs):
     del a
     unload_plugin(plugin.name)
     assert_nothing_left("failing_dev")
+
+
+def test_check_command_survives_a_crashing_plugin(libs):
+    """The command runs the check in a child process: the abort inside memory_copy_d2d becomes a row."""
+    no_core_dump = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731
+    proc = subprocess.run([sys.executable, "-m", "llaisys.cli.plugin", "check", str(libs["crash"]), "--no-ops"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=no_core_dump)
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert any(line.split()[:2] == ["allocate/free", "odd"] and "pass" in line for line in lines), proc.stdout
+    assert "the plugin crashed the checking process (SIGABRT)" in proc.stdout
+    assert lines[-1] == "FAILED: the plugin crashed"
 
 
 # ---- discovery from the environment ------------------------------------------------------------

@@ -17,6 +17,7 @@
  *   CAPACITY_KB=n      device memory holds n KiB; allocations past it return C_FAILED
  *   FOREIGN_KERNEL     InitPluginKernels registers a kernel for another backend
  *   FAILING_KERNEL     registers an add kernel that returns C_INTERNAL_ERROR
+ *   CRASH_IN_D2D       memory_copy_d2d aborts the process
  *
  * DEVICE_TYPE sets the device type name (default "mini_dev").
  */
@@ -133,6 +134,13 @@ static C_Status failing_memset(const C_Device d, void *ptr, unsigned char value,
 }
 #endif
 
+#ifdef CRASH_IN_D2D
+static C_Status crashing_d2d(const C_Device d, void *dst, const void *src, size_t size) {
+  (void)d, (void)dst, (void)src, (void)size;
+  abort();
+}
+#endif
+
 #ifdef INIT_FAILS
 static C_Status failing_initialize(void) { return C_ERROR; }
 #endif
@@ -186,6 +194,9 @@ LLAISYS_PLUGIN_EXPORT void InitPlugin(CustomRuntimeParams *params) {
 #endif
 #ifdef INIT_FAILS
   api->initialize = failing_initialize;
+#endif
+#ifdef CRASH_IN_D2D
+  api->memory_copy_d2d = crashing_d2d;
 #endif
 }
 

@@ -1,7 +1,8 @@
 """``llaisys plugin check PATH``: the conformance check of a device plugin library.
 
 Prints a table of what passed, what ran through a fallback and what failed; the exit status
-is 1 when something failed. The logic lives in ``llaisys.plugins.check``.
+is 1 when something failed. The check runs in a child process, so a plugin that crashes is
+reported as a failure. The logic lives in ``llaisys.plugins.check``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load the plugin, exercise its device API with verified data, then run one decoder "
                     "layer's ops on its device and compare with the CPU.")
     add_arguments(check)
-    check.add_argument("-v", "--verbose", action="count", default=0, help="log more (repeat for debug)")
     check.set_defaults(func=_check)
     p.set_defaults(func=lambda args: _usage(p))
 

@@ -191,7 +191,9 @@ class PluginBackend(DeviceBackend):
         if "synchronize_device" in self._present:
             self._call("synchronize_device", index, self._dev(index))
         else:
-            for handle in list(self._streams.get(index, ())):
+            with self._lock:
+                handles = list(self._streams.get(index, ()))
+            for handle in handles:
                 self._sync_stream(index, handle)
         self._raise_callback_error()
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,28 +42,47 @@ class CheckRow:
     detail: str = ""
 
 
+ROW_WIDTH = 24  # the check-name column
+
+
+def format_row(row: CheckRow) -> str:
+    """One table line; the detail on one line."""
+    return f"  {row.name:<{ROW_WIDTH}}  {row.status:<8}  {' '.join(row.detail.split())}"
+
+
 @dataclass
 class CheckReport:
-    """What ``run_check`` found for the library at ``path``."""
+    """What ``run_check`` found for the library at ``path``. ``on_row`` sees each row as it
+    is added (the command prints them as they come)."""
 
     path: str
     rows: list[CheckRow] = field(default_factory=list)
-    title: str = ""
+    on_row: Callable[[CheckRow], None] | None = field(default=None, repr=False)
+
+    def add(self, name: str, status: str, detail: str = "") -> None:
+        """Append a row."""
+        row = CheckRow(name, status, detail)
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
 
     @property
     def ok(self) -> bool:
         """True when nothing failed."""
         return all(r.status != FAIL for r in self.rows)
 
-    def table(self) -> str:
-        """The rows as an aligned text table, headed by the plugin's description."""
-        width = max([len(r.name) for r in self.rows] + [5])
-        lines = [f"plugin check: {self.path}" + (f" ({self.title})" if self.title else ""),
-                 f"  {'check':<{width}}  {'result':<8}  detail"]
-        lines += [f"  {r.name:<{width}}  {r.status:<8}  {r.detail}" for r in self.rows]
+    def header(self) -> str:
+        """The lines above the rows."""
+        return f"plugin check: {self.path}\n  {'check':<{ROW_WIDTH}}  {'result':<8}  detail"
+
+    def summary(self) -> str:
+        """The line below the rows: OK or FAILED, and the count of each result."""
         counts = {s: sum(r.status == s for r in self.rows) for s in (PASS, FALLBACK, FAIL, SKIP)}
-        lines.append(f"{'OK' if self.ok else 'FAILED'}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
-        return "\n".join(lines)
+        return f"{'OK' if self.ok else 'FAILED'}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+
+    def table(self) -> str:
+        """Header, rows and summary as text."""
+        return "\n".join([self.header(), *map(format_row, self.rows), self.summary()])
 
 
 class _Host:
@@ -109,7 +131,7 @@ class _Checker:
             status, detail = FAIL, f"{type(exc).__name__}: {exc}"
         finally:
             self._free_all()
-        self.report.rows.append(CheckRow(name, status, detail))
+        self.report.add(name, status, detail)
 
     def alloc(self, n: int) -> int:
         ptr = self.b.allocate(self.i, n)
@@ -122,7 +144,7 @@ class _Checker:
             try:
                 self.b.deallocate(self.i, ptr, n)
             except PluginError as exc:
-                self.report.rows.append(CheckRow("free", FAIL, str(exc)))
+                self.report.add("free", FAIL, str(exc))
 
     def h2d(self, dst: int, a: np.ndarray) -> None:
         self.b.copy_h2d(self.i, dst, _ptr(a), a.nbytes)
@@ -419,20 +441,21 @@ def random_model_run(device: str, seed: int = 0) -> tuple[np.ndarray, list[int]]
     return logits, tokens
 
 
-def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool = True) -> CheckReport:
+def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool = True,
+              on_row: Callable[[CheckRow], None] | None = None) -> CheckReport:
     """Load the plugin at ``path`` and run every check on device ``device_index``; ``ops``
-    also runs the decoder-layer chain against the CPU."""
+    also runs the decoder layer and the model against the CPU. ``on_row`` sees each row."""
     from .loader import load_plugin
 
-    report = CheckReport(os.fspath(path))
+    report = CheckReport(os.fspath(path), on_row=on_row)
     try:
         plugin = load_plugin(path)
     except (PluginError, OSError, ValueError) as exc:
-        report.rows.append(CheckRow("load", FAIL, str(exc)))
+        report.add("load", FAIL, str(exc))
         return report
     version = ".".join(map(str, plugin.version))
-    report.title = f"{plugin.name}, {plugin.sub_device_type or 'no sub type'}, ABI {version}"
-    report.rows.append(CheckRow("load", PASS, f"device type {plugin.name}; required APIs present"))
+    report.add("load", PASS, f"device type {plugin.name} ({plugin.sub_device_type or 'no sub type'}), "
+                             f"ABI {version}; required APIs present")
     c = _Checker(plugin, device_index, report)
     c.run("devices", c.devices)
     if report.rows[-1].status == FAIL:
@@ -455,32 +478,61 @@ def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool =
         c.run("decoder layer vs CPU", c.decoder_layer, [f"kernel {op}" for op in missing])
         c.run("model vs CPU", c.model, [f"kernel {op}" for op in missing])
     else:
-        report.rows.append(CheckRow("decoder layer vs CPU", SKIP, "not asked for (--no-ops)"))
-        report.rows.append(CheckRow("model vs CPU", SKIP, "not asked for (--no-ops)"))
+        report.add("decoder layer vs CPU", SKIP, "not asked for (--no-ops)")
+        report.add("model vs CPU", SKIP, "not asked for (--no-ops)")
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m llaisys.plugins.check PATH``: print the report; 1 when a check failed."""
-    parser = argparse.ArgumentParser(prog="llaisys plugin check", description="Check a device plugin library.")
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The check's command-line arguments."""
     parser.add_argument("path", help="the plugin library (lib*.so)")
     parser.add_argument("--device", type=int, default=0, metavar="INDEX", help="device index to check (default 0)")
-    parser.add_argument("--no-ops", action="store_true", help="skip running the decoder-layer ops on the device")
+    parser.add_argument("--no-ops", action="store_true", help="skip running ops and a model on the device")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run in this process (by default a child process runs the check, so that a "
+                             "plugin that crashes is reported rather than taking the command down)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (repeat for debug)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run the check for parsed ``args``, print the table, return the exit status."""
+    """Run the check for parsed ``args``, printing the table as it goes; returns the exit
+    status: 0 when nothing failed, 1 otherwise."""
     if args.device < 0:
         raise ValueError(f"--device must be >= 0, got {args.device}")
-    report = run_check(args.path, args.device, ops=not args.no_ops)
-    print(report.table())
-    return 0 if report.ok else 1
+    if args.in_process:
+        print(CheckReport(os.fspath(args.path)).header(), flush=True)
+        report = run_check(args.path, args.device, ops=not args.no_ops,
+                           on_row=lambda row: print(format_row(row), flush=True))
+        print(report.summary(), flush=True)
+        return 0 if report.ok else 1
+    cmd = [sys.executable, "-m", "llaisys.plugins.check", "--in-process", os.fspath(args.path),
+           "--device", str(args.device), *(["--no-ops"] if args.no_ops else []), *(["-v"] * args.verbose)]
+    sys.stdout.flush()
+    rc = subprocess.run(cmd).returncode
+    if rc >= 0:
+        return rc
+    try:
+        why = signal.Signals(-rc).name
+    except ValueError:
+        why = f"signal {-rc}"
+    print(format_row(CheckRow("(crash)", FAIL, f"the plugin crashed the checking process ({why}) in the check "
+                                               "after the last row above")))
+    print("FAILED: the plugin crashed", flush=True)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m llaisys.plugins.check PATH``: print the report; 1 when a check failed."""
+    parser = argparse.ArgumentParser(prog="llaisys plugin check", description="Check a device plugin library.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose <= 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return run_cli(args)
+    except ValueError as exc:
+        print(f"llaisys plugin check: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

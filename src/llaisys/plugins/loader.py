@@ -8,6 +8,7 @@ version must be 0.1.x with x >= 1; the device type must be new; the required API
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import glob
 import logging
@@ -103,6 +104,18 @@ def unload_plugin(name: str) -> None:
         plugin.backend.close()
         del _by_name[plugin.name]
         _by_path.pop(plugin.path, None)
+
+
+@atexit.register
+def _shutdown() -> None:
+    """At exit: let queued work (and host callbacks) finish, then finalize each plugin."""
+    for plugin in loaded_plugins():
+        try:
+            for index in range(plugin.backend.device_count()):
+                plugin.backend.synchronize_device(index)
+        except PluginError as exc:
+            log.warning("%s", exc)
+        plugin.backend.close()
 
 
 def plugin_search_dirs() -> list[Path]:
