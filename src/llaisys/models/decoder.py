@@ -41,10 +41,11 @@ class Workspace:
         self.x = new(s, d)  # (S, D) the residual stream
         self.h = new(s, d)  # (S, D) normalised input of a block
         self.qkv = new(s, dq + 2 * dkv)  # (S, Dq + 2*Dkv)
-        self.q_in = self.qkv.slice(1, 0, dq).view(s, h, dh)  # (S, H, Dh) strided view
-        self.k_in = self.qkv.slice(1, dq, dq + dkv).view(s, kh, dh)  # (S, KH, Dh)
+        self.qk_in = self.qkv.slice(1, 0, dq + dkv).view(s, h + kh, dh)  # (S, H+KH, Dh) strided view
         self.v_in = self.qkv.slice(1, dq + dkv, dq + 2 * dkv).view(s, kh, dh)  # (S, KH, Dh)
-        self.q = new(s, h, dh)  # (S, H, Dh) after rope
+        self.qk = new(s, h + kh, dh)  # (S, H+KH, Dh) q and k heads after rope (one rope call for both)
+        self.q = self.qk.slice(1, 0, h)  # (S, H, Dh)
+        self.k = self.qk.slice(1, h, h + kh)  # (S, KH, Dh)
         self.attn = new(s, h, dh)  # (S, H, Dh)
         self.attn_flat = self.attn.view(s, dq)  # (S, Dq)
         self.proj = new(s, d)  # (S, D) output of a block before the residual add
@@ -62,9 +63,9 @@ def attention(ws: Workspace, lp: LayerParams, cache: KVCache, layer: int, start:
     """ws.proj = o_proj(causal attention of rms_norm(ws.x)); appends this pass's K/V to the cache."""
     ops.rms_norm(ws.h, ws.x, lp.attn_norm, config.rms_norm_eps)  # (S, D)
     ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias)  # (S, Dq + 2*Dkv)
-    ops.rope(ws.q, ws.q_in, ws.pos, config.rope_theta)  # (S, H, Dh)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta)  # (S, H+KH, Dh)
     k_all, v_all = cache.k_layers[layer], cache.v_layers[layer]  # (Tmax, KH, Dh)
-    ops.rope(k_all.slice(0, start, end), ws.k_in, ws.pos, config.rope_theta)  # new keys straight into the cache
+    ops.rearrange(k_all.slice(0, start, end), ws.k)  # (S, KH, Dh) into the cache
     ops.rearrange(v_all.slice(0, start, end), ws.v_in)  # (S, KH, Dh)
     ops.self_attention(ws.attn, ws.q, k_all.slice(0, 0, end), v_all.slice(0, 0, end), scale)  # (S, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias)  # (S, D)

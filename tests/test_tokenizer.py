@@ -1,0 +1,173 @@
+"""The tokenizer built from GGUF metadata against transformers' tokenizer from the same file,
+and chat template rendering against transformers' apply_chat_template."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from llaisys.models.loaders.gguf import metadata, open_gguf  # noqa: E402
+from llaisys.models.tokenizer import Tokenizer, byte_alphabet  # noqa: E402
+
+CORPUS = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, trailing spaces   ",
+    "runs\t\ttabs\n\n\nnewlines\r\nand CRLF",
+    "def reverse(s: str) -> str:\n    return s[::-1]  # slice\n",
+    "for (int i = 0; i < n; ++i) { total += a[i]; }",
+    "中文测试：你好，世界！机器学习",
+    "日本語のテキストと한국어 텍스트",
+    "emoji 😀🎉👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more<repo_name>x<file_sep>",
+    "numbers 3.14159, 1,000,000 and 2024-01-01 12:30; 0x1F",
+    "Ünïcödé àccents naïve café façade",
+    "I'm sure you're right, they'll see we've done it",
+    "https://example.com/path?query=a&b=c#frag",
+    "x" * 40 + " " + "ab" * 20,
+    "",
+    " ",
+    "\n",
+    "a\u00a0b\u2003c\u200bd",  # no-break, em and zero-width spaces
+]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_path):
+    return Tokenizer.from_gguf(metadata(open_gguf(str(smollm2_path))), str(smollm2_path))
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_encode_matches_transformers(ours, hf_smollm2_tokenizer, text):
+    assert ours.encode(text) == hf_smollm2_tokenizer.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == hf_smollm2_tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_decode_matches_transformers(ours, hf_smollm2_tokenizer, text):
+    ids = hf_smollm2_tokenizer.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == hf_smollm2_tokenizer.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids) == hf_smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_round_trip_of_plain_text(ours):
+    for text in CORPUS:
+        if "<|" not in text and "<repo" not in text:
+            assert ours.decode(ours.encode(text)) == text
+
+
+def test_special_tokens_and_sizes(ours, hf_smollm2_tokenizer):
+    assert ours.vocab_size == len(hf_smollm2_tokenizer)
+    assert ours.bos_token_id == hf_smollm2_tokenizer.bos_token_id
+    assert ours.eos_token_ids == [hf_smollm2_tokenizer.eos_token_id]
+    assert ours.encode("<|im_end|>") == [hf_smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 你好"},
+     {"role": "user", "content": "Tell me a joke about 🐍."}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, hf_smollm2_tokenizer, messages, add_generation_prompt):
+    want = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == want
+
+
+def test_template_helpers_behave_like_transformers(ours):
+    template = ("{% if messages|length > 2 %}{{ raise_exception('at most two messages') }}{% endif %}"
+                "{% for m in messages %}{{ m|tojson }}{% endfor %}{{ strftime_now('%Y') | length }}")
+    tok = Tokenizer(ours.backend, chat_template=template)
+    msgs = [{"role": "user", "content": "héllo"}]
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    want, _ = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=False)
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == want[0]
+    with pytest.raises(ValueError, match="at most two messages"):
+        tok.apply_chat_template(msgs * 3)
+
+
+def test_missing_template_and_bad_input_are_clear(ours):
+    bare = Tokenizer(ours.backend)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TypeError, match="list of dicts"):
+        ours.apply_chat_template("hello")
+    with pytest.raises(ValueError, match="no 'role'"):
+        ours.apply_chat_template([{"content": "x"}])
+    with pytest.raises(TypeError, match="str"):
+        ours.encode(b"bytes")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ours.decode([ours.vocab_size])
+
+
+# ---- other tokenizer kinds, written as small GGUF files ------------------------------
+def _hf_from_gguf(path):
+    return transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
+
+
+def _write(path, tokens, types, merges=None, scores=None, model="gpt2", pre=None, extra=None):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(model)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    for key, value in (extra or {}).items():
+        getattr(w, f"add_{key}")(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+BPE_TEXTS = ["hello world 123456 don't", "   x\n\n  y\t z", "ÀÉÎ ñ 中文 😀", "abc123def 4567 it's THE END"]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "default"])
+def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
+    spell = byte_alphabet()
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2", "12 3",
+              "Ġ Ġ", "d o", "do n", "' t", "i t", "' s", "T H", "TH E"]
+    tokens = ["<|endoftext|>"] + list(spell.values())
+    for m in merges:
+        tokens.append(m.replace(" ", ""))
+    types = [3] + [1] * (len(tokens) - 1)
+    path = tmp_path / f"{pre}.gguf"
+    _write(path, tokens, types, merges=merges, pre=pre, extra={"eos_token_id": 0})
+    ours = Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
+    ref = _hf_from_gguf(path)
+    for text in BPE_TEXTS + ["a<|endoftext|>b"]:
+        assert ours.encode(text) == ref.encode(text), (pre, text)
+        ids = ref.encode(text)
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
+    pieces = ["▁", "a", "b", "c", "d", "e", "▁a", "ab", "▁ab", "cd", "▁cd", "abc", "▁abc", "de", "▁de", "e▁"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    # distinct scores, best first, so the merge order is unambiguous
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    path = tmp_path / "spm.gguf"
+    _write(path, tokens, types, scores=scores, model="llama",
+           extra={"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "add_bos_token": True})
+    ours = Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
+    ref = _hf_from_gguf(path)
+    for text in ["abc de", "ab cd abcde", " a b  c", "zé!", "abc</s>de"]:
+        assert ours.encode(text) == ref.encode(text), text
+        ids = ref.encode(text)
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == [2]
