@@ -141,3 +141,24 @@ def test_real_tokenizer_emoji_streams_whole_characters(model) -> None:
     deltas = [e.text_delta for e in events]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+@pytest.mark.parametrize("defaults,argv,want", [
+    ({}, [], {"temperature": 0.3, "top_p": 0.9, "top_k": 0}),  # no generation_config: the CLI's defaults
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20}, [], {"temperature": 0.6, "top_p": 1.0, "top_k": 20}),
+    ({"do_sample": True}, [], {"temperature": 1.0}),  # Hugging Face's temperature when none is given
+    ({"do_sample": False, "temperature": 0.6}, [], {"temperature": 0.0}),
+    ({"temperature": 0.6}, ["--greedy"], {"temperature": 0.0, "top_p": 1.0}),
+    ({"temperature": 0.6}, ["--greedy", "--temperature", "0.9"], {"temperature": 0.0}),
+    ({}, ["--top-k", "5", "--min-p", "0.1", "--stop", "a", "--stop", "b"],
+     {"temperature": 0.3, "top_k": 5, "min_p": 0.1, "stop": ("a", "b")}),
+])
+def test_sampling_options_over_model_defaults(defaults: dict, argv: list[str], want: dict) -> None:
+    from llaisys.cli.common import config_from_args
+    from llaisys.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "x", *argv])
+    fake = type("M", (), {"generation_defaults": defaults})()
+    cfg = config_from_args(args, fake)
+    assert {k: getattr(cfg, k) for k in want} == want
+    assert (cfg.seed is None) == cfg.greedy  # sampling always has a seed to report

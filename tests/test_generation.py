@@ -303,6 +303,7 @@ def test_config_from_model_defaults() -> None:
                                          "pad_token_id": 2}, top_p=None, max_new_tokens=9)
     assert (cfg.temperature, cfg.top_p, cfg.max_new_tokens) == (0.6, 0.95, 9)
     assert GenerationConfig.from_defaults({"temperature": 0.6, "do_sample": False}).temperature == 0.0
+    assert GenerationConfig.from_defaults({"top_p": 0.8, "do_sample": True}).temperature == 1.0
     with pytest.raises(TypeError, match="nucleus"):
         GenerationConfig.from_defaults(None, nucleus=0.5)
 

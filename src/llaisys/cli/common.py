@@ -81,7 +81,7 @@ def load_from_args(args: argparse.Namespace, source: str | None = None) -> Any:
 
     t0 = time.perf_counter()
     model = load_model(source if source is not None else args.model, dtype=args.dtype, device=args.device,
-                       progress=sys.stderr.isatty())
+                       progress=sys.stderr.isatty())  # a redrawn line would litter a log file
     logger.info("loaded %s in %.2f s", model.source, time.perf_counter() - t0)
     return model
 
@@ -95,9 +95,8 @@ def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
     defaults = dict(getattr(model, "generation_defaults", None) or {})
     if args.greedy:
         defaults = {"temperature": 0.0}  # plain argmax unless a knob is given explicitly
-    elif not any(k in defaults for k in SAMPLING_KEYS) or defaults.get("do_sample") is False:
+    elif not any(k in defaults for k in (*SAMPLING_KEYS, "do_sample")):
         defaults = {**defaults, **CLI_SAMPLING}
-        defaults.pop("do_sample", None)
     overrides = {k: getattr(args, k) for k in SAMPLING_KEYS}
     if args.greedy:
         overrides["temperature"] = 0.0

@@ -98,15 +98,20 @@ class GenerationConfig:
         """Build from a model's ``generation_config.json`` values, then ``overrides`` (None = keep).
 
         Keys this class does not know (pad_token_id, bos_token_id...) are ignored. As in
-        Hugging Face, ``do_sample: false`` in the defaults means greedy.
+        Hugging Face, ``do_sample: false`` means greedy and ``do_sample: true`` without a
+        temperature means temperature 1; sampling values without ``do_sample`` are taken as
+        meant to be used.
         """
         known = {f.name for f in dataclasses.fields(cls)} - {"eos_token_ids"}
         values: dict[str, Any] = {}
         for key, value in (defaults or {}).items():
             if key in known and value is not None:
                 values[key] = value
-        if defaults is not None and defaults.get("do_sample") is False:
+        do_sample = (defaults or {}).get("do_sample")
+        if do_sample is False:
             values["temperature"] = 0.0
+        elif do_sample is True and "temperature" not in values:
+            values["temperature"] = 1.0
         for key, value in overrides.items():
             if key not in known and key != "eos_token_ids":
                 raise TypeError(f"GenerationConfig has no field {key!r}")

@@ -15,7 +15,7 @@ class Timings:
     cached_tokens: int = 0  # of those, reused from a cache and not run again
     generated_tokens: int = 0
     prefill_s: float = 0.0  # running the prompt's uncached tokens up to the first logits
-    ttft_s: float = 0.0  # request start to the first token picked (prefill and sampling included)
+    ttft_s: float = 0.0  # first step of the stream to the first token picked (prefill and sampling included)
     decode_s: float = 0.0  # first token picked to the last token picked
     total_s: float = 0.0
 
