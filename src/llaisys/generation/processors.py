@@ -54,18 +54,26 @@ def top_k(logits: np.ndarray, k: int, min_tokens_to_keep: int = 1) -> np.ndarray
 def top_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarray:
     """Nucleus filter: keep the most likely tokens whose probabilities sum to at least ``p``.
 
-    As in Hugging Face: sort ascending, drop a token while the cumulative probability up to and
-    including it is <= 1 - p; the ``min_tokens_to_keep`` most likely always stay.
+    As in Hugging Face, a token stays when the probability of the tokens more likely than it
+    sums to less than ``p``; the ``min_tokens_to_keep`` most likely always stay.
     """
     if p >= 1.0:
         return logits
-    live = np.flatnonzero(np.isfinite(logits))  # (L,) tokens not already filtered
-    order = live[np.argsort(logits[live], kind="stable")]  # (L,) ascending
-    cumulative = np.cumsum(softmax(logits[order]))  # (L,)
-    drop = cumulative <= 1.0 - p  # (L,)
-    drop[max(len(order) - min_tokens_to_keep, 0):] = False
-    out = logits.copy()
-    out[order[drop]] = FILTERED
+    probs = softmax(logits)  # (V,)
+    # The kept tokens are a prefix of the descending order, so all tokens at or above a
+    # threshold hold it once their mass reaches p; only those are sorted.
+    threshold = probs.max() * 1e-3
+    while True:
+        head = np.flatnonzero(probs >= threshold)  # (m,)
+        if head.size >= min_tokens_to_keep and probs[head].sum() >= p or threshold == 0.0:
+            break
+        threshold = threshold * 1e-3 if threshold > 1e-300 else 0.0
+    head = head[np.argsort(-probs[head], kind="stable")]  # (m,) descending
+    cumulative = np.cumsum(probs[head])  # (m,)
+    n_keep = max(int(np.searchsorted(cumulative, p, side="left")) + 1, min_tokens_to_keep)
+    out = np.full_like(logits, FILTERED)
+    keep = head[:n_keep]
+    out[keep] = logits[keep]
     return out
 
 

@@ -12,15 +12,15 @@ from .processors import process_logits, repetition_penalty
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from softmax(logits) (V,); ``-inf`` entries are never drawn.
 
-    One uniform number per draw, inverted through the cumulative distribution of the live tokens.
+    One uniform number per draw, inverted through the cumulative distribution.
     """
-    live = np.flatnonzero(np.isfinite(logits))  # (L,)
-    if live.size == 0:
+    top = float(logits.max())
+    if top == -np.inf:
         raise ValueError("every token was filtered out; loosen top_k / top_p / min_p")
-    weights = np.exp(logits[live].astype(np.float64) - float(logits[live].max()))  # (L,)
-    cdf = np.cumsum(weights)  # (L,)
-    j = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(live[min(j, live.size - 1)])
+    weights = np.exp(logits.astype(np.float64) - top)  # (V,) filtered tokens weigh 0
+    cdf = np.cumsum(weights)  # (V,)
+    # side="right": the first index whose cdf exceeds the draw, never a zero-weight one
+    return int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
 
 
 class Sampler:
