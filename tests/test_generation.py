@@ -327,3 +327,23 @@ def test_prompt_longer_than_the_context() -> None:
     model.config.max_position_embeddings = 3
     with pytest.raises(ValueError, match="context"):
         generate(model, PROMPT)
+
+
+def test_timings_leave_out_the_consumers_time() -> None:
+    import time
+
+    model = scripted(PLEN, text_script("abcd"))
+    inner = model.forward
+
+    def slow_forward(token_ids, cache, all_logits=False):
+        time.sleep(0.01)
+        return inner(token_ids, cache, all_logits)
+    model.forward = slow_forward  # type: ignore[method-assign]
+    s = stream(model, PROMPT, GenerationConfig(max_new_tokens=4))
+    for _ in s:
+        time.sleep(0.1)  # a slow reader
+    t = s.timings
+    assert t.generated_tokens == 4 and s.finish_reason == "length"
+    assert 0.03 <= t.decode_s < 0.3  # three forward steps of 10 ms, not the reader's 0.3 s
+    assert 0.01 <= t.prefill_s <= t.ttft_s < 0.1
+    assert t.total_s >= 0.3

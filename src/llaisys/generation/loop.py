@@ -109,16 +109,13 @@ class GenerationStream:
         logits = self._forward(self.prompt_ids[cached:])  # (V,)
         t_prefill = time.perf_counter()
         self.timings.prefill_s = t_prefill - t0
-        t_first = t_prefill
+        t_resume = t_prefill  # when the generator last got control back from its consumer
         room = self.prompt_cache.max_tokens - len(self.prompt_cache.token_ids)
         limit = min(cfg.max_new_tokens, room + 1)  # the last token picked is never run
         for step in range(limit):
             token = sampler(logits, context)
-            now = time.perf_counter()
             if step == 0:
-                t_first = now
-                self.timings.ttft_s = now - t0
-            self.timings.decode_s = now - t_first
+                self.timings.ttft_s = time.perf_counter() - t0
             self.token_ids.append(token)
             context.append(token)
             self.timings.generated_tokens = len(self.token_ids)
@@ -139,10 +136,13 @@ class GenerationStream:
             if finish is not None:
                 self.finish_reason = finish
                 self.timings.total_s = time.perf_counter() - t0
-                logger.debug("finished (%s): %s", finish, self.timings)
+                logger.debug("finished (%s): %s", finish, self.timings.as_dict())
+            if step > 0:  # time spent by the consumer between events is not decode time
+                self.timings.decode_s += time.perf_counter() - t_resume
             yield StreamEvent(delta, token, finish)
             if finish is not None:
                 return
+            t_resume = time.perf_counter()
             logits = self._forward([token])
 
 

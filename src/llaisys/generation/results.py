@@ -16,8 +16,8 @@ class Timings:
     generated_tokens: int = 0
     prefill_s: float = 0.0  # running the prompt's uncached tokens up to the first logits
     ttft_s: float = 0.0  # first step of the stream to the first token picked (prefill and sampling included)
-    decode_s: float = 0.0  # first token picked to the last token picked
-    total_s: float = 0.0
+    decode_s: float = 0.0  # running and picking the tokens after the first (time with the consumer left out)
+    total_s: float = 0.0  # first step to the last token, wall clock
 
     @property
     def prefill_tokens_per_s(self) -> float:
