@@ -45,10 +45,13 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         self.cache = PromptCache(model)
 
-    def reset(self, system: str | None = None, *, keep_system: bool = True) -> None:
-        """Forget the turns; the cache is kept, as the next prompt may share its beginning."""
-        if not keep_system:
-            self.system = system
+    def reset(self) -> None:
+        """Forget the turns, keep the system message. The cache stays: the next prompt shares its start."""
+        self.messages.clear()
+
+    def set_system(self, system: str | None) -> None:
+        """Replace the system message (None removes it) and start over."""
+        self.system = system
         self.messages.clear()
 
     def _all_messages(self) -> list[dict[str, str]]:
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                     conv.reset()
                     print("[conversation reset]", file=sys.stderr)
                 elif cmd == "/system":
-                    conv.reset(rest.strip() or None, keep_system=False)
+                    conv.set_system(rest.strip() or None)
                     print("[system message set]" if rest.strip() else "[system message removed]", file=sys.stderr)
                 else:
                     print(f"unknown command {cmd}; /help lists the commands", file=sys.stderr)
