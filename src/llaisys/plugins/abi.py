@@ -222,9 +222,8 @@ class LlaisysKernelAttr(ctypes.Structure):
     _fields_ = [("name", c_char_p), ("value", c_double)]
 
 
-TensorDescArray = POINTER(POINTER(LlaisysTensorDesc))
-LlaisysKernelFn = CFUNCTYPE(Status, C_Device, C_Stream, TensorDescArray, c_size_t, TensorDescArray,
-                            c_size_t, POINTER(LlaisysKernelAttr), c_size_t)
+# The descriptor arrays (const LlaisysTensorDesc *const *) and the attributes pass as addresses.
+LlaisysKernelFn = CFUNCTYPE(Status, C_Device, C_Stream, c_void_p, c_size_t, c_void_p, c_size_t, c_void_p, c_size_t)
 RegisterKernelFn = CFUNCTYPE(Status, c_void_p, c_char_p, c_char_p, c_int, c_int, c_void_p)
 
 

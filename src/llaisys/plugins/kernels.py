@@ -10,6 +10,7 @@ elements) and calls the C function synchronously (stream NULL).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -106,12 +107,10 @@ def _wrap(kernel: PluginKernel, backend: "PluginBackend") -> Callable[[tuple, tu
     api = f"kernel {kernel.op}"
 
     def run(outputs: Sequence["Tensor"], inputs: Sequence["Tensor | None"], attrs: dict[str, Any]) -> None:
-        keep: list[Any] = []  # the descriptors and their arrays live until the call returns
-        outs = _desc_array(outputs, keep)
-        ins = _desc_array(inputs, keep)
-        attr_arr = (abi.LlaisysKernelAttr * max(len(attrs), 1))(
-            *(abi.LlaisysKernelAttr(k.encode(), float(v)) for k, v in attrs.items()))
+        outs, out_descs = _desc_array(outputs)
+        ins, in_descs = _desc_array(inputs)  # the descriptors stay alive until the call returns
         index = outputs[0].device.index
+        attr_arr = _attrs(tuple(attrs.items())) if attrs else None
         status = cfn(backend.device_handle(index), None, outs, len(outputs), ins, len(inputs), attr_arr, len(attrs))
         backend.check_status(api, status, index)
 
@@ -120,14 +119,32 @@ def _wrap(kernel: PluginKernel, backend: "PluginBackend") -> Callable[[tuple, tu
     return run
 
 
-def _desc_array(tensors: Sequence["Tensor | None"], keep: list[Any]) -> Any:
-    arr = (ctypes.POINTER(abi.LlaisysTensorDesc) * max(len(tensors), 1))()
+_DESC_SIZE = ctypes.sizeof(abi.LlaisysTensorDesc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dims(values: tuple[int, ...]) -> ctypes.Array:
+    """A C int64 array of ``values``, shared by every call with the same shape or strides
+    (kernels receive them as const)."""
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
+@functools.lru_cache(maxsize=256)
+def _attrs(items: tuple[tuple[str, float], ...]) -> ctypes.Array:
+    """A C LlaisysKernelAttr array of ``items`` (ops repeat the same eps, theta and scale)."""
+    return (abi.LlaisysKernelAttr * len(items))(*(abi.LlaisysKernelAttr(k.encode(), float(v)) for k, v in items))
+
+
+def _desc_array(tensors: Sequence["Tensor | None"]) -> tuple[ctypes.Array, ctypes.Array]:
+    """(array of descriptor addresses, the descriptors): one LlaisysTensorDesc per tensor,
+    a NULL address for an absent one."""
+    n = max(len(tensors), 1)
+    descs = (abi.LlaisysTensorDesc * n)()
+    ptrs = (ctypes.c_void_p * n)()
+    base = ctypes.addressof(descs)
     for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        shape = (ctypes.c_int64 * max(t.ndim, 1))(*t.shape)
-        strides = (ctypes.c_int64 * max(t.ndim, 1))(*t.strides)
-        desc = abi.LlaisysTensorDesc(t.data_ptr, abi.to_c_dtype(t.dtype), t.ndim, shape, strides)
-        keep.extend((shape, strides, desc))
-        arr[i] = ctypes.pointer(desc)
-    return arr
+        if t is not None:
+            descs[i] = abi.LlaisysTensorDesc(t.data_ptr, abi.to_c_dtype(t.dtype), len(t.shape), _dims(t.shape),
+                                             _dims(t.strides))
+            ptrs[i] = base + i * _DESC_SIZE
+    return ptrs, descs
