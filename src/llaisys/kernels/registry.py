@@ -33,11 +33,12 @@ Kernel = Callable[[tuple, tuple, dict], None]
 class Layout(enum.IntEnum):
     """Memory layout a kernel accepts; values follow the plugin ABI's ``C_DataLayout``."""
 
-    NCHW = 0
+    ANY = 0  # ALL_LAYOUT: any strided tensor
     NHWC = 1
-    NCDHW = 2
-    NDHWC = 3
-    ANY = 4  # ALL_LAYOUT: any strided tensor
+    NCHW = 2
+    NCDHW = 3
+    NDHWC = 4
+    STRIDED = 5
 
 
 KernelKey = tuple  # (name, backend name, Layout, DataType)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 KNOWN_OPS = ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu")
 
 # C_DataLayout -> registry Layout; ANY (= ALL_LAYOUT) and STRIDED both take any strided tensor.
-_LAYOUTS = {0: Layout.ANY, 1: Layout.NHWC, 2: Layout.NCHW, 3: Layout.NCDHW, 4: Layout.NDHWC, 5: Layout.ANY}
+_LAYOUTS = {0: Layout.ANY, 1: Layout.NHWC, 2: Layout.NCHW, 3: Layout.NCDHW, 4: Layout.NDHWC, 5: Layout.ANY}  # same values; STRIDED registers as ANY
 
 
 @dataclass(frozen=True)
