@@ -34,6 +34,7 @@ class CpuStream:
         self._thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
+        """Queue ``task`` after everything queued before it."""
         with self._idle:
             self._pending += 1
         self._tasks.put(task)
@@ -52,6 +53,7 @@ class CpuStream:
                 self._idle.notify_all()
 
     def synchronize(self) -> None:
+        """Block until the queue is empty; re-raise the first error a task raised since."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
         if self.error is not None:
@@ -59,10 +61,12 @@ class CpuStream:
             raise err
 
     def done(self) -> bool:
+        """True when every queued task has run."""
         with self._idle:
             return self._pending == 0
 
     def close(self) -> None:
+        """Finish the queued work and stop the worker thread."""
         try:
             self.synchronize()
         finally:
@@ -82,6 +86,7 @@ class CpuEvent:
         self.done.set()  # a never-recorded event counts as complete, as in CUDA
 
     def record(self, stream: CpuStream | None) -> None:
+        """Complete once ``stream`` (None: the host, at once) has run the work queued so far."""
         done = threading.Event()
         if stream is None:
             done.set()

@@ -46,6 +46,7 @@ class DataType(enum.IntEnum):
 
     @property
     def is_floating(self) -> bool:
+        """True for the real floating-point types (F8, F16, BF16, F32, F64)."""
         return self in (DataType.F8, DataType.F16, DataType.F32, DataType.F64, DataType.BF16)
 
 

@@ -1,14 +1,20 @@
 """Causal self-attention with grouped KV heads on the CPU."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..registry import register_kernel
 from ._common import FLOATS, f32
 
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
 
 @register_kernel("self_attention", "cpu", dtypes=FLOATS)
-def self_attention(outputs, inputs, attrs) -> None:
+def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """Causal grouped-query attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv) into (S, H, Dv); attrs: scale."""
     out = outputs[0].host_array()  # (S, H, Dv)
     q, k, v = (f32(t.host_array()) for t in inputs)  # (S, H, D), (T, KH, D), (T, KH, Dv)
     s, h, d = q.shape

@@ -1,15 +1,21 @@
 """add, swiglu and rearrange on the CPU."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS, f32
 
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
 
 @register_kernel("add", "cpu", dtypes=FLOATS)
-def add(outputs, inputs, attrs) -> None:
+def add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """c = a + b for outputs (c,), inputs (a, b) of one shape; F16/BF16 summed in F32."""
     c = outputs[0].host_array()
     a, b = (t.host_array() for t in inputs)
     if c.dtype == np.float32:
@@ -19,7 +25,8 @@ def add(outputs, inputs, attrs) -> None:
 
 
 @register_kernel("swiglu", "cpu", dtypes=FLOATS)
-def swiglu(outputs, inputs, attrs) -> None:
+def swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out = up * gate / (1 + exp(-gate)) for outputs (out,), inputs (gate, up) of one shape, in F32."""
     out = outputs[0].host_array()
     gate, up = (f32(t.host_array()) for t in inputs)
     # silu(g) = g / (1 + e^-g); e^-g overflowing to inf gives the right limit 0.
@@ -32,5 +39,6 @@ def swiglu(outputs, inputs, attrs) -> None:
 
 
 @register_kernel("rearrange", "cpu", dtypes=tuple(t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32)))
-def rearrange(outputs, inputs, attrs) -> None:
+def rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """Strided copy of inputs (in,) into outputs (out,), both of one shape and dtype."""
     outputs[0].host_array()[...] = inputs[0].host_array()

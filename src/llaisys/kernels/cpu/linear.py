@@ -5,12 +5,17 @@ large matrix (the 49152 x 576 output head) is never copied whole and the block s
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import threading
 
 import numpy as np
 
 from ..registry import register_kernel
 from ._common import FLOATS, f32
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
 
 _BLOCK_BYTES = 4 << 20  # F32 bytes of weight widened per BLAS call
 _scratch = threading.local()
@@ -25,7 +30,8 @@ def _weight_buffer(rows: int, cols: int) -> np.ndarray:
 
 
 @register_kernel("linear", "cpu", dtypes=FLOATS)
-def linear(outputs, inputs, attrs) -> None:
+def linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (..., N) = in (..., K) @ weight (N, K)^T + bias (N,) for inputs (in, weight, bias or None)."""
     out = outputs[0].host_array()  # (..., N)
     x_t, w_t, b_t = inputs
     x, w = x_t.host_array(), w_t.host_array()  # (..., K), (N, K)

@@ -1,15 +1,21 @@
 """argmax and embedding on the CPU."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS
 
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
 
 @register_kernel("argmax", "cpu", dtypes=FLOATS)
-def argmax(outputs, inputs, attrs) -> None:
+def argmax(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """outputs (max_idx I64, max_val) = index and value of the maximum over the last dim of vals (..., n)."""
     idx_out, val_out = (t.host_array() for t in outputs)
     vals = inputs[0].host_array()  # (..., n)
     idx = np.argmax(vals, axis=-1)  # (...)
@@ -18,7 +24,8 @@ def argmax(outputs, inputs, attrs) -> None:
 
 
 @register_kernel("embedding", "cpu", dtypes=FLOATS)
-def embedding(outputs, inputs, attrs) -> None:
+def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (S, D) = weight (V, D) rows at index (S,) I64; ValueError for an index outside [0, V)."""
     out = outputs[0].host_array()  # (S, D)
     index = inputs[0].host_array()  # (S,)
     weight = inputs[1].host_array()  # (V, D)

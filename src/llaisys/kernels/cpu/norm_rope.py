@@ -1,6 +1,8 @@
 """rms_norm and rope on the CPU."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import functools
 
 import numpy as np
@@ -8,9 +10,13 @@ import numpy as np
 from ..registry import register_kernel
 from ._common import FLOATS, f32
 
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
 
 @register_kernel("rms_norm", "cpu", dtypes=FLOATS)
-def rms_norm(outputs, inputs, attrs) -> None:
+def rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (..., D) = in / sqrt(mean(in^2) + eps) * weight (D,), in F32; attrs: eps."""
     out = outputs[0].host_array()
     x = f32(inputs[0].host_array())  # (..., D)
     w = f32(inputs[1].host_array())  # (D,)
@@ -29,7 +35,8 @@ def _inv_freq(dim: int, theta: float) -> np.ndarray:
 
 
 @register_kernel("rope", "cpu", dtypes=FLOATS)
-def rope(outputs, inputs, attrs) -> None:
+def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """Rotary embedding of in (S, H, D) at pos_ids (S,) I64, halves rotated by pos / theta^(2j/D); attrs: theta."""
     out = outputs[0].host_array()  # (S, H, D)
     x = f32(inputs[0].host_array())
     pos = inputs[1].host_array()  # (S,)
