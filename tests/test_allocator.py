@@ -268,3 +268,11 @@ def test_cpu_tensors_use_the_caching_allocator():
     t2 = llaisys.Tensor.empty((100,), "f32")
     assert allocator.stats().num_device_allocs == after.num_device_allocs  # served from the cache
     np.testing.assert_array_equal(t2.load(np.arange(100, dtype=np.float32)).numpy(), np.arange(100))
+
+
+def test_cpu_out_of_memory_is_a_clear_error():
+    allocator = get_runtime("cpu").allocator
+    before = allocator.stats().allocated
+    with pytest.raises(llaisys.runtime.OutOfMemoryError, match="cpu:0: allocate failed: no host memory for"):
+        llaisys.Tensor.empty((1 << 62,), "u8")  # more than any address space
+    assert allocator.stats().allocated == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import threading
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +18,6 @@ import llaisys
 from llaisys import MemcpyKind, Tensor
 from llaisys.backends.cpu import CpuBackend
 from llaisys.runtime import DeviceBackend, DeviceError, get_runtime
-from llaisys.runtime.interface import DeviceBackend as Interface
 
 WAIT = 10.0  # seconds; only reached when ordering is broken
 
@@ -27,7 +27,7 @@ def rt():
     return get_runtime("cpu:0")
 
 
-def gate() -> tuple[threading.Event, callable]:
+def gate() -> tuple[threading.Event, Callable[[], bool]]:
     """An event and a callback that blocks its stream until the event is set."""
     opened = threading.Event()
     return opened, lambda: opened.wait(WAIT)
@@ -42,7 +42,7 @@ def test_cpu_backend_implements_the_whole_interface():
     for name in ("create_stream", "destroy_stream", "synchronize_stream", "query_stream", "stream_add_callback",
                  "create_event", "record_event", "query_event", "synchronize_event", "stream_wait_event",
                  "copy_async", "memset", "allocator_sizes", "host_view", "synchronize_device"):
-        assert getattr(CpuBackend, name) is not getattr(Interface, name), name
+        assert getattr(CpuBackend, name) is not getattr(DeviceBackend, name), name
     assert not inspect.isabstract(CpuBackend)
 
 

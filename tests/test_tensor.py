@@ -24,6 +24,10 @@ def shares_storage(a: Tensor, b: Tensor) -> bool:
     return a.storage is b.storage
 
 
+def as_cpu() -> llaisys.Device:
+    return llaisys.runtime.as_device("cpu:0")
+
+
 # ---- creation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dt", NUMPY_TYPES, ids=lambda t: t.name)
 def test_from_numpy_round_trip_every_type(dt):
@@ -70,10 +74,6 @@ def test_empty_takes_shape_dtype_and_device_in_several_spellings():
     assert (b.shape, b.dtype, b.device) == ((2, 3), DataType.F16, as_cpu())
     assert (c.shape, c.dtype) == ((2, 1), DataType.I32)
     assert type(c.shape[0]) is int
-
-
-def as_cpu():
-    return llaisys.runtime.as_device("cpu:0")
 
 
 def test_zero_sized_and_scalar_tensors():

@@ -5,7 +5,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS
 
