@@ -79,6 +79,9 @@ def test_empty_takes_shape_dtype_and_device_in_several_spellings():
 def test_zero_sized_and_scalar_tensors():
     z = Tensor.empty((0, 4))
     assert z.numel() == 0 and z.numpy().shape == (0, 4)
+    zp = z.permute(1, 0)
+    assert zp.is_contiguous() == np.empty((0, 4)).T.flags.c_contiguous
+    assert zp.view(2, 0, 2).shape == (2, 0, 2)
     s = Tensor.from_numpy(np.array(2.5, np.float32))
     assert s.shape == () and s.numel() == 1 and s.numpy() == 2.5
     assert s.view(1).numpy().tolist() == [2.5]
