@@ -182,7 +182,7 @@ def test_device_synchronize_waits_for_every_stream(rt):
         s1.add_callback(hold)
         s1.add_callback(lambda: finished.append(1))
         s2.add_callback(lambda: finished.append(2))
-        threading.Timer(0.05, opened.set).start()
+        s2.add_callback(opened.set)  # s1 can only finish after s2 has run
         llaisys.synchronize("cpu")
         assert sorted(finished) == [1, 2]
     finally:
