@@ -329,6 +329,24 @@ def test_swiglu_large_gates(dtype):
     assert_close(out, to_torch(up) * TF.silu(to_torch(gate)))
 
 
+# ---- outputs that are also inputs -------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_may_alias_inputs(dtype, rng):
+    x, g, u = (random_tensor((3, 8), dtype, rng) for _ in range(3))
+    w = random_tensor((8, 8), dtype, rng, scale=0.3)
+    nw = random_tensor((8,), dtype, rng)
+    refs = {
+        "linear": TF.linear(to_torch(x), to_torch(w)),
+        "rms_norm": rms_norm_ref(to_torch(g), to_torch(nw), 1e-6),
+        "swiglu": to_torch(u) * TF.silu(to_torch(u)),
+    }
+    ops.linear(x, x, w)
+    ops.rms_norm(g, g, nw, 1e-6)
+    ops.swiglu(u, u, u)
+    for name, out in (("linear", x), ("rms_norm", g), ("swiglu", u)):
+        assert_close(out, refs[name], what=name)
+
+
 # ---- empty inputs -----------------------------------------------------------------------
 def test_ops_on_empty_tensors():
     e = Tensor.empty((0, 4))
