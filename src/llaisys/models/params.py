@@ -63,21 +63,39 @@ class Progress:
             sys.stderr.flush()
 
 
+BLOCK_BYTES = 1 << 20  # float32 bytes decoded at a time: temporaries stay small and in cache
+
+
 class _Builder:
     def __init__(self, weights: Mapping[str, WeightSource], dtype: DataType, device: Device, progress: Progress):
         self.weights, self.dtype, self.device, self.progress = weights, dtype, device, progress
 
-    def _read(self, name: str) -> np.ndarray:
+    def _fill(self, dst: Tensor, name: str) -> None:
+        """Read weight ``name`` into ``dst`` (its shape), a block of rows at a time when the
+        source can, converting to ``dst``'s dtype on the way."""
         src = self.weights[name]
-        arr = src.read()
-        if arr.shape != src.shape:
-            raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} holds shape {arr.shape}; expected {src.shape}")
+        if src.read_rows is None:
+            arr = src.read()
+            if arr.shape != src.shape:
+                raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} holds shape {arr.shape}; expected {src.shape}")
+            dst.load(arr)
+        else:
+            rows = src.shape[0]
+            row_bytes = 4 * max(1, int(np.prod(src.shape[1:])))
+            step = max(src.row_multiple, BLOCK_BYTES // row_bytes // src.row_multiple * src.row_multiple)
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                part = src.read_rows(start, stop)
+                if part.shape != (stop - start, *src.shape[1:]):
+                    raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} rows {start}:{stop} hold shape "
+                                         f"{part.shape}; expected {(stop - start, *src.shape[1:])}")
+                (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(part)
         self.progress.step()
-        return arr
 
     def one(self, name: str) -> Tensor:
-        arr = self._read(name)
-        return Tensor.empty(arr.shape, self.dtype, self.device).load(arr)
+        out = Tensor.empty(self.weights[name].shape, self.dtype, self.device)
+        self._fill(out, name)
+        return out
 
     def maybe(self, name: str) -> Tensor | None:
         return self.one(name) if name in self.weights else None
@@ -89,7 +107,7 @@ class _Builder:
         out = Tensor.empty((rows, *shapes[0][1:]), self.dtype, self.device)
         start = 0
         for name, shape in zip(names, shapes):
-            out.slice(0, start, start + shape[0]).load(self._read(name))
+            self._fill(out.slice(0, start, start + shape[0]), name)
             start += shape[0]
         return out
 

@@ -111,6 +111,8 @@ class WeightSource:
     shape: tuple[int, ...]  # logical (NumPy order) shape
     kind: str  # the stored type: "F32", "BF16", "Q4_1", ...
     read: Callable[[], np.ndarray]  # the values as a float array of ``shape``
+    read_rows: Callable[[int, int], np.ndarray] | None = None  # rows [start, stop) only
+    row_multiple: int = 1  # read_rows needs start and stop to be multiples of this
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

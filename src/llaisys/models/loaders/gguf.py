@@ -7,6 +7,7 @@ order of an interleaved rope; ``unpermute_rows`` restores the halves order our r
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
@@ -147,18 +148,24 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     return config
 
 
-def _reader_fn(t: Any, shape: tuple[int, ...], path: str, fix: Callable[[np.ndarray], np.ndarray] | None):
-    def read() -> np.ndarray:
+def _row_reader(t: Any, shape: tuple[int, ...], path: str, fix: Callable[[np.ndarray], np.ndarray] | None):
+    """A function giving rows [start, stop) of tensor ``t`` as floats (quantized rows dequantized)."""
+    rows = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data.reshape(1, -1)  # (rows, stored row)
+
+    def read_rows(start: int, stop: int) -> np.ndarray:
+        part = rows[start:stop]
         if t.tensor_type in (Q.F32, Q.F16):
-            arr = t.data.reshape(shape)
+            arr = part
         elif t.tensor_type == Q.BF16:
-            arr = t.data.view(np.uint8).reshape(-1).view(ml_dtypes.bfloat16).reshape(shape)
+            arr = part.view(np.uint8).view(ml_dtypes.bfloat16)
         else:
-            arr = dequantize(t.data, t.tensor_type)
-        if arr.shape != shape:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} decoded to shape {arr.shape}; expected {shape}")
+            arr = dequantize(part, t.tensor_type)
+        want = (stop - start, *shape[1:]) if len(shape) > 1 else shape
+        if arr.size != int(np.prod(want)):
+            raise ModelLoadError(f"{path}: tensor {t.name!r} decoded to {arr.size} values; expected shape {shape}")
+        arr = arr.reshape(want)
         return fix(arr) if fix is not None else arr
-    return read
+    return read_rows
 
 
 @dataclass
@@ -188,11 +195,14 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}"
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
-        fix = None
+        fix, multiple = None, 1
         if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-            fix = lambda a, h=heads: unpermute_rows(a, h)  # noqa: E731
-        sources[name] = WeightSource(path, name, shape, t.tensor_type.name, _reader_fn(t, shape, path, fix))
+            # the permutation stays within each head's rows, so whole heads can be read at a time
+            fix, multiple = (lambda a: unpermute_rows(a, a.shape[0] // config.head_dim)), config.head_dim
+        read_rows = _row_reader(t, shape, path, fix)
+        rows = shape[0] if len(shape) > 1 else 1
+        sources[name] = WeightSource(path, name, shape, t.tensor_type.name, functools.partial(read_rows, 0, rows),
+                                     read_rows if len(shape) > 1 else None, multiple)
     weights = sanitize(map_names(sources, GGUF_NAMES, path), config)
     check_weights(weights, config, GGUF_NAMES, path)
     return GGUFContents(config, weights, meta, dict(types), reader)

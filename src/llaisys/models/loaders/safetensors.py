@@ -54,13 +54,20 @@ def _open(path: Path, stack: contextlib.ExitStack):
         raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
-def _reader(handle, path: Path, name: str, shape: tuple[int, ...]):
+def _readers(handle, path: Path, name: str):
+    """Functions reading the whole tensor and rows [start, stop) of it (from the memory map)."""
     def read():
         try:
             return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, TypeError) as exc:
             raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
-    return read
+
+    def read_rows(start: int, stop: int):
+        try:
+            return handle.get_slice(name)[start:stop]
+        except (SafetensorError, OSError, ValueError, TypeError) as exc:
+            raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+    return read, read_rows
 
 
 def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -> tuple[ModelConfig, dict[str, WeightSource]]:
@@ -88,7 +95,8 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
                     f"{path}: tensor {name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}"
                 )
             shape = tuple(int(d) for d in sl.get_shape())
-            sources[name] = WeightSource(str(path), name, shape, kind, _reader(handle, path, name, shape))
+            read, read_rows = _readers(handle, path, name)
+            sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None)
             where[name] = path
     label = str(folder)
     weights = sanitize(map_names(sources, HF_NAMES, label), config)
