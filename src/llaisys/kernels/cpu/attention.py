@@ -26,7 +26,7 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     if s > 1:
         # query i sits at T - S + i and may see keys up to there
         future = np.arange(t)[None, :] > (np.arange(s)[:, None] + (t - s))  # (S, T)
-        scores[..., future] = -np.inf
+        np.copyto(scores, -np.inf, where=future)  # as scores[..., future] = -inf, without building an index
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
