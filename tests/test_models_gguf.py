@@ -181,3 +181,38 @@ def test_dtype_choice_for_gguf(tmp_path):
     ours, ref = load_model(path, dtype="f32"), _hf_gguf(path)
     np.testing.assert_allclose(ours.forward(ids, ours.new_cache(8), all_logits=True), _hf_logits(ref, ids),
                                atol=1e-4, rtol=0)
+
+
+def _same_fields(ours, ref) -> None:
+    assert list(ours.fields) == list(ref.fields)
+    for key, b in ref.fields.items():
+        a = ours.fields[key]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+        assert [(p.dtype, p.tobytes()) for p in a.parts] == [(p.dtype, p.tobytes()) for p in b.parts], key
+        assert a.contents() == b.contents(), key
+    assert [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.data.shape) for t in ref.tensors]
+
+
+def test_fast_metadata_parsing_equals_gguf_reader(smollm2_path, tmp_path):
+    """The loader parses GGUF metadata arrays in its own loop; the result must be what
+    gguf.GGUFReader itself builds, for the real file and for arrays of every scalar type."""
+    from llaisys.models.loaders.gguf import open_gguf
+
+    _same_fields(open_gguf(str(smollm2_path)), gguf.GGUFReader(smollm2_path))
+    path = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for i, vtype in enumerate([gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT32,
+                               gguf.GGUFValueType.INT64, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64,
+                               gguf.GGUFValueType.BOOL]):
+        values = [True, False, True] if vtype == gguf.GGUFValueType.BOOL else [1, 2, 3, 5][: i % 4 + 1]
+        w.add_key_value(f"test.array{i}", values, gguf.GGUFValueType.ARRAY, sub_type=vtype)
+    w.add_array("test.strings", ["", "a", "ünï", "日本"])
+    w.add_array("test.empty", [])
+    w.add_string("test.text", "hello")
+    w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_fields(open_gguf(str(path)), gguf.GGUFReader(path))
