@@ -64,6 +64,7 @@ def test_special_tokens_and_sizes(ours, hf_smollm2_tokenizer):
     assert ours.vocab_size == len(hf_smollm2_tokenizer)
     assert ours.bos_token_id == hf_smollm2_tokenizer.bos_token_id
     assert ours.eos_token_ids == [hf_smollm2_tokenizer.eos_token_id]
+    assert ours.pad_token_id == hf_smollm2_tokenizer.pad_token_id
     assert ours.encode("<|im_end|>") == [hf_smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 

@@ -58,12 +58,13 @@ class Tokenizer:
     """Text <-> token ids for one model, with its special tokens and chat template."""
 
     def __init__(self, backend: _Backend, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
-                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()):
+                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = (), pad_token: str | None = None):
         self.backend = backend
         self.missing: str | None = None  # why there is no vocabulary, for a model folder without one
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token = bos_token
         self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        self.pad_token_id: int | None = backend.token_to_id(pad_token) if pad_token else None
         ids = [backend.token_to_id(t) for t in eos_tokens]
         self.eos_token_ids: list[int] = list(dict.fromkeys([i for i in ids if i is not None] + list(extra_eos_ids)))
         self.eos_token = backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
@@ -128,7 +129,7 @@ class Tokenizer:
         template = _folder_chat_template(folder, cfg)
         eos = _token_content(cfg.get("eos_token"))
         return cls(backend, bos_token=_token_content(cfg.get("bos_token")), eos_tokens=[eos] if eos else [],
-                   chat_template=template)
+                   chat_template=template, pad_token=_token_content(cfg.get("pad_token")))
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], source: str) -> "Tokenizer":
@@ -161,7 +162,8 @@ class Tokenizer:
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         eos_tokens = [t for t in (token("eos_token_id"), token("eot_token_id"), token("eom_token_id")) if t]
         _set_post_processor(backend, bos if add_bos else None, eos_tokens[0] if add_eos and eos_tokens else None)
-        return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=meta.get("tokenizer.chat_template"))
+        return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=meta.get("tokenizer.chat_template"),
+                   pad_token=token("padding_token_id"))
 
 
 def _read_json(path: Path) -> dict:
