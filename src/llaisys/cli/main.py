@@ -50,30 +50,20 @@ def _thread_count(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _apply_threads(argv: Sequence[str], may_reexec: bool) -> None:
-    """Make ``--threads N`` take effect for the BLAS and OpenMP pools.
+def _apply_threads(argv: Sequence[str]) -> None:
+    """Make ``--threads N`` size the BLAS and OpenMP pools.
 
-    Those pools read their size when numpy loads, and importing llaisys has loaded numpy by
-    now: threadpoolctl resizes them in place when installed; otherwise the command restarts
-    itself once with the variables set.
+    Those pools read their size when numpy loads, which importing llaisys has done by now, so
+    threadpoolctl resizes them in place; the variables are set too, for child processes.
     """
     value = _thread_count(argv)
     if value is None or not value.isdigit() or int(value) < 1:
         return  # argparse reports a bad value
-    if all(os.environ.get(v) == value for v in THREAD_VARS):
-        return
     for var in THREAD_VARS:
         os.environ[var] = value
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        threadpool_limits = None
-    if threadpool_limits is not None:
-        threadpool_limits(int(value))
-    elif may_reexec:
-        os.execv(sys.executable, [sys.executable, "-m", "llaisys", *argv])
-    else:
-        logger.warning("--threads %s: numpy is already loaded; install threadpoolctl for this to apply", value)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(int(value))
 
 
 def _setup_logging(verbose: int) -> None:
@@ -84,7 +74,7 @@ def _setup_logging(verbose: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``llaisys`` command with ``argv`` (default: the process arguments); return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    _apply_threads(args_list, may_reexec=argv is None)
+    _apply_threads(args_list)
     parser = build_parser()
     args = parser.parse_args(args_list)
     if getattr(args, "func", None) is None:
