@@ -131,7 +131,8 @@ class CausalLM:
 
         Returns float32 host logits: (V,) for the last position, or (S, V) if ``all_logits``.
         Raises ValueError for empty or out-of-vocabulary ids, a cache of another model, or a
-        cache that would overflow.
+        cache that would overflow. One model's passes share buffers: call it from one thread
+        at a time.
         """
         ids = self._check_ids(token_ids)
         self._check_cache(cache, len(ids))
