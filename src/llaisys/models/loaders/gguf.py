@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from gguf.quants import dequantize
 from ..config import ARCHITECTURES, ModelConfig
 from ..errors import ModelLoadError
 from ..weights import GGUF_NAMES, WeightSource, check_weights, map_names, sanitize
-
-log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
