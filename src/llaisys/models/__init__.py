@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import logging
 import os
 import time
@@ -17,7 +16,7 @@ from ..runtime.device import as_device
 from ..runtime.dtypes import DataType
 from .config import ModelConfig
 from .decoder import CausalLM
-from .errors import ModelLoadError
+from .errors import ModelLoadError, read_json_object
 from .kv_cache import KVCache
 from .params import Progress, build_params
 from .tokenizer import Tokenizer
@@ -68,19 +67,6 @@ def _natural_dtype(kinds: set[str]) -> DataType:
         len(kinds) == 1 and next(iter(kinds)) in ("F32", "F16", "BF16")) else DataType.F32
 
 
-def _generation_config(folder: Path) -> dict:
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
 def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | None = None,
                device: str | None = None, progress: bool = False) -> CausalLM:
     """Load a model.
@@ -124,7 +110,7 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -
         bar = Progress(folder.name, len(weights), progress)
         params = build_params(weights, config, dtype, device, bar)
         bar.finish()
-    gen = _generation_config(folder)
+    gen = read_json_object(folder / "generation_config.json")
     gen_eos = gen.get("eos_token_id")
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else [int(i) for i in gen_eos or ()]
     defaults = {k: gen[k] for k in GENERATION_KEYS if k in gen}

@@ -3,7 +3,6 @@ from a GGUF file's ``tokenizer.ggml.*`` metadata, plus special token ids and cha
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from pathlib import Path
@@ -14,7 +13,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _Backend
 
 from .chat_template import render_chat
-from .errors import ModelLoadError
+from .errors import ModelLoadError, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: no such file; a model folder needs a tokenizer.json") from None
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise ModelLoadError(f"{path}: not a readable tokenizer ({exc})") from exc
-        cfg = _read_json(folder / "tokenizer_config.json")
+        cfg = read_json_object(folder / "tokenizer_config.json")
         template = _folder_chat_template(folder, cfg)
         eos = _token_content(cfg.get("eos_token"))
         return cls(backend, bos_token=_token_content(cfg.get("bos_token")), eos_tokens=[eos] if eos else [],
@@ -166,18 +165,6 @@ class Tokenizer:
                    pad_token=token("padding_token_id"))
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _token_content(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
@@ -189,7 +176,7 @@ def _folder_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
-    template = cfg.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+    template = cfg.get("chat_template") or read_json_object(folder / "chat_template.json").get("chat_template")
     if isinstance(template, list):  # named templates: use the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)

@@ -6,7 +6,7 @@ as DeviceError naming the device and the API.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
