@@ -248,3 +248,27 @@ def write_gguf(path, arch: str, tensors: dict, *, config=None, types: dict | Non
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def random_hf_model(arch: str, seed: int = 0, **config):
+    """A random-weight transformers ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` (small GQA defaults,
+    overridden by ``config``) whose biases and norm weights are moved away from their initial values."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    initializer_range=0.08, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=None)
+    settings.update(config)
+    cls, cfg = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if arch == "qwen2"
+                else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
+    model = cls(cfg(**settings))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model.eval()

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+import gguf
 
 from conftest import write_gguf  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402

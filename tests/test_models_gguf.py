@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import torch
+import transformers
+import gguf
 
-from conftest import hf_to_gguf_tensors, write_gguf  # noqa: E402
+from conftest import hf_to_gguf_tensors, random_hf_model, write_gguf  # noqa: E402
 
 from llaisys import DataType  # noqa: E402
 from llaisys.models import default_model_path, load_model  # noqa: E402
@@ -95,21 +95,7 @@ def test_smollm2_greedy_chat_matches_transformers(prompt, smollm2_model, hf_smol
 
 # ---- small files written like llama.cpp's converter -----------------------------------
 def _tiny(arch: str, seed: int, hidden: int = 64, inter: int = 96, vocab: int = 320, **extra):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.08, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None)
-    common.update(extra)
-    cls, cfg = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if arch == "qwen2"
-                else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
-    model = cls(cfg(**common)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model
+    return random_hf_model(arch, seed, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab, **extra)
 
 
 def _state(model) -> dict[str, np.ndarray]:

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from llaisys import DataType  # noqa: E402
 from llaisys.models import load_model  # noqa: E402
+from conftest import random_hf_model  # noqa: E402
 
 VOCAB = 384
 F32_ATOL = 1e-4
@@ -33,22 +34,8 @@ CASES = {
 
 def _build(arch: str, extra: dict, seed: int = 0):
     """A random-weight transformers model with biases and norm weights away from their defaults."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.08, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    common.update(extra)
-    if arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model.eval()
+    return random_hf_model(arch, seed, **{**dict(vocab_size=VOCAB, intermediate_size=112, num_hidden_layers=3,
+                                                 max_position_embeddings=512), **extra})
 
 
 @pytest.fixture(scope="module", params=list(CASES))

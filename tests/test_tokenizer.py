@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import transformers
+import gguf
 
 from llaisys.models.loaders.gguf import metadata, open_gguf  # noqa: E402
 from llaisys.models.tokenizer import Tokenizer, byte_alphabet  # noqa: E402
