@@ -139,50 +139,14 @@ def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:
     if key not in _fallback_logged:
         _fallback_logged.add(key)
         log.info("op %s has no kernel on %s; running it on the CPU with copies", name, device.type.name)
-    host_in = tuple(None if t is None else _span_to_host(t) for t in inputs)
+    # Raw byte spans rather than t.to("cpu"): a strided view would need the device's own
+    # rearrange kernel, which may be missing too and would come back here.
+    host_in = tuple(None if t is None else t.host_span() for t in inputs)
     # Outputs are copied in too: a kernel may write only part of them.
-    host_out = tuple(_span_to_host(t) for t in outputs)
+    host_out = tuple(t.host_span() for t in outputs)
     fn(host_out, host_in, attrs)
     for dev_t, host_t in zip(outputs, host_out):
-        _span_to_device(dev_t, host_t)
-
-
-def _span(t: "Tensor") -> tuple[int, int]:
-    """(first, end) element offsets, relative to t's first element, of the memory t spans."""
-    if t.numel() == 0:
-        return 0, 0
-    lo = sum(min(0, (d - 1) * s) for d, s in zip(t.shape, t.strides))
-    hi = sum(max(0, (d - 1) * s) for d, s in zip(t.shape, t.strides))
-    return lo, hi + 1
-
-
-def _span_to_host(t: "Tensor") -> "Tensor":
-    """A CPU tensor with t's shape and strides over a host copy of the bytes t spans.
-
-    Copying the span as raw bytes, rather than through ``t.to("cpu")``, needs no kernel on
-    t's device: a strided view would otherwise need the device's ``rearrange``, which may be
-    missing too and would come back here.
-    """
-    from ..runtime.dtypes import MemcpyKind
-    from ..tensor import Tensor
-
-    lo, end = _span(t)
-    item = t.dtype.itemsize
-    host = Tensor.empty((end - lo,), t.dtype, "cpu")
-    if end > lo:
-        t.storage.runtime.memcpy(host.data_ptr, t.data_ptr + lo * item, (end - lo) * item, MemcpyKind.D2H)
-    return Tensor(host.storage, -lo * item, t.shape, t.strides, t.dtype)
-
-
-def _span_to_device(t: "Tensor", host: "Tensor") -> None:
-    """Write back the span ``_span_to_host`` read. Bytes in the span outside t's elements go
-    back unchanged: they were read just before and fallback ops run synchronously."""
-    from ..runtime.dtypes import MemcpyKind
-
-    lo, end = _span(t)
-    item = t.dtype.itemsize
-    if end > lo:
-        t.storage.runtime.memcpy(t.data_ptr + lo * item, host.data_ptr + lo * item, (end - lo) * item, MemcpyKind.H2D)
+        dev_t.store_host_span(host_t)
 
 
 def _fmt(key: KernelKey) -> str:

@@ -169,26 +169,33 @@ class Tensor:
     # Off the CPU, a strided view moves as the byte span from its first to its last element
     # (the gaps included) and is taken apart on the host: no device kernel is needed.
     def _span_nbytes(self) -> int:
+        if self.numel() == 0:
+            return 0
         return (1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides))) * self.dtype.itemsize
 
-    def _span_view(self, buf: np.ndarray) -> np.ndarray:
-        item = self.dtype.itemsize
-        return np.ndarray(self.shape, self.dtype.numpy, buffer=buf, strides=tuple(s * item for s in self.strides))
+    def host_span(self) -> "Tensor":
+        """A CPU tensor with this tensor's shape and strides over a host copy of the bytes it
+        spans (first to last element). Needs only the device's D2H copy, no kernel."""
+        host = Tensor._allocate(get_runtime("cpu"), (self._span_nbytes(),), DataType.BYTE)
+        if host.storage.nbytes:
+            self.storage.runtime.memcpy(host.data_ptr, self.data_ptr, host.storage.nbytes, MemcpyKind.D2H)
+        return Tensor(host.storage, 0, self.shape, self.strides, self.dtype)
+
+    def store_host_span(self, host: "Tensor") -> None:
+        """Write back the span that ``host_span`` read (after changes on the host). Bytes
+        between this tensor's elements go back as they were read."""
+        if host.storage.nbytes:
+            self.storage.runtime.memcpy(self.data_ptr, host.data_ptr, host.storage.nbytes, MemcpyKind.H2D)
 
     def _read_span(self) -> np.ndarray:
-        """This (non-empty) device tensor's elements as a strided host array."""
-        buf = np.empty(self._span_nbytes(), np.uint8)
-        self.storage.runtime.memcpy(buf.ctypes.data, self.data_ptr, buf.nbytes, MemcpyKind.D2H)
-        return self._span_view(buf)
+        """This device tensor's elements as a strided host array."""
+        return self.host_span().host_array()
 
     def _write_span(self, values: np.ndarray) -> None:
-        """Store ``values`` into this (non-empty) device tensor, keeping the bytes between
-        its elements: read the span, write the elements on the host, write the span back."""
-        buf = np.empty(self._span_nbytes(), np.uint8)
-        runtime = self.storage.runtime
-        runtime.memcpy(buf.ctypes.data, self.data_ptr, buf.nbytes, MemcpyKind.D2H)
-        self._span_view(buf)[...] = values
-        runtime.memcpy(self.data_ptr, buf.ctypes.data, buf.nbytes, MemcpyKind.H2D)
+        """Store ``values`` into this device tensor, keeping the bytes between its elements."""
+        host = self.host_span()
+        host.host_array()[...] = values
+        self.store_host_span(host)
 
     def load(self, host: "np.ndarray | bytes | bytearray | memoryview") -> "Tensor":
         """Fill this tensor from host data: an array of the same shape (cast to this dtype)
