@@ -299,3 +299,19 @@ def test_forward_and_cache_errors(good_gguf):
         other.forward([1], cache)
     with pytest.raises(TypeError, match="KVCache"):
         model.forward([1], None)
+
+
+def test_gguf_loads_with_the_packages_own_reader_when_the_fast_one_breaks(monkeypatch, smollm2_path):
+    """A gguf release that changes the reader internals we override must not stop loading."""
+    from gguf import GGUFReader
+
+    from llaisys.models.loaders import gguf as gguf_loader
+
+    def broken(self, *args):
+        raise AttributeError("internals changed")
+
+    monkeypatch.setattr(gguf_loader._Reader, "_build_tensors", broken)
+    reader = gguf_loader.open_gguf(str(smollm2_path))
+    stock = GGUFReader(str(smollm2_path), "r")
+    assert type(reader) is GGUFReader
+    assert [t.name for t in reader.tensors] == [t.name for t in stock.tensors]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from gguf.quants import dequantize
 from ..config import ARCHITECTURES, ModelConfig
 from ..errors import ModelLoadError
 from ..weights import GGUF_NAMES, WeightSource, check_weights, map_names, sanitize
+
+log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -118,7 +121,13 @@ class _Reader(GGUFReader):
 def open_gguf(path: str) -> GGUFReader:
     """A GGUFReader for ``path``; a file it cannot parse is a ModelLoadError naming it."""
     try:
-        return _Reader(path)
+        try:
+            return _Reader(path)
+        except (TypeError, AttributeError) as exc:
+            # _Reader overrides internals of the gguf package; if a release changes them, the
+            # package's own (slower) reader still works.
+            log.warning("fast GGUF metadata reader unusable with this gguf version (%s); using gguf's reader", exc)
+            return GGUFReader(path, "r")
     except ModelLoadError:
         raise
     except FileNotFoundError:
