@@ -309,13 +309,16 @@ class PluginBackend(DeviceBackend):
             self.synchronize_event(index, event)
 
     # ---- memory --------------------------------------------------------------------------
-    def allocate(self, index: int, nbytes: int) -> int:
+    def _allocate_with(self, api: str, index: int, nbytes: int) -> int:
+        """Call the allocation API ``api``; a success that returns NULL is an error too."""
         ptr = ctypes.c_void_p()
-        self._call("device_memory_allocate", index, self._dev(index), ctypes.byref(ptr), nbytes)
+        self._call(api, index, self._dev(index), ctypes.byref(ptr), nbytes)
         if not ptr.value:
-            raise PluginAPIError(self.library, f"{self.device_type.name}:{index}", "device_memory_allocate",
-                                 "C_SUCCESS with a NULL pointer")
+            raise PluginAPIError(self.library, f"{self.device_type.name}:{index}", api, "C_SUCCESS with a NULL pointer")
         return ptr.value
+
+    def allocate(self, index: int, nbytes: int) -> int:
+        return self._allocate_with("device_memory_allocate", index, nbytes)
 
     def deallocate(self, index: int, ptr: int, nbytes: int) -> None:
         self._call("device_memory_deallocate", index, self._dev(index), ptr, nbytes)
@@ -323,12 +326,7 @@ class PluginBackend(DeviceBackend):
     def host_allocate(self, index: int, nbytes: int) -> int:
         if not self.has_host_memory:
             return super().host_allocate(index, nbytes)
-        ptr = ctypes.c_void_p()
-        self._call("host_memory_allocate", index, self._dev(index), ctypes.byref(ptr), nbytes)
-        if not ptr.value:
-            raise PluginAPIError(self.library, f"{self.device_type.name}:{index}", "host_memory_allocate",
-                                 "C_SUCCESS with a NULL pointer")
-        return ptr.value
+        return self._allocate_with("host_memory_allocate", index, nbytes)
 
     def host_deallocate(self, index: int, ptr: int, nbytes: int) -> None:
         if not self.has_host_memory:
