@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from llaisys.plugins import abi
+from llaisys.backends.plugin import abi
 from llaisys.plugins.build import build_plugin, include_dir
 
 # Byte offsets in PaddlePaddle's paddle/phi/backends/device_ext.h (custom runtime 0.1.x) on

@@ -19,9 +19,9 @@ from llaisys import MemcpyKind, Tensor
 from llaisys.kernels import find_kernel
 from llaisys.plugins import (PluginAPIError, PluginError, PluginOutOfMemoryError, load_plugin, load_plugins_from_env,
                              loaded_plugins, unload_plugin)
-from llaisys.plugins import abi
+from llaisys.backends.plugin import abi
 from llaisys.plugins.build import build_plugin
-from llaisys.plugins.check import FAIL, FALLBACK, decoder_layer_chain, random_model_run, run_check
+from llaisys.tools.plugin_check import FAIL, FALLBACK, decoder_layer_chain, random_model_run, run_check
 from llaisys.runtime import KernelNotFoundError, OutOfMemoryError, available_backends, device_types
 
 SOURCE = Path(__file__).parent / "plugins" / "variants.c"
@@ -199,7 +199,7 @@ def test_api_errors_name_plugin_api_and_status(libs, caplog):
     assert (info.value.api, info.value.status) == ("memory_copy_d2h", "C_ERROR")
     with pytest.raises(PluginAPIError, match="device_memory_set on bad_status_dev:1 returned C_FAILED"):
         Tensor.zeros((4,), device="bad_status_dev:1")
-    with caplog.at_level(logging.WARNING, logger="llaisys.plugins.backend"):
+    with caplog.at_level(logging.WARNING, logger="llaisys.backends.plugin.backend"):
         for _ in range(3):  # C_WARNING: the values are used, the warning logged once
             assert llaisys.get_runtime("bad_status_dev:1").memory_stats()["total"] == 256 << 20
     assert sum("device_memory_stats returned C_WARNING" in r.getMessage() for r in caplog.records) == 1

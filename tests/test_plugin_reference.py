@@ -15,9 +15,10 @@ import torch
 import llaisys
 from llaisys import DataType, MemcpyKind, Tensor
 from llaisys.kernels import find_kernel
-from llaisys.plugins import PluginAPIError, PluginOutOfMemoryError, abi, load_plugin, unload_plugin
+from llaisys.backends.plugin import abi
+from llaisys.plugins import PluginAPIError, PluginOutOfMemoryError, load_plugin, unload_plugin
 from llaisys.plugins.build import build_reference_plugin
-from llaisys.plugins.check import FAIL, PASS, decoder_layer_chain, random_model_run, run_check, write_random_qwen2
+from llaisys.tools.plugin_check import FAIL, PASS, decoder_layer_chain, random_model_run, run_check, write_random_qwen2
 
 F = llaisys.ops.functional
 DEV = "custom_cpu:1"

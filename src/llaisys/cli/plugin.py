@@ -2,7 +2,7 @@
 
 Prints a table of what passed, what ran through a fallback and what failed; the exit status
 is 1 when something failed. The check runs in a child process, so a plugin that crashes is
-reported as a failure. The logic lives in ``llaisys.plugins.check``.
+reported as a failure. The logic lives in ``llaisys.tools.plugin_check``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Sequence
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plugin`` command and its ``check`` sub-command."""
-    from ..plugins.check import add_arguments
+    from ..tools.plugin_check import add_arguments
 
     p = subparsers.add_parser("plugin", help="device plugins", description="Work with device plugin libraries.")
     actions = p.add_subparsers(dest="plugin_command", metavar="ACTION")
@@ -33,7 +33,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..plugins.check import run_cli
+    from ..tools.plugin_check import run_cli
 
     return run_cli(args)
 

@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..runtime.device import add_device_type_resolver
-from .errors import PluginAPIError, PluginError, PluginOutOfMemoryError
+from ..backends.plugin.errors import PluginAPIError, PluginError, PluginOutOfMemoryError
 
 if TYPE_CHECKING:
     from .loader import Plugin

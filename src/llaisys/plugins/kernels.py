@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..kernels.registry import Layout, register_kernel, unregister_kernels
 from ..runtime.dtypes import DataType
-from . import abi
-from .errors import PluginError
+from ..backends.plugin import abi
+from ..backends.plugin.errors import PluginError
 
 if TYPE_CHECKING:
     from ..tensor import Tensor
-    from .backend import PluginBackend
+    from ..backends.plugin.backend import PluginBackend
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from ..kernels.registry import unregister_kernels
 from ..runtime.backends import register_backend, unregister_backend
 from ..runtime.device import DeviceType, device_types, register_device_type, unregister_device_type
 from ..runtime.runtime import drop_runtimes
-from . import abi
-from .backend import PluginBackend
-from .errors import PluginError
+from ..backends.plugin import abi
+from ..backends.plugin.backend import PluginBackend
+from ..backends.plugin.errors import PluginError
 from .kernels import PluginKernel, collect_kernels, install_kernels
 
 log = logging.getLogger(__name__)

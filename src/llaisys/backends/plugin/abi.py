@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import CFUNCTYPE, POINTER, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
-from ..runtime.dtypes import DataType
+from ...runtime.dtypes import DataType
 
 MAJOR_VERSION, MINOR_VERSION, PATCH_VERSION = 0, 1, 1
 KERNEL_ABI_VERSION = 1

@@ -1,7 +1,7 @@
 """Errors of device plugins: a library that cannot be loaded, and API calls that fail."""
 from __future__ import annotations
 
-from ..runtime.errors import LlaisysError, OutOfMemoryError
+from ...runtime.errors import LlaisysError, OutOfMemoryError
 
 
 class PluginError(LlaisysError):

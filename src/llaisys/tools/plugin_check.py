@@ -25,7 +25,7 @@ import numpy as np
 
 from ..kernels.registry import find_kernel
 from ..runtime.dtypes import DataType, MemcpyKind
-from .errors import PluginError
+from ..plugins import PluginError
 
 log = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool =
               on_row: Callable[[CheckRow], None] | None = None) -> CheckReport:
     """Load the plugin at ``path`` and run every check on device ``device_index``; ``ops``
     also runs the decoder layer and the model against the CPU. ``on_row`` sees each row."""
-    from .loader import load_plugin
+    from ..plugins import load_plugin
 
     report = CheckReport(os.fspath(path), on_row=on_row)
     try:
@@ -505,7 +505,7 @@ def run_cli(args: argparse.Namespace) -> int:
                            on_row=lambda row: print(format_row(row), flush=True))
         print(report.summary(), flush=True)
         return 0 if report.ok else 1
-    cmd = [sys.executable, "-m", "llaisys.plugins.check", "--in-process", os.fspath(args.path),
+    cmd = [sys.executable, "-m", "llaisys.tools.plugin_check", "--in-process", os.fspath(args.path),
            "--device", str(args.device), *(["--no-ops"] if args.no_ops else []), *(["-v"] * args.verbose)]
     sys.stdout.flush()
     rc = subprocess.run(cmd).returncode
@@ -522,7 +522,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m llaisys.plugins.check PATH``: print the report; 1 when a check failed."""
+    """``python -m llaisys.tools.plugin_check PATH``: print the report; 1 when a check failed."""
     parser = argparse.ArgumentParser(prog="llaisys plugin check", description="Check a device plugin library.")
     add_arguments(parser)
     args = parser.parse_args(argv)

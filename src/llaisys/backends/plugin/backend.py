@@ -16,9 +16,9 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..runtime.device import DeviceType
-from ..runtime.dtypes import MemcpyKind
-from ..runtime.interface import DEFAULT_ALLOCATOR_SIZES, AllocatorSizes, DeviceBackend
+from ...runtime.device import DeviceType
+from ...runtime.dtypes import MemcpyKind
+from ...runtime.interface import DEFAULT_ALLOCATOR_SIZES, AllocatorSizes, DeviceBackend
 from . import abi
 from .errors import PluginAPIError, PluginError, PluginOutOfMemoryError
 
