@@ -98,9 +98,18 @@ def test_required_and_fallback_tables_name_real_apis():
     assert set(abi.REQUIRED_APIS) <= set(abi.API_NAMES)
     assert set(abi.FALLBACKS) <= set(abi.API_NAMES)
     assert not set(abi.REQUIRED_APIS) & set(abi.FALLBACKS)
-    # Those the memory seed marks required are among ours.
-    assert {"device_memory_allocate", "device_memory_deallocate", "memory_copy_h2d", "memory_copy_d2h",
-            "memory_copy_d2d", "device_memory_stats", "device_min_chunk_size"} <= set(abi.REQUIRED_APIS)
+    # The memory seed's required APIs: allocation is required; copies, stats and chunk size
+    # are required or have a fallback (what PaddlePaddle loads without, llaisys does too).
+    assert {"device_memory_allocate", "device_memory_deallocate"} <= set(abi.REQUIRED_APIS)
+    assert {"memory_copy_h2d", "memory_copy_d2h", "memory_copy_d2d", "device_memory_stats",
+            "device_min_chunk_size"} <= set(abi.FALLBACKS)
+    # What PaddlePaddle refuses a plugin without, llaisys requires too or has a fallback for.
+    assert set(abi.PADDLE_REQUIRED_APIS) <= set(abi.REQUIRED_APIS) | set(abi.FALLBACKS)
+
+
+def test_version_numbers_compare_as_paddlepaddle_does():
+    assert abi.version_number(abi.MAJOR_VERSION, abi.MINOR_VERSION, abi.PATCH_VERSION) == 101
+    assert abi.version_number(0, 1, 0) < 101 <= abi.version_number(0, 0, 150) < abi.version_number(1, 0, 0)
 
 
 def test_a_plugin_built_with_a_mismatched_header_fails_to_compile(tmp_path):

@@ -30,7 +30,8 @@ VARIANTS = {  # name -> macros
     "no_init": ["NO_INIT_PLUGIN"],
     "wrong_size": ["WRONG_SIZE_CHECK"],
     "missing_apis": ["MISSING_APIS"],
-    "major": ["VERSION_MAJOR=1"],
+    "paddle_minimum": ["PADDLE_MINIMUM", 'DEVICE_TYPE="paddle_min_dev"'],
+    "major": ["VERSION_MAJOR=1", 'DEVICE_TYPE="major_dev"'],
     "old_patch": ["VERSION_PATCH=0"],
     "null_type": ["NULL_DEVICE_TYPE"],
     "init_fails": ["INIT_FAILS", 'DEVICE_TYPE="init_fails_dev"'],
@@ -85,9 +86,9 @@ def assert_runtime_usable() -> None:
     ("no_init", r"libno_init\.so: does not export InitPlugin"),
     ("wrong_size", r"libwrong_size\.so: InitPlugin did not set the runtime version; it probably refused the "
                    r"struct sizes .*CustomRuntimeParams 88 bytes, C_DeviceInterface 912 bytes"),
-    ("missing_apis", r"libmissing_apis\.so \(mini_dev\): required API\(s\) missing: memory_copy_d2h, device_memory_stats"),
-    ("major", r"libmajor\.so \(mini_dev\): built for custom runtime version 1\.1\.1; llaisys supports 0\.1\.x"),
-    ("old_patch", r"libold_patch\.so \(mini_dev\): built for custom runtime version 0\.1\.0; .* x >= 1"),
+    ("missing_apis", r"libmissing_apis\.so \(mini_dev\): required API\(s\) missing: "
+                     r"memory_copy_d2h \(or async_memory_copy_d2h\)$"),
+    ("old_patch", r"libold_patch\.so \(mini_dev\): built for custom runtime version 0\.1\.0, older than 0\.1\.1"),
     ("null_type", r"libnull_type\.so: InitPlugin left device_type NULL"),
     ("init_fails", r"libinit_fails\.so: initialize on init_fails_dev returned C_ERROR"),
     ("foreign_kernel", r"libforeign_kernel\.so: InitPluginKernels returned C_ERROR \(kernel 'add' for backend "
@@ -100,6 +101,34 @@ def test_broken_plugin_is_refused_clearly(libs, variant, message):
         load_plugin(libs[variant])
     assert registered_state() == before
     assert_runtime_usable()
+
+
+def test_plugin_without_stats_chunk_size_or_d2d_runs_on_fallbacks(libs):
+    """PaddlePaddle loads a plugin without memory stats, min chunk size or a D2D copy; so
+    does llaisys: stats are unknown (0), chunks 256 bytes, D2D goes through the host."""
+    plugin = load_plugin(libs["paddle_minimum"])
+    try:
+        assert {"memory_copy_d2d", "device_memory_stats", "device_min_chunk_size"} <= set(plugin.backend.fallbacks())
+        assert plugin.backend.memory_stats(0) == (0, 0)
+        assert plugin.backend.allocator_sizes(0).min_chunk_size == 256
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        a = Tensor.from_numpy(x, device="paddle_min_dev:0")
+        b = a.permute(1, 0).contiguous()  # a device-to-device copy of a strided view
+        np.testing.assert_array_equal(b.numpy(), x.T)
+        np.testing.assert_array_equal(llaisys.ops.functional.add(a, a).numpy(), 2 * x)
+    finally:
+        unload_plugin(plugin.name)
+
+
+def test_newer_runtime_version_loads_with_a_warning(libs, caplog):
+    """PaddlePaddle loads any version from 0.1.1 on, so llaisys does too, saying so."""
+    with caplog.at_level(logging.WARNING, logger="llaisys.plugins.loader"):
+        plugin = load_plugin(libs["major"])
+    assert plugin.version == (1, 1, 1)
+    assert any("reports custom runtime version 1.1.1; llaisys implements 0.1.x" in w for w in plugin.warnings)
+    assert any("libmajor.so (major_dev): reports custom runtime version 1.1.1" in r.getMessage() for r in caplog.records)
+    unload_plugin(plugin.name)
+    assert_nothing_left("major_dev")
 
 
 def test_not_a_library(tmp_path):
@@ -123,8 +152,10 @@ def test_clashing_device_type_is_refused(libs, minimal, tmp_path):
 # ---- a minimal plugin: every optional API and every op through fallbacks --------------------------
 def test_minimal_plugin_reports_its_fallbacks(minimal):
     fallbacks = minimal.backend.fallbacks()
-    assert set(fallbacks) == set(abi.FALLBACKS)  # it implements none of the optional APIs
-    assert not minimal.kernels
+    # It implements none of the optional APIs beyond the sync copies, stats and chunk size.
+    assert set(fallbacks) == set(abi.FALLBACKS) - {"memory_copy_h2d", "memory_copy_d2h", "memory_copy_d2d",
+                                                   "device_memory_stats", "device_min_chunk_size"}
+    assert not minimal.kernels and not minimal.warnings
 
 
 def test_minimal_plugin_runtime_fallbacks_keep_semantics(minimal):

@@ -9,8 +9,11 @@
  *
  * The layout is binary-compatible with the custom-device runtime ABI 0.1.x of PaddlePaddle
  * (same field order, types and reserved slots), so a runtime plugin built for it loads here
- * unmodified, and a plugin built against this header also loads there. The enumerator names
- * are the same too, so such plugins also compile against this header.
+ * unmodified, and a plugin built against this header also loads there. Its sources compile
+ * against this header unchanged, in C or C++: the enumerator, type and macro names are the
+ * same (PADDLE_CUSTOM_RUNTIME_*), the same standard headers are included, and the host
+ * functions such plugins may call (profiler_add_*_trace_event) are declared and provided by
+ * llaisys.
  *
  * Conventions of every API:
  *   - return C_SUCCESS, or another C_Status saying what went wrong (llaisys raises it as an
@@ -25,8 +28,19 @@
 #ifndef LLAISYS_DEVICE_EXT_H
 #define LLAISYS_DEVICE_EXT_H
 
+/* Plugin sources written for PaddlePaddle call memcpy, memset, malloc and free without
+ * including anything but the device header, so these come with it. */
+#ifdef __cplusplus
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#else
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -34,11 +48,14 @@ extern "C" {
 
 #if defined(_WIN32)
 #define LLAISYS_PLUGIN_EXPORT __declspec(dllexport)
+#define LLAISYS_HOST_API
 #else
 #define LLAISYS_PLUGIN_EXPORT __attribute__((visibility("default")))
+#define LLAISYS_HOST_API __attribute__((visibility("default"))) /* defined by the host */
 #endif
 
-/* The ABI version this header describes. llaisys accepts plugins reporting 0.1.x, x >= 1. */
+/* The ABI version this header describes. Like PaddlePaddle, llaisys loads plugins reporting
+ * 0.1.1 or later (and warns about any other than 0.1.x). */
 #define LLAISYS_CUSTOM_RUNTIME_MAJOR_VERSION 0
 #define LLAISYS_CUSTOM_RUNTIME_MINOR_VERSION 1
 #define LLAISYS_CUSTOM_RUNTIME_PATCH_VERSION 1
@@ -105,9 +122,19 @@ typedef enum { SUM = 0, AVG, MAX, MIN, PRODUCT } C_CCLReduceOp;
 
 typedef struct C_Profiler_st *C_Profiler;
 
+/*
+ * Host functions a plugin may call from its profiler APIs to hand trace events to the host
+ * (`event` points to the host profiler's own event record). llaisys exports both from its
+ * native library `llaisys._native._host`, loaded with global symbols before any plugin, so
+ * plugins that link against them load. llaisys calls no profiler API and only counts these
+ * calls (llaisys.plugins.trace_event_counts()).
+ */
+LLAISYS_HOST_API void profiler_add_runtime_trace_event(C_Profiler prof, void *event);
+LLAISYS_HOST_API void profiler_add_device_trace_event(C_Profiler prof, void *event);
+
 /* The function table a plugin fills. 912 bytes on LP64/LLP64 targets. */
 typedef struct C_DeviceInterface {
-  size_t size; /* set by the host before InitPlugin: sizeof(C_DeviceInterface) */
+  size_t size; /* set by the host before InitPlugin: sizeof(C_DeviceInterface); not read after */
 
   /* ---- devices, streams, events (18 APIs + 8 reserved) ---- */
   C_Status (*initialize)(void);
@@ -221,7 +248,7 @@ typedef struct CustomRuntimeVersion {
 
 /* The argument of InitPlugin. 88 bytes on LP64/LLP64 targets. */
 typedef struct CustomRuntimeParams {
-  size_t size;                  /* set by the host: sizeof(CustomRuntimeParams) */
+  size_t size;                  /* set by the host: sizeof(CustomRuntimeParams); not read after */
   C_DeviceInterface *interface; /* set by the host, zeroed; the plugin fills the pointers */
   CustomRuntimeVersion version; /* the plugin writes the ABI version it was built with */
   char *device_type;            /* the plugin's device type name, e.g. "custom_cpu" */
@@ -241,24 +268,31 @@ _Static_assert(sizeof(CustomRuntimeParams) == 88, "CustomRuntimeParams must be 8
 
 /*
  * First statement of InitPlugin: give up (leaving the version unset, which the host reports)
- * when the host's structs differ in size from the ones this plugin was compiled with;
- * otherwise write the ABI version.
+ * when neither of the host's structs has the size this plugin was compiled with; otherwise
+ * write the ABI version. One size differing is accepted, as PaddlePaddle's macro does. The
+ * trailing semicolon is PaddlePaddle's too: sources may omit their own.
  */
 #define LLAISYS_CUSTOM_RUNTIME_CHECK_VERSION(params)                          \
-  if ((params)->size != sizeof(CustomRuntimeParams) ||                        \
-      (params)->interface == NULL ||                                          \
-      (params)->interface->size != sizeof(C_DeviceInterface)) {               \
+  if ((params)->size != sizeof(CustomRuntimeParams) &&                        \
+      ((params)->interface == NULL ||                                         \
+       (params)->interface->size != sizeof(C_DeviceInterface))) {             \
     return;                                                                   \
   }                                                                           \
   (params)->version.major = LLAISYS_CUSTOM_RUNTIME_MAJOR_VERSION;             \
   (params)->version.minor = LLAISYS_CUSTOM_RUNTIME_MINOR_VERSION;             \
-  (params)->version.patch = LLAISYS_CUSTOM_RUNTIME_PATCH_VERSION
+  (params)->version.patch = LLAISYS_CUSTOM_RUNTIME_PATCH_VERSION;
 
 /* The spellings plugin sources written for PaddlePaddle use. */
 #ifndef PADDLE_CUSTOM_RUNTIME_MAJOR_VERSION
 #define PADDLE_CUSTOM_RUNTIME_MAJOR_VERSION LLAISYS_CUSTOM_RUNTIME_MAJOR_VERSION
+#endif
+#ifndef PADDLE_CUSTOM_RUNTIME_MINOR_VERSION
 #define PADDLE_CUSTOM_RUNTIME_MINOR_VERSION LLAISYS_CUSTOM_RUNTIME_MINOR_VERSION
+#endif
+#ifndef PADDLE_CUSTOM_RUNTIME_PATCH_VERSION
 #define PADDLE_CUSTOM_RUNTIME_PATCH_VERSION LLAISYS_CUSTOM_RUNTIME_PATCH_VERSION
+#endif
+#ifndef PADDLE_CUSTOM_RUNTIME_CHECK_VERSION
 #define PADDLE_CUSTOM_RUNTIME_CHECK_VERSION(params) LLAISYS_CUSTOM_RUNTIME_CHECK_VERSION(params)
 #endif
 

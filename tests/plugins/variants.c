@@ -183,6 +183,11 @@ LLAISYS_PLUGIN_EXPORT void InitPlugin(CustomRuntimeParams *params) {
   api->memory_copy_d2h = NULL;
   api->device_memory_stats = NULL;
 #endif
+#ifdef PADDLE_MINIMUM /* what PaddlePaddle loads without: llaisys falls back */
+  api->memory_copy_d2d = NULL;
+  api->device_memory_stats = NULL;
+  api->device_min_chunk_size = NULL;
+#endif
 #ifdef BAD_STATUS
   api->memory_copy_d2h = failing_d2h;
   api->device_memory_set = failing_memset;

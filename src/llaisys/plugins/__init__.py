@@ -7,6 +7,10 @@ optionally, kernels through ``include/llaisys/kernel_ext.h``.
 asked for (``Tensor.empty(..., device="custom_cpu:1")``), every ``lib*.so`` there is loaded
 (``load_plugins_from_env``). Importing llaisys loads nothing.
 
+Unloading a plugin and leaving the process wait at most ``LLAISYS_PLUGIN_EXIT_TIMEOUT``
+seconds (default 5) for each plugin's synchronize and finalize, so a plugin that hangs cannot
+hang the exit. ``trace_event_counts()`` counts the trace events plugins hand to the host.
+
 This module stays light; the loader is imported on first use.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ if TYPE_CHECKING:
     from .loader import Plugin
 
 __all__ = ["PluginAPIError", "PluginError", "PluginOutOfMemoryError", "get_plugin", "include_dir", "load_plugin",
-           "load_plugins_from_env", "loaded_plugins", "unload_plugin"]
+           "load_plugins_from_env", "loaded_plugins", "trace_event_counts", "unload_plugin"]
 
 
 def load_plugin(path: "str | os.PathLike[str]") -> "Plugin":
@@ -56,10 +60,20 @@ def get_plugin(name: str) -> "Plugin":
 
 
 def unload_plugin(name: str) -> None:
-    """Forget the plugin serving device type ``name`` (the library stays mapped)."""
+    """Forget the plugin serving device type ``name``, then synchronize and finalize it, each
+    step bounded by ``LLAISYS_PLUGIN_EXIT_TIMEOUT`` (the library stays mapped)."""
     from .loader import unload_plugin as unload
 
     unload(name)
+
+
+def trace_event_counts() -> dict[str, int]:
+    """How many trace events plugins have handed to the host through
+    ``profiler_add_runtime_trace_event`` and ``profiler_add_device_trace_event``:
+    ``{"runtime": n, "device": m}``."""
+    from .loader import trace_event_counts as counts
+
+    return counts()
 
 
 def include_dir() -> "os.PathLike[str]":

@@ -1,10 +1,29 @@
 """Loading device plugins: open the library, run ``InitPlugin``, check what it filled in, then
 register its device type, backend and kernels (all or nothing).
 
-The checks follow the host side of the custom-runtime ABI: both size fields set and the table
-zeroed before ``InitPlugin``; a missing ``InitPlugin`` or a NULL ``device_type`` reported; the
-version must be 0.1.x with x >= 1; the device type must be new; the required APIs
-(``abi.REQUIRED_APIS``) must be present. Each failure raises PluginError naming the library.
+The checks are those of PaddlePaddle's loader, so a plugin it loads loads here too. Refused,
+each with a PluginError naming the library (as PaddlePaddle skips such a library):
+  - a file that cannot be opened, or has no ``InitPlugin``;
+  - ``device_type`` left NULL, or the version left unset (a plugin refusing the struct sizes);
+  - a version below 0.1.1 (compared as major * 10000 + minor * 100 + patch);
+  - an API PaddlePaddle requires left NULL (``abi.REQUIRED_APIS``; the events PaddlePaddle
+    also requires have fallbacks here), and a copy direction with neither its synchronous nor
+    its asynchronous API (PaddlePaddle would crash on the first such copy); missing memory
+    stats, min chunk size or D2D copy run on fallbacks (``abi.FALLBACKS``);
+  - a device type already registered; and (llaisys only) one it cannot write in a device
+    string (letters, digits, '_', '-' only).
+Logged as warnings, and loaded (a stricter check would refuse what PaddlePaddle runs):
+  - a size field changed by ``InitPlugin`` (a plugin that memsets the whole table clears
+    ``C_DeviceInterface.size``); neither host reads them after ``InitPlugin``;
+  - a version from 0.1.1 on other than 0.1.x.
+Before opening any plugin the native host library (``csrc/host``) is loaded with global
+symbols: it defines ``profiler_add_runtime_trace_event`` / ``profiler_add_device_trace_event``,
+which plugins may link against (``trace_event_counts()`` counts their calls).
+
+Unloading and exit are bounded: each plugin's devices are synchronized, then it is finalized,
+each step on a daemon thread given ``LLAISYS_PLUGIN_EXIT_TIMEOUT`` seconds (default 5). A step
+that does not return is logged (plugin and API) and left running; after a synchronize that
+does not return, the plugin is not finalized.
 """
 from __future__ import annotations
 
@@ -16,7 +35,9 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from .. import _native
 from ..kernels.registry import unregister_kernels
 from ..runtime.backends import register_backend, unregister_backend
 from ..runtime.device import DeviceType, device_types, register_device_type, unregister_device_type
@@ -29,6 +50,9 @@ from .kernels import PluginKernel, collect_kernels, install_kernels
 log = logging.getLogger(__name__)
 
 PATH_VARS = ("LLAISYS_PLUGIN_PATH", "CUSTOM_DEVICE_ROOT")
+EXIT_TIMEOUT_VAR = "LLAISYS_PLUGIN_EXIT_TIMEOUT"
+DEFAULT_EXIT_TIMEOUT = 5.0  # seconds for each plugin's synchronize, and again for its finalize
+HOST_FUNCTIONS = ("profiler_add_runtime_trace_event", "profiler_add_device_trace_event")
 
 
 @dataclass
@@ -42,6 +66,7 @@ class Plugin:
     backend: PluginBackend
     kernels: list[PluginKernel] = field(default_factory=list, repr=False)
     library: ctypes.CDLL | None = field(default=None, repr=False)
+    warnings: list[str] = field(default_factory=list)  # what the load logged as warnings
 
     @property
     def name(self) -> str:
@@ -95,27 +120,99 @@ def load_plugin(path: "str | os.PathLike[str]") -> Plugin:
 
 def unload_plugin(name: str) -> None:
     """Forget the plugin serving device type ``name``: its kernels, backend, runtimes and type.
+    Then synchronize its devices and finalize it, each step bounded by ``exit_timeout()``.
 
     Tensors still on its devices must be gone. The library stays mapped in the process.
     """
     with _lock:
         plugin = get_plugin(name)
         _rollback(plugin.device_type)
-        plugin.backend.close()
         del _by_name[plugin.name]
         _by_path.pop(plugin.path, None)
+    _finish(plugin, exit_timeout())
 
 
 @atexit.register
 def _shutdown() -> None:
-    """At exit: let queued work (and host callbacks) finish, then finalize each plugin."""
+    """At exit: let queued work (and host callbacks) finish, then finalize each plugin, never
+    waiting more than ``exit_timeout()`` on a step."""
+    timeout = exit_timeout()
     for plugin in loaded_plugins():
+        _finish(plugin, timeout)
+
+
+def exit_timeout() -> float:
+    """Seconds to wait for a plugin's synchronize (and again for its finalize) at unload and
+    exit: ``$LLAISYS_PLUGIN_EXIT_TIMEOUT`` or ``DEFAULT_EXIT_TIMEOUT``."""
+    raw = os.environ.get(EXIT_TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_EXIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        log.warning("%s=%r is not a positive number of seconds; using %g", EXIT_TIMEOUT_VAR, raw,
+                    DEFAULT_EXIT_TIMEOUT)
+        return DEFAULT_EXIT_TIMEOUT
+    return value
+
+
+def _finish(plugin: Plugin, timeout: float) -> None:
+    """Synchronize every device of ``plugin``, then close it (deinit_device, finalize), each
+    step on a daemon thread bounded by ``timeout``; finalizing while work may still run on the
+    device is worse than not finalizing, so a hung synchronize skips the close."""
+    backend = plugin.backend
+    api = "synchronize_device" if backend.has_api("synchronize_device") else "synchronize_stream"
+    if not _bounded(plugin, api, lambda: _synchronize_all(backend), timeout):
+        log.warning("plugin %s (%s): skipped deinit_device/finalize after %s did not return", plugin.path,
+                    plugin.name, api)
+        return
+    _bounded(plugin, "deinit_device/finalize", backend.close, timeout)
+
+
+def _synchronize_all(backend: PluginBackend) -> None:
+    for index in range(backend.device_count()):
+        backend.synchronize_device(index)
+
+
+def _bounded(plugin: Plugin, api: str, step: Callable[[], None], timeout: float) -> bool:
+    """Run ``step`` on a daemon thread; True when it returned (failing or not) within
+    ``timeout`` seconds. A daemon thread left blocked in C does not keep the process alive."""
+    done = threading.Event()
+
+    def run() -> None:
         try:
-            for index in range(plugin.backend.device_count()):
-                plugin.backend.synchronize_device(index)
+            step()
         except PluginError as exc:
             log.warning("%s", exc)
-        plugin.backend.close()
+        except Exception as exc:  # at exit nobody is left to catch it
+            log.warning("plugin %s (%s): %s failed: %r", plugin.path, plugin.name, api, exc)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=run, name=f"llaisys-{plugin.name}-{api}", daemon=True).start()
+    except RuntimeError as exc:  # the interpreter may refuse new threads this late
+        log.warning("plugin %s (%s): %s not run: %s", plugin.path, plugin.name, api, exc)
+        return False
+    if done.wait(timeout):
+        return True
+    log.warning("plugin %s (%s): %s did not return within %g s; left it running (set %s to wait longer)",
+                plugin.path, plugin.name, api, timeout, EXIT_TIMEOUT_VAR)
+    return False
+
+
+def trace_event_counts() -> dict[str, int]:
+    """How many trace events plugins have handed to the host so far, by kind:
+    ``{"runtime": n, "device": m}`` (calls of ``profiler_add_runtime_trace_event`` and
+    ``profiler_add_device_trace_event``). Zeros when the native host library is not built."""
+    host = _native.load("host", global_symbols=True)
+    if host is None:
+        return {"runtime": 0, "device": 0}
+    runtime, device = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    host.llaisys_trace_event_counts(ctypes.byref(runtime), ctypes.byref(device))
+    return {"runtime": runtime.value, "device": device.value}
 
 
 def plugin_search_dirs() -> list[Path]:
@@ -159,10 +256,8 @@ def load_plugins_from_env(strict: bool = False) -> list[Plugin]:
 
 
 def _load(real: str, shown: str) -> Plugin:
-    try:
-        lib = ctypes.CDLL(real, mode=os.RTLD_NOW | os.RTLD_LOCAL)
-    except OSError as exc:
-        raise PluginError(f"plugin {shown}: cannot be opened: {exc}") from None
+    notes: list[str] = []
+    lib = _open(real, shown)
     try:
         init = abi.InitPluginFn(("InitPlugin", lib))
     except AttributeError:
@@ -176,11 +271,9 @@ def _load(real: str, shown: str) -> Plugin:
     params.interface = ctypes.pointer(table)
     init(ctypes.byref(params))
 
-    table = _filled_table(params, table, shown)
-    name, sub_type, version = _check_params(params, shown)
-    missing = [api for api in abi.REQUIRED_APIS if not getattr(table, api)]
-    if missing:
-        raise PluginError(f"plugin {shown} ({name}): required API(s) missing: {', '.join(missing)}")
+    table = _filled_table(params, table, shown, notes)
+    name, sub_type, version = _check_params(params, shown, notes)
+    _check_apis(table, name, shown)
     _check_new_type(name, shown)
 
     device_type = register_device_type(name)
@@ -198,26 +291,54 @@ def _load(real: str, shown: str) -> Plugin:
         if isinstance(exc, PluginError):
             raise
         raise PluginError(f"plugin {shown} ({name}): {type(exc).__name__}: {exc}") from exc
-    return Plugin(real, device_type, sub_type, version, backend, kernels, lib)
+    for note in notes:
+        log.warning("%s", note)
+    return Plugin(real, device_type, sub_type, version, backend, kernels, lib, notes)
 
 
-def _filled_table(params: abi.CustomRuntimeParams, ours: abi.C_DeviceInterface, shown: str) -> abi.C_DeviceInterface:
+def _open(real: str, shown: str) -> ctypes.CDLL:
+    """dlopen the plugin, after the host library whose functions it may link against."""
+    host_ready = _load_host_functions()
+    try:
+        return ctypes.CDLL(real, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    except OSError as exc:
+        hint = ""
+        if not host_ready and any(f in str(exc) for f in HOST_FUNCTIONS):
+            hint = (" (the plugin calls host functions of llaisys._native._host, which is not built: reinstall "
+                    "llaisys with a C compiler on PATH, pip install -e .)")
+        raise PluginError(f"plugin {shown}: cannot be opened: {exc}{hint}") from None
+
+
+def _load_host_functions() -> bool:
+    """Load the native host library with global symbols, so that plugins linking against its
+    functions (``HOST_FUNCTIONS``) open; False when it is not built."""
+    if _native.load("host", global_symbols=True) is None:
+        return False
+    if not hasattr(ctypes.CDLL(None), HOST_FUNCTIONS[0]):  # loaded earlier without global symbols
+        ctypes.CDLL(str(_native.library_path("host")), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    return True
+
+
+def _filled_table(params: abi.CustomRuntimeParams, ours: abi.C_DeviceInterface, shown: str,
+                  notes: list[str]) -> abi.C_DeviceInterface:
     """The function table after InitPlugin: ours, or a copy of the one the plugin pointed to."""
-    if params.size != ctypes.sizeof(abi.CustomRuntimeParams):
-        raise PluginError(f"plugin {shown}: InitPlugin changed CustomRuntimeParams.size to {params.size} "
-                          f"(it must stay {ctypes.sizeof(abi.CustomRuntimeParams)})")
     if not params.interface:
-        raise PluginError(f"plugin {shown}: InitPlugin set the interface pointer to NULL")
+        raise PluginError(f"plugin {shown}: InitPlugin set the interface pointer to NULL; it must fill the "
+                          "C_DeviceInterface the host passed")
     address = ctypes.addressof(params.interface.contents)
     table = ours if address == ctypes.addressof(ours) else abi.C_DeviceInterface.from_buffer_copy(
         ctypes.string_at(address, ctypes.sizeof(abi.C_DeviceInterface)))
-    if table.size != ctypes.sizeof(abi.C_DeviceInterface):
-        raise PluginError(f"plugin {shown}: C_DeviceInterface.size is {table.size} after InitPlugin "
-                          f"(it must stay {ctypes.sizeof(abi.C_DeviceInterface)})")
+    for struct, found, want in (("CustomRuntimeParams", params.size, ctypes.sizeof(abi.CustomRuntimeParams)),
+                                ("C_DeviceInterface", table.size, ctypes.sizeof(abi.C_DeviceInterface))):
+        if found != want:  # PaddlePaddle never reads them again either
+            notes.append(f"plugin {shown}: InitPlugin changed {struct}.size from {want} to {found} (a memset of "
+                         "the whole struct does that); the host does not read it after InitPlugin, so the "
+                         "plugin loads")
     return table
 
 
-def _check_params(params: abi.CustomRuntimeParams, shown: str) -> tuple[str, str, tuple[int, int, int]]:
+def _check_params(params: abi.CustomRuntimeParams, shown: str,
+                  notes: list[str]) -> tuple[str, str, tuple[int, int, int]]:
     """The device type, sub-type and version InitPlugin reported, checked."""
     version = (params.version.major, params.version.minor, params.version.patch)
     if version == (0, 0, 0):
@@ -234,15 +355,35 @@ def _check_params(params: abi.CustomRuntimeParams, shown: str) -> tuple[str, str
     except UnicodeDecodeError:
         raise PluginError(f"plugin {shown}: device_type {params.device_type!r} is not ASCII") from None
     sub_type = (params.sub_device_type or b"").decode("utf-8", "replace")
-    want = (abi.MAJOR_VERSION, abi.MINOR_VERSION)
-    if version[:2] != want or version[2] < abi.PATCH_VERSION:
-        raise PluginError(
-            f"plugin {shown} ({name}): built for custom runtime version {'.'.join(map(str, version))}; "
-            f"llaisys supports {want[0]}.{want[1]}.x with x >= {abi.PATCH_VERSION}")
+    _check_version(version, name, shown, notes)
     if not name or ":" in name or not name.replace("_", "").replace("-", "").isalnum():
         raise PluginError(f"plugin {shown}: device_type {name!r} is not a valid name "
                           "(letters, digits, '_' or '-')")
     return name, sub_type, version
+
+
+def _check_version(version: tuple[int, int, int], name: str, shown: str, notes: list[str]) -> None:
+    """Refuse what PaddlePaddle refuses (below 0.1.1); note a version other than 0.1.x."""
+    ours = (abi.MAJOR_VERSION, abi.MINOR_VERSION, abi.PATCH_VERSION)
+    text, oldest = ".".join(map(str, version)), ".".join(map(str, ours))
+    if abi.version_number(*version) < abi.version_number(*ours):
+        raise PluginError(f"plugin {shown} ({name}): built for custom runtime version {text}, older than "
+                          f"{oldest}, the oldest llaisys (and PaddlePaddle) loads: rebuild it against "
+                          "include/llaisys/device_ext.h")
+    if version[:2] != ours[:2]:
+        notes.append(f"plugin {shown} ({name}): reports custom runtime version {text}; llaisys implements "
+                     f"{ours[0]}.{ours[1]}.x and uses the plugin as such (PaddlePaddle loads any version from "
+                     f"{oldest} on)")
+
+
+def _check_apis(table: abi.C_DeviceInterface, name: str, shown: str) -> None:
+    """Refuse a plugin without an API llaisys cannot run without (``abi.REQUIRED_APIS``, and
+    each copy direction either synchronous or asynchronous)."""
+    missing = [api for api in abi.REQUIRED_APIS if not getattr(table, api)]
+    missing += [f"{api} (or {twin})" for api, twin in abi.COPY_APIS.items()
+                if not getattr(table, api) and not getattr(table, twin) and api != "memory_copy_d2d"]
+    if missing:
+        raise PluginError(f"plugin {shown} ({name}): required API(s) missing: {', '.join(missing)}")
 
 
 def _check_new_type(name: str, shown: str) -> None:

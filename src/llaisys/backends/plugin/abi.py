@@ -14,6 +14,13 @@ from ...runtime.dtypes import DataType
 MAJOR_VERSION, MINOR_VERSION, PATCH_VERSION = 0, 1, 1
 KERNEL_ABI_VERSION = 1
 
+
+def version_number(major: int, minor: int, patch: int) -> int:
+    """The one number PaddlePaddle compares runtime versions by: 0.1.1 is 101. A plugin below
+    ``version_number(MAJOR_VERSION, MINOR_VERSION, PATCH_VERSION)`` is refused."""
+    return major * 10000 + minor * 100 + patch
+
+
 # ---- C_Status ------------------------------------------------------------------------------
 C_SUCCESS, C_WARNING, C_FAILED, C_ERROR, C_INTERNAL_ERROR = range(5)
 STATUS_NAMES = {C_SUCCESS: "C_SUCCESS", C_WARNING: "C_WARNING", C_FAILED: "C_FAILED",
@@ -173,8 +180,22 @@ InitPluginFn = CFUNCTYPE(None, POINTER(CustomRuntimeParams))
 REQUIRED_APIS = (
     "set_device", "get_device", "get_device_count", "get_device_list",
     "device_memory_allocate", "device_memory_deallocate",
-    "memory_copy_h2d", "memory_copy_d2h", "memory_copy_d2d",
-    "device_memory_stats", "device_min_chunk_size",
+)
+
+# Each copy direction needs its synchronous API or the asynchronous one (run on a private
+# stream, then synchronized); a missing D2D copy may also go through the host.
+COPY_APIS = {
+    "memory_copy_h2d": "async_memory_copy_h2d",
+    "memory_copy_d2h": "async_memory_copy_d2h",
+    "memory_copy_d2d": "async_memory_copy_d2d",
+}
+
+# What PaddlePaddle's loader refuses a plugin without. llaisys refuses the same missing APIs,
+# except the events, which have fallbacks here.
+PADDLE_REQUIRED_APIS = (
+    "set_device", "get_device", "get_device_count", "get_device_list",
+    "create_event", "record_event", "destroy_event", "synchronize_event",
+    "device_memory_allocate", "device_memory_deallocate",
 )
 
 FALLBACKS = {
@@ -200,6 +221,11 @@ FALLBACKS = {
     "async_memory_copy_h2d": "synchronize the stream, then copy synchronously",
     "async_memory_copy_d2h": "synchronize the stream, then copy synchronously",
     "async_memory_copy_d2d": "synchronize the stream, then copy synchronously",
+    "memory_copy_h2d": "the asynchronous copy on a private stream, then synchronize it",
+    "memory_copy_d2h": "the asynchronous copy on a private stream, then synchronize it",
+    "memory_copy_d2d": "the asynchronous copy on a private stream, or D2H then H2D through the host",
+    "device_memory_stats": "total and free memory unknown: reported as 0",
+    "device_min_chunk_size": "256 bytes",
     "device_max_chunk_size": "64 MiB, or max_alloc_size if smaller",
     "device_max_alloc_size": "no cap: the device reports when it is full",
     "device_extra_padding_size": "0",

@@ -63,6 +63,8 @@ class PluginBackend(DeviceBackend):
         self._callback_errors: list[BaseException] = []
         self._streams: dict[int, set[int]] = {}  # device index -> live stream handles
         self._idle_streams: dict[int, int] = {}  # device index -> private empty stream
+        self._copy_streams: dict[int, Any] = {}  # device index -> stream of emulated sync copies
+        self._copy_lock = threading.Lock()
         self.has_streams = all(a in self._present for a in _STREAM_APIS) and bool(
             {"synchronize_stream", "synchronize_device"} & self._present)
         self.has_events = all(a in self._present for a in _EVENT_APIS)
@@ -335,13 +337,39 @@ class PluginBackend(DeviceBackend):
         self._call("host_memory_deallocate", index, self._dev(index), ptr, nbytes)
 
     def copy_h2d(self, index: int, dst: int, src: int, nbytes: int) -> None:
-        self._call("memory_copy_h2d", index, self._dev(index), dst, src, nbytes)
+        self._sync_copy("memory_copy_h2d", index, dst, src, nbytes)
 
     def copy_d2h(self, index: int, dst: int, src: int, nbytes: int) -> None:
-        self._call("memory_copy_d2h", index, self._dev(index), dst, src, nbytes)
+        self._sync_copy("memory_copy_d2h", index, dst, src, nbytes)
 
     def copy_d2d(self, index: int, dst: int, src: int, nbytes: int) -> None:
-        self._call("memory_copy_d2d", index, self._dev(index), dst, src, nbytes)
+        if "memory_copy_d2d" in self._present or abi.COPY_APIS["memory_copy_d2d"] in self._present:
+            self._sync_copy("memory_copy_d2d", index, dst, src, nbytes)
+            return
+        bounce = ctypes.create_string_buffer(nbytes)  # no D2D API at all: through the host
+        address = ctypes.addressof(bounce)
+        self.copy_d2h(index, address, src, nbytes)
+        self.copy_h2d(index, dst, address, nbytes)
+
+    def _sync_copy(self, api: str, index: int, dst: int, src: int, nbytes: int) -> None:
+        """A synchronous copy through ``api``, or its asynchronous twin on a private stream."""
+        if api in self._present:
+            self._call(api, index, self._dev(index), dst, src, nbytes)
+            return
+        stream = self._copy_stream(index)
+        self._call(abi.COPY_APIS[api], index, self._dev(index), stream, dst, src, nbytes)
+        if stream is None:
+            self.synchronize_device(index)
+        else:
+            self.synchronize_stream(index, stream)
+
+    def _copy_stream(self, index: int) -> Any:
+        """The stream synchronous copies run on when the plugin has only asynchronous ones
+        (NULL, the plugin's default stream, when it has no streams)."""
+        with self._copy_lock:
+            if index not in self._copy_streams:
+                self._copy_streams[index] = self.create_stream(index) if self.has_streams else None
+            return self._copy_streams[index]
 
     def copy_async(self, index: int, dst: int, src: int, nbytes: int, kind: MemcpyKind, stream: Any) -> None:
         api = _ASYNC_COPY_API.get(kind)
@@ -359,6 +387,8 @@ class PluginBackend(DeviceBackend):
         self._call("device_memory_set", index, self._dev(index), ptr, value, nbytes)
 
     def memory_stats(self, index: int) -> tuple[int, int]:
+        if "device_memory_stats" not in self._present:
+            return 0, 0
         total, free = ctypes.c_size_t(0), ctypes.c_size_t(0)
         self._call("device_memory_stats", index, self._dev(index), ctypes.byref(total), ctypes.byref(free))
         return total.value, free.value
@@ -375,6 +405,8 @@ class PluginBackend(DeviceBackend):
         defaults of ``abi.FALLBACKS``."""
         d = DEFAULT_ALLOCATOR_SIZES
         min_chunk = self._size("device_min_chunk_size", index)
+        if min_chunk is None:
+            min_chunk = 256
         if not min_chunk:
             raise PluginAPIError(self.library, f"{self.device_type.name}:{index}", "device_min_chunk_size",
                                  "a chunk size of 0 (expected at least 1)")
