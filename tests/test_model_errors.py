@@ -150,6 +150,122 @@ def test_missing_hyper_parameter(tmp_path):
         load_model(path)
 
 
+T = gguf.GGUFValueType
+TOKENS = ["<|endoftext|>", "a", "b", "ab"] + [f"t{i}" for i in range(CFG.vocab_size - 4)]
+BASE_KV = {  # key -> (value, type, array item type), CFG's model with a byte-level BPE tokenizer
+    "llama.block_count": (2, T.UINT32, None), "llama.context_length": (64, T.UINT32, None),
+    "llama.embedding_length": (32, T.UINT32, None), "llama.feed_forward_length": (64, T.UINT32, None),
+    "llama.attention.head_count": (4, T.UINT32, None), "llama.attention.head_count_kv": (2, T.UINT32, None),
+    "llama.vocab_size": (CFG.vocab_size, T.UINT32, None), "llama.attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32, None),
+    "tokenizer.ggml.model": ("gpt2", T.STRING, None), "tokenizer.ggml.tokens": (TOKENS, T.ARRAY, T.STRING),
+    "tokenizer.ggml.merges": (["a b"], T.ARRAY, T.STRING), "tokenizer.ggml.eos_token_id": (0, T.UINT32, None),
+}
+
+
+def _kv_gguf(path, changes: dict | None = None):
+    """CFG's model as a GGUF with BASE_KV's metadata, ``changes`` (key -> (value, type, item type)) set over it."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, (value, vtype, sub) in {**BASE_KV, **(changes or {})}.items():
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for name, arr in _gguf_tensors().items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_base_kv_file_loads_with_its_tokenizer(tmp_path):
+    model = load_model(_kv_gguf(tmp_path / "kv.gguf"))
+    assert model.tokenizer.encode("ab") == [3] and model.eos_token_ids == [0]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("key,value,message", [
+    ("llama.block_count", (2**32, T.UINT64, None),
+     r"llama\.block_count=4294967296 is more layers than the file's 20 tensors can hold \(9 per layer\)"),
+    ("llama.block_count", (2**63, T.UINT64, None), r"llama\.block_count=9223372036854775808 is more layers"),
+    ("tokenizer.ggml.tokens", (list(range(CFG.vocab_size)), T.ARRAY, T.INT32),
+     r"tokenizer\.ggml\.tokens must be an array of strings; found 0 \(int\)"),
+    ("tokenizer.ggml.merges", ([1, 2], T.ARRAY, T.INT32), r"tokenizer\.ggml\.merges must be an array of strings; found 1 \(int\)"),
+    ("tokenizer.ggml.merges", (["a x"], T.ARRAY, T.STRING),
+     r"tokenizer\.ggml\.merges does not fit tokenizer\.ggml\.tokens \(.*`x` out of vocabulary"),
+    ("tokenizer.ggml.bos_token_id", ("1", T.STRING, None),
+     r"tokenizer\.ggml\.bos_token_id must be a token id \(an integer >= 0\), got '1'"),
+    ("tokenizer.ggml.eos_token_id", (1.0, T.FLOAT32, None), r"tokenizer\.ggml\.eos_token_id must be a token id .*got 1\.0"),
+    ("tokenizer.ggml.eos_token_id", ([0, 1], T.ARRAY, T.UINT32), r"tokenizer\.ggml\.eos_token_id must be a token id .*got \[0, 1\]"),
+    ("tokenizer.ggml.padding_token_id", (40, T.UINT32, None), r"tokenizer\.ggml\.padding_token_id=40 is outside the 40 tokens"),
+    ("tokenizer.ggml.add_bos_token", ("yes", T.STRING, None), r"tokenizer\.ggml\.add_bos_token must be a boolean, got 'yes'"),
+    ("tokenizer.ggml.pre", ([1], T.ARRAY, T.INT32), r"tokenizer\.ggml\.pre must be a string, got an array holding 1"),
+    ("tokenizer.chat_template", (7, T.UINT32, None), r"tokenizer\.chat_template must be a string, got 7 \(int\)"),
+])
+def test_gguf_metadata_of_the_wrong_type_or_size(tmp_path, key, value, message):
+    path = _kv_gguf(tmp_path / "meta.gguf", {key: value})
+    with pytest.raises(ModelLoadError, match=r"meta\.gguf: " + message):
+        load_model(path)
+
+
+def test_gguf_text_that_is_not_utf8_names_the_key(tmp_path):
+    path = _kv_gguf(tmp_path / "text.gguf", {"general.name": ("QQQQ", T.STRING, None)})
+    path.write_bytes(path.read_bytes().replace(b"QQQQ", b"\xff\xfeQQ"))
+    with pytest.raises(ModelLoadError, match=r"text\.gguf: metadata key 'general\.name' holds text that is not valid UTF-8"):
+        load_model(path)
+
+
+def _patch_tensor(src, dst, name: str, part: int, value: int, item: int = 0):
+    """A copy of GGUF ``src`` with item ``item`` of part ``part`` of tensor ``name``'s header entry
+    (2 dimension count, 3 dimensions, 4 type, 5 data offset) set to ``value``."""
+    reader = gguf.GGUFReader(src)
+    t = next(t for t in reader.tensors if t.name == name)
+    field = t.field.parts[part]
+    at = field.ctypes.data - reader.data.ctypes.data + item * field.itemsize
+    data = bytearray(src.read_bytes())
+    data[at:at + field.itemsize] = value.to_bytes(field.itemsize, "little")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def _offset(path, name: str) -> int:
+    return next(int(t.field.parts[5][0]) for t in gguf.GGUFReader(path).tensors if t.name == name)
+
+
+def test_gguf_tensor_with_a_zero_dimension(good_gguf, tmp_path):
+    bad = _patch_tensor(good_gguf, tmp_path / "zero.gguf", "blk.0.attn_q.weight", 3, 0, item=1)
+    with pytest.raises(ModelLoadError, match=r"zero\.gguf: tensor 'blk\.0\.attn_q\.weight' has a zero dimension in its shape \(0, 32\)"):
+        load_model(bad)
+
+
+def test_gguf_overlapping_tensors(good_gguf, tmp_path):
+    bad = _patch_tensor(good_gguf, tmp_path / "overlap.gguf", "blk.0.attn_v.weight", 5,
+                        _offset(good_gguf, "blk.0.attn_k.weight"))
+    with pytest.raises(ModelLoadError, match=r"overlap\.gguf: tensor 'blk\.0\.attn_k\.weight' ends at byte \d+, past the "
+                                             r"start of tensor 'blk\.0\.attn_v\.weight' at byte \d+"):
+        load_model(bad)
+
+
+def test_gguf_tensor_spilling_into_its_neighbour(good_gguf, tmp_path):
+    # 40 floats where the file holds 32: the norm runs into the tensor written after it
+    bad = _patch_tensor(good_gguf, tmp_path / "spill.gguf", "blk.0.attn_norm.weight", 3, 40)
+    with pytest.raises(ModelLoadError, match=r"spill\.gguf: tensor 'blk\.0\.attn_norm\.weight' ends at byte \d+, past the start"):
+        load_model(bad)
+
+
+def test_gguf_misaligned_tensor(good_gguf, tmp_path):
+    bad = _patch_tensor(good_gguf, tmp_path / "align.gguf", "blk.1.ffn_up.weight", 5,
+                        _offset(good_gguf, "blk.1.ffn_up.weight") + 4)
+    with pytest.raises(ModelLoadError, match=r"align\.gguf: tensor 'blk\.1\.ffn_up\.weight' starts at data offset \d+, "
+                                             r"not a multiple of the alignment 32"):
+        load_model(bad)
+
+
+def test_gguf_tensor_past_the_end_of_the_data(good_gguf, tmp_path):
+    last = gguf.GGUFReader(good_gguf).tensors[-1].name
+    bad = _patch_tensor(good_gguf, tmp_path / "past.gguf", last, 5, _offset(good_gguf, last) + 4096)
+    with pytest.raises(ModelLoadError, match=rf"past\.gguf: file is truncated: tensor '{last}' needs bytes up to"):
+        load_model(bad)
+
+
 # ---- Hugging Face folders ----------------------------------------------------------------
 HF_CONFIG = {"model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -252,6 +368,98 @@ def test_folder_without_weights(tmp_path):
         load_model(folder)
 
 
+def _with_tokenizer(folder, **files):
+    """``folder`` with a small BPE tokenizer.json and ``files`` (name -> bytes) beside it."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models as tokenizer_models
+
+    Backend(tokenizer_models.BPE({t: i for i, t in enumerate(TOKENS)}, [("a", "b")])).save(str(folder / "tokenizer.json"))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("config,message", [
+    ({**HF_CONFIG, "num_hidden_layers": 10**12},
+     r"model: num_hidden_layers=1000000000000 is more layers than the file's 14 tensors can hold \(12 per layer\)"),
+    ({**HF_CONFIG, "tie_word_embeddings": "no"}, r"config\.json: tie_word_embeddings must be true or false, got 'no'"),
+    ({**HF_CONFIG, "model_type": "llama", "attention_bias": 1}, r"config\.json: attention_bias must be true or false, got 1"),
+    ({**HF_CONFIG, "eos_token_id": [1.5]}, r"config\.json: eos_token_id must be a token id or a list of token ids "
+                                          r"\(integers >= 0\); found 1\.5 in \[1\.5\]"),
+    ({**HF_CONFIG, "eos_token_id": "2"}, r"config\.json: eos_token_id must be a token id .*found '2'"),
+    ({**HF_CONFIG, "bos_token_id": 1.0}, r"config\.json: bos_token_id must be a token id \(an integer >= 0\), got 1\.0"),
+])
+def test_config_values_of_the_wrong_type_or_size(tmp_path, config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_folder(tmp_path, config))
+
+
+def test_config_json_nested_too_deeply(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"config\.json: not valid JSON \(nested too deeply\)"):
+        load_model(_folder(tmp_path, "[" * 100_000 + "]" * 100_000))
+
+
+def test_config_json_that_is_a_folder(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json: expected a file, found a folder"):
+        load_model(folder)
+
+
+def test_layer_index_with_a_leading_zero_is_not_layer_0(tmp_path):
+    state = _hf_state()
+    state["model.layers.00.input_layernorm.weight"] = state.pop("model.layers.0.input_layernorm.weight")
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.00\.input_layernorm\.weight'"):
+        load_model(_folder(tmp_path, state=state))
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"chat_template.jinja": b"\xff\xfe{{ x }}"}, r"chat_template\.jinja: cannot be read as UTF-8 text"),
+    ({"tokenizer_config.json": b'{"chat_template": 5}'}, r"tokenizer_config\.json: chat_template must be a string, got 5"),
+    ({"tokenizer_config.json": b'{"chat_template": [{"name": ["x"], "template": "t"}]}'},
+     r"tokenizer_config\.json: chat_template must be a string or a list of"),
+    ({"tokenizer_config.json": b'{"eos_token": 2}'},
+     r"tokenizer_config\.json: eos_token must be a string or an object with a string 'content', got 2"),
+    ({"generation_config.json": b'{"eos_token_id": "x"}'}, r"generation_config\.json: eos_token_id must be a token id .*found 'x'"),
+    ({"generation_config.json": b'{"eos_token_id": [1, 2.0]}'}, r"generation_config\.json: eos_token_id .*found 2\.0"),
+])
+def test_bad_tokenizer_and_generation_files(tmp_path, files, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_with_tokenizer(_folder(tmp_path), **files))
+
+
+def _sharded(tmp_path, place: dict):
+    """A folder whose index places tensors in shards: ``place`` maps a tensor name to the
+    file name the index gives for it (all other tensors are in model.safetensors)."""
+    folder = _folder(tmp_path)
+    weight_map = {name: "model.safetensors" for name in _hf_state()}
+    weight_map.update(place)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("file,message", [
+    (7, r"tensor 'model\.norm\.weight' is placed in 7; expected a file name \(a string\)"),
+    (None, r"tensor 'model\.norm\.weight' is placed in None; expected a file name"),
+    ("../model/model.safetensors", r"tensor 'model\.norm\.weight' is placed in '\.\./model/model\.safetensors'; "
+                                   r"expected a file inside"),
+    ("sub/../../x.safetensors", r"tensor 'model\.norm\.weight' is placed in 'sub/\.\./\.\./x\.safetensors'; expected a file inside"),
+    ("/etc/passwd", r"tensor 'model\.norm\.weight' is placed in '/etc/passwd'; expected a file inside"),
+])
+def test_shard_index_naming_a_file_outside_the_folder_or_not_a_name(tmp_path, file, message):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors\.index\.json: " + message):
+        load_model(_sharded(tmp_path, {"model.norm.weight": file}))
+
+
+def test_shard_index_by_absolute_path_is_refused_even_inside_the_folder(tmp_path):
+    folder = _folder(tmp_path)
+    path = str(folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"expected a file inside"):
+        load_model(_sharded(tmp_path, {"model.norm.weight": path}))
+
+
 # ---- paths, options and calls ------------------------------------------------------------
 def test_paths_and_options(tmp_path, good_gguf):
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
@@ -297,6 +505,9 @@ def test_forward_and_cache_errors(good_gguf):
     other = load_model(good_gguf, dtype="bf16")
     with pytest.raises(ValueError, match="was not made for this model"):
         other.forward([1], cache)
+    twin = load_model(good_gguf)  # the same layout, but the cache holds the other model's keys
+    with pytest.raises(ValueError, match="was not made for this model"):
+        twin.forward([1], cache)
     with pytest.raises(TypeError, match="KVCache"):
         model.forward([1], None)
 

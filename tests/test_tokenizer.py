@@ -3,7 +3,9 @@ and chat template rendering against transformers' apply_chat_template."""
 from __future__ import annotations
 
 import os
+import re
 
+import numpy as np
 import pytest
 
 import transformers
@@ -110,6 +112,17 @@ def test_missing_template_and_bad_input_are_clear(ours):
         ours.decode([ours.vocab_size])
 
 
+@pytest.mark.parametrize("bad", [1.7, 1.0, True, "1", np.float32(2.0), None])
+def test_decode_takes_integer_ids_only(ours, bad):
+    with pytest.raises(TypeError, match=rf"decode: token ids must be integers, got {re.escape(repr(bad))}"):
+        ours.decode([5, bad])
+
+
+def test_decode_takes_numpy_integers(ours):
+    ids = ours.encode("Hello world!")
+    assert ours.decode(np.array(ids, np.int32)) == ours.decode([np.int64(i) for i in ids]) == ours.decode(ids)
+
+
 # ---- other tokenizer kinds, written as small GGUF files ------------------------------
 def _hf_from_gguf(path):
     return transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
@@ -172,3 +185,14 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
         ids = ref.encode(text)
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.bos_token_id == 1 and ours.eos_token_ids == [2]
+
+
+@pytest.mark.timeout(30)
+def test_merges_from_scores_with_a_very_long_token(tmp_path):
+    """Merges derived from scores try only cuts into lengths that tokens have, so one huge
+    token (a corrupt file) costs little."""
+    tokens = ["<unk>", "a", "b", "ab", "a" * 1_000_000]
+    path = tmp_path / "long.gguf"
+    _write(path, tokens, [2, 1, 1, 1, 1], scores=[0.0, 0.0, 0.0, -1.0, -2.0], model="llama")
+    ours = Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
+    assert ours.encode("ab", add_special_tokens=False) == [3]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..runtime.device import as_device
 from ..runtime.dtypes import DataType
-from .config import ModelConfig
+from .config import ModelConfig, token_ids
 from .decoder import CausalLM
 from .errors import ModelLoadError, read_json_object
 from .kv_cache import KVCache
@@ -99,7 +99,7 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -
 
     with contextlib.ExitStack() as stack:
         config, weights = read_folder(folder, stack)
-        if (folder / "tokenizer.json").is_file():
+        if (folder / "tokenizer.json").exists():
             tokenizer = Tokenizer.from_folder(folder)
         else:
             log.warning("%s has no tokenizer.json: the model takes token ids only", folder)
@@ -110,9 +110,9 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -
         bar = Progress(folder.name, len(weights), progress)
         params = build_params(weights, config, dtype, device, bar)
         bar.finish()
-    gen = read_json_object(folder / "generation_config.json")
-    gen_eos = gen.get("eos_token_id")
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else [int(i) for i in gen_eos or ()]
+    gen_path = folder / "generation_config.json"
+    gen = read_json_object(gen_path)
+    gen_eos = token_ids(gen.get("eos_token_id"), str(gen_path), "eos_token_id")
     defaults = {k: gen[k] for k in GENERATION_KEYS if k in gen}
     file_info = {"format": "safetensors", "tensor_types": dict(sorted(_count(w.kind for w in weights.values()).items()))}
     return CausalLM(config, params, tokenizer, dtype=dtype, device=device, source=str(folder),

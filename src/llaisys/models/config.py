@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, read_json
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -39,12 +39,13 @@ class ModelConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim == 0 and all(type(v) is int and v > 0 for v in (self.hidden_size, self.num_attention_heads)):
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if isinstance(self.eos_token_id, int):
+        # Values of other types are kept as found, for ``validate`` to name them.
+        if is_int(self.eos_token_id):
             self.eos_token_id = [self.eos_token_id]
         elif self.eos_token_id is None:
             self.eos_token_id = []
-        else:
-            self.eos_token_id = [int(i) for i in self.eos_token_id]
+        elif isinstance(self.eos_token_id, (list, tuple)):
+            self.eos_token_id = list(self.eos_token_id)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
@@ -74,7 +75,52 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelLoadError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.bos_token_id is not None and not is_token_id(self.bos_token_id):
+            raise ModelLoadError(
+                f"{source}: bos_token_id must be a token id (an integer >= 0), got {self.bos_token_id!r}"
+            )
+        self.eos_token_id = token_ids(self.eos_token_id, source, "eos_token_id")
         return self
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (a JSON/GGUF integer, not a bool or a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_token_id(value: Any) -> bool:
+    """Whether ``value`` can be a token id: an integer >= 0."""
+    return is_int(value) and value >= 0
+
+
+def token_ids(value: Any, source: str, key: str) -> list[int]:
+    """``value`` (an id, a list of ids or None/absent) as a list of ids.
+
+    Anything else, floats included, is a ModelLoadError naming ``source`` and ``key``.
+    """
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not is_token_id(item):
+            raise ModelLoadError(
+                f"{source}: {key} must be a token id or a list of token ids (integers >= 0); "
+                f"found {item!r} in {value!r}"
+            )
+    return items
+
+
+def json_flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
+    """The JSON boolean ``raw[key]`` (``default`` when absent or null); any other value is a ModelLoadError."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
@@ -107,9 +153,9 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
-    if raw.get("mlp_bias"):
+    if json_flag(raw, "mlp_bias", False, source):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported; expected MLP projections without bias")
-    if raw.get("use_sliding_window"):
+    if json_flag(raw, "use_sliding_window", False, source):
         raise ModelLoadError(f"{source}: use_sliding_window=true is not supported; expected full attention")
     values = dict(raw)
     values["architecture"] = arch
@@ -117,8 +163,9 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
     if arch == "qwen2":  # Qwen2 always has q/k/v biases and none on the output projection
         values["attention_bias"], values["attention_out_bias"] = True, False
     else:
-        bias = bool(raw.get("attention_bias", False))
+        bias = json_flag(raw, "attention_bias", False, source)
         values["attention_bias"], values["attention_out_bias"] = bias, bias
+    values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
     for key in ("num_key_value_heads", "head_dim"):
         if values.get(key) is None:
             values[key] = 0
@@ -131,12 +178,5 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
 
 def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
     """Read and check a ``config.json``."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: no such file; a model folder needs a config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-    return config_from_hf(raw, path)
+    raw = read_json(Path(path), hint="; a model folder needs a config.json")
+    return config_from_hf(raw, os.fspath(path))

@@ -2,6 +2,9 @@
 model's device memory."""
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
@@ -11,20 +14,27 @@ class KVCache:
     """Keys and values for up to ``max_tokens`` positions of each of ``num_layers`` layers.
 
     ``length`` tokens are held; a forward pass writes the next ones at ``length`` onwards.
+    ``owner`` is the model that made the cache (``CausalLM.new_cache``); a model refuses a cache
+    made by another, even one of the same layout, whose keys and values mean nothing to it.
     """
 
     def __init__(self, num_layers: int, max_tokens: int, kv_heads: int, head_dim: int,
-                 dtype: DataType, device: Device):
+                 dtype: DataType, device: Device, owner: Any = None):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.length = 0
         self.spec = (num_layers, kv_heads, head_dim, dtype, device)
+        self._owner = weakref.ref(owner) if owner is not None else None  # weak: a cache does not keep a model alive
         # Never zeroed: positions at or past ``length`` are always written before they are read.
         self.k = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
         self.v = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
         self.k_layers = [self.k.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
         self.v_layers = [self.v.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
+
+    def made_by(self, model: Any) -> bool:
+        """Whether ``model`` made this cache."""
+        return self._owner is not None and self._owner() is model
 
     def reset(self) -> None:
         """Forget every token."""

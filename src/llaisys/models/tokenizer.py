@@ -6,13 +6,14 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from .chat_template import render_chat
+from .config import is_int
 from .errors import ModelLoadError, read_json_object
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class Tokenizer:
     def decode(self, ids: "Sequence[int] | np.ndarray", skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; special tokens left out when ``skip_special_tokens``."""
         self._require()
-        ids = [int(i) for i in ids]
+        ids = [_as_id(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"decode: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -124,20 +125,21 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: no such file; a model folder needs a tokenizer.json") from None
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise ModelLoadError(f"{path}: not a readable tokenizer ({exc})") from exc
-        cfg = read_json_object(folder / "tokenizer_config.json")
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = read_json_object(cfg_path)
         template = _folder_chat_template(folder, cfg)
-        eos = _token_content(cfg.get("eos_token"))
-        return cls(backend, bos_token=_token_content(cfg.get("bos_token")), eos_tokens=[eos] if eos else [],
-                   chat_template=template, pad_token=_token_content(cfg.get("pad_token")))
+        eos = _token_content(cfg, "eos_token", cfg_path)
+        return cls(backend, bos_token=_token_content(cfg, "bos_token", cfg_path), eos_tokens=[eos] if eos else [],
+                   chat_template=template, pad_token=_token_content(cfg, "pad_token", cfg_path))
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], source: str) -> "Tokenizer":
         """From a GGUF file's ``tokenizer.ggml.*`` metadata and ``tokenizer.chat_template``."""
         kind = meta.get("tokenizer.ggml.model")
-        tokens = meta.get("tokenizer.ggml.tokens")
+        tokens = _array(meta, "tokenizer.ggml.tokens", source, "strings", _is_str)
         if not tokens:
             raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens; the file carries no tokenizer")
-        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        types = _array(meta, "tokenizer.ggml.token_type", source, "integers", is_int) or [NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         if kind == "gpt2":
@@ -149,38 +151,138 @@ class Tokenizer:
         _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
 
         def token(key: str) -> str | None:
-            i = meta.get(f"tokenizer.ggml.{key}")
-            if i is None:
-                return None
-            if not 0 <= i < len(tokens):
-                raise ModelLoadError(f"{source}: tokenizer.ggml.{key}={i} is outside the {len(tokens)} tokens")
-            return tokens[i]
+            i = _token_id(meta, f"tokenizer.ggml.{key}", source, len(tokens))
+            return None if i is None else tokens[i]
 
         bos = token("bos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", kind == "llama", source)
+        add_eos = _flag(meta, "tokenizer.ggml.add_eos_token", False, source)
         eos_tokens = [t for t in (token("eos_token_id"), token("eot_token_id"), token("eom_token_id")) if t]
-        _set_post_processor(backend, bos if add_bos else None, eos_tokens[0] if add_eos and eos_tokens else None)
-        return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=meta.get("tokenizer.chat_template"),
+        eos = eos_tokens[0] if add_eos and eos_tokens else None
+        _set_post_processor(backend, bos if add_bos else None, eos, source)
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(f"{source}: tokenizer.chat_template must be a string, got {_kind(template)}")
+        return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=template,
                    pad_token=token("padding_token_id"))
 
 
-def _token_content(value: Any) -> str | None:
+def _as_id(value: Any) -> int:
+    """``value`` as a token id; anything but an integer (a float, a bool, a string) is a TypeError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"decode: token ids must be integers, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+# ---- typed access to GGUF metadata: a value of the wrong type is a ModelLoadError naming its key ----
+def _kind(value: Any) -> str:
+    """How a metadata value of the wrong type is described in messages."""
+    if isinstance(value, list):
+        return "an empty array" if not value else f"an array holding {value[0]!r} ({type(value[0]).__name__})"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _array(meta: Mapping[str, Any], key: str, source: str, what: str, ok: Callable[[Any], bool]) -> list | None:
+    """``meta[key]`` as an array of ``what``, every item passing ``ok``; None when absent."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    bad = [v for v in value if not ok(v)][:1] if isinstance(value, list) else [value]
+    if bad:
+        raise ModelLoadError(f"{source}: {key} must be an array of {what}; found {_kind(bad[0])}")
+    return value
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token_id(meta: Mapping[str, Any], key: str, source: str, n_tokens: int) -> int | None:
+    """``meta[key]`` as an id among ``n_tokens`` tokens; None when absent."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not is_int(value):
+        raise ModelLoadError(f"{source}: {key} must be a token id (an integer), got {_kind(value)}")
+    if not 0 <= value < n_tokens:
+        raise ModelLoadError(f"{source}: {key}={value} is outside the {n_tokens} tokens")
+    return value
+
+
+def _flag(meta: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
+    """``meta[key]`` as a boolean; ``default`` when absent."""
+    value = meta.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{source}: {key} must be a boolean, got {_kind(value)}")
+    return value
+
+
+def _text(meta: Mapping[str, Any], key: str, default: str, source: str) -> str:
+    """``meta[key]`` as a string; ``default`` when absent."""
+    value = meta.get(key, default)
+    if not isinstance(value, str):
+        raise ModelLoadError(f"{source}: {key} must be a string, got {_kind(value)}")
+    return value
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], source: str, **options: Any) -> _Backend:
+    """A BPE tokenizer; merges the library refuses (a part that is not a token) are a ModelLoadError."""
+    try:
+        return _Backend(models.BPE(vocab, merges, **options))
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise ModelLoadError(f"{source}: tokenizer.ggml.merges does not fit tokenizer.ggml.tokens ({exc})") from exc
+
+
+def _merges(meta: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as pairs ("a b" -> ("a", "b"))."""
+    merges = [tuple(m.split(" ", 1)) for m in _array(meta, "tokenizer.ggml.merges", source, "strings", _is_str) or ()]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.merges holds an entry without a space between its two parts")
+    return merges  # type: ignore[return-value]
+
+
+def _token_content(cfg: Mapping[str, Any], key: str, path: Path) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+    value = cfg.get(key)
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise ModelLoadError(f"{path}: {key} must be a string or an object with a string 'content', got {value!r}")
+    return content
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path``; ModelLoadError when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot be read as UTF-8 text ({exc})") from exc
 
 
 def _folder_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    template = cfg.get("chat_template") or read_json_object(folder / "chat_template.json").get("chat_template")
+    if jinja.exists():
+        return _read_text(jinja)
+    source = folder / "tokenizer_config.json"
+    template = cfg.get("chat_template")
+    if not template:
+        source = folder / "chat_template.json"
+        template = read_json_object(source).get("chat_template")
     if isinstance(template, list):  # named templates: use the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise ModelLoadError(f"{source}: chat_template must be a string or a list of "
+                                 f'{{"name": ..., "template": ...}} strings, got {template!r:.200}')
+        named = {t["name"]: t["template"] for t in template}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{source}: chat_template must be a string, got {template!r:.200}")
+    return template or None
 
 
 def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str) -> _Backend:
@@ -189,11 +291,8 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str)
     alphabet = set(spell.values())
     # Files spell tokens in the byte alphabet; a token using other characters is respelled from its UTF-8 bytes.
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
-    if any(len(m) != 2 for m in merges):
-        raise ModelLoadError(f"{source}: tokenizer.ggml.merges holds an entry without a space between its two parts")
-    backend = _Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    backend = _bpe(vocab, _merges(meta, source), source, fuse_unk=False, byte_fallback=False)
+    pre = _text(meta, "tokenizer.ggml.pre", "default", source)
     split = PRE_TOKENIZER_SPLITS.get(pre)
     if split is None:
         log.warning("%s: unknown tokenizer.ggml.pre %r; splitting text as GPT-2 does", source, pre)
@@ -217,18 +316,16 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str)
 def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int], source: str) -> _Backend:
     """SentencePiece-style BPE ("▁" for spaces, byte tokens <0xNN> as fallback)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    raw_merges = meta.get("tokenizer.ggml.merges")
-    if raw_merges:
-        merges = [tuple(m.split(" ", 1)) for m in raw_merges]
-    else:
-        scores = meta.get("tokenizer.ggml.scores")
+    merges = _merges(meta, source)
+    if not merges:
+        scores = _array(meta, "tokenizer.ggml.scores", source, "numbers", _is_number)
         if not scores or len(scores) != len(tokens):
             raise ModelLoadError(f"{source}: a 'llama' tokenizer needs tokenizer.ggml.merges or one score per token")
         merges = _merges_from_scores(tokens, scores, types)
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    backend = _Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    unk_id = _token_id(meta, "tokenizer.ggml.unknown_token_id", source, len(tokens))
+    unk = tokens[unk_id] if unk_id is not None else None
+    backend = _bpe(vocab, merges, source, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    prepend = "first" if _flag(meta, "tokenizer.ggml.add_space_prefix", True, source) else "never"
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
     backend.decoder = decoders.Sequence([
         decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -241,11 +338,16 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float], types: S
     """Merges a SentencePiece vocabulary implies: every split of a normal token into two
     tokens, best-scored merged token first."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    # Only cuts into two lengths some token has can give two tokens; trying just those keeps a
+    # corrupt megabyte-long token from costing a cut (and two copies) per character.
+    lengths = sorted({len(t) for t in vocab} - {0})
     found: list[tuple[float, int, int, str, str]] = []
     for token, score, kind in zip(tokens, scores, types):
         if kind != NORMAL:
             continue
-        for cut in range(1, len(token)):
+        for cut in lengths:
+            if cut >= len(token):
+                break
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:
                 found.append((-score, vocab[left], vocab[right], left, right))
@@ -270,10 +372,16 @@ def _add_special_tokens(backend: _Backend, tokens: Sequence[str], types: Sequenc
         backend.add_tokens(user)
 
 
-def _set_post_processor(backend: _Backend, bos: str | None, eos: str | None) -> None:
+def _set_post_processor(backend: _Backend, bos: str | None, eos: str | None, source: str) -> None:
     if bos is None and eos is None:
         return
-    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-    pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+    # templates as lists of pieces, so a token holding a space stays one piece
+    single = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
+    pair = single + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
     special = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+    try:
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise ModelLoadError(
+            f"{source}: the BOS/EOS tokens {bos!r}/{eos!r} cannot be added to encoded text ({exc})"
+        ) from exc

@@ -74,6 +74,7 @@ class NameTable:
     layer_prefix: str  # with "{i}" for the layer index
     layer: Mapping[str, str]
     ignored: re.Pattern
+    layer_count_key: str  # the key giving the number of layers, with "{arch}" for the architecture
 
     def to_ours(self, name: str) -> str | None:
         """Our name for the file's ``name``; None when the table does not know it."""
@@ -82,8 +83,8 @@ class NameTable:
         head, _, tail = self.layer_prefix.partition("{i}")
         if name.startswith(head):
             index, dot, rest = name[len(head):].partition(".")
-            if dot and index.isdigit() and tail == "." and rest in self.layer:
-                return f"layers.{int(index)}.{self.layer[rest]}"
+            if dot and is_layer_index(index) and tail == "." and rest in self.layer:
+                return f"layers.{index}.{self.layer[rest]}"
         return None
 
     def to_file(self, ours: str) -> str:
@@ -98,8 +99,14 @@ class NameTable:
         raise KeyError(ours)
 
 
-HF_NAMES = NameTable(HF_GLOBAL, HF_LAYER_PREFIX, HF_LAYER, HF_IGNORED)
-GGUF_NAMES = NameTable(GGUF_GLOBAL, GGUF_LAYER_PREFIX, GGUF_LAYER, GGUF_IGNORED)
+HF_NAMES = NameTable(HF_GLOBAL, HF_LAYER_PREFIX, HF_LAYER, HF_IGNORED, "num_hidden_layers")
+GGUF_NAMES = NameTable(GGUF_GLOBAL, GGUF_LAYER_PREFIX, GGUF_LAYER, GGUF_IGNORED, "{arch}.block_count")
+
+
+def is_layer_index(text: str) -> bool:
+    """Whether ``text`` is a layer index as files write it: ASCII digits, no leading zero
+    (so ``layers.00`` cannot stand in for ``layers.0``)."""
+    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0"))
 
 
 @dataclass
@@ -115,23 +122,36 @@ class WeightSource:
     row_multiple: int = 1  # read_rows needs start and stop to be multiples of this
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the config implies, by our name, with its shape."""
+def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The weights outside the layers that the config implies, by our name, with their shapes."""
+    v, d = config.vocab_size, config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (v, d)
+    return shapes
+
+
+def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The weights of layer ``layer`` that the config implies, by our name, with their shapes."""
     d, dh, i = config.hidden_size, config.head_dim, config.intermediate_size
     nq, nkv = config.num_attention_heads * dh, config.num_key_value_heads * dh
-    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, d), "norm": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.vocab_size, d)
+    p = f"layers.{layer}."
+    shapes = {
+        p + "attn_norm": (d,), p + "q": (nq, d), p + "k": (nkv, d), p + "v": (nkv, d),
+        p + "o": (d, nq), p + "ffn_norm": (d,), p + "gate": (i, d), p + "up": (i, d), p + "down": (d, i),
+    }
+    if config.attention_bias:
+        shapes.update({p + "q_bias": (nq,), p + "k_bias": (nkv,), p + "v_bias": (nkv,)})
+    if config.attention_out_bias:
+        shapes[p + "o_bias"] = (d,)
+    return shapes
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the config implies, by our name, with its shape."""
+    shapes = global_shapes(config)
     for layer in range(config.num_hidden_layers):
-        p = f"layers.{layer}."
-        shapes.update({
-            p + "attn_norm": (d,), p + "q": (nq, d), p + "k": (nkv, d), p + "v": (nkv, d),
-            p + "o": (d, nq), p + "ffn_norm": (d,), p + "gate": (i, d), p + "up": (i, d), p + "down": (d, i),
-        })
-        if config.attention_bias:
-            shapes.update({p + "q_bias": (nq,), p + "k_bias": (nkv,), p + "v_bias": (nkv,)})
-        if config.attention_out_bias:
-            shapes[p + "o_bias"] = (d,)
+        shapes.update(layer_shapes(config, layer))
     return shapes
 
 
@@ -144,6 +164,8 @@ def map_names(file_tensors: Mapping[str, WeightSource], table: NameTable, source
             if table.ignored.match(name):
                 continue
             raise ModelLoadError(f"{src.file}: unexpected tensor {name!r}; it is not part of a Qwen2/Llama decoder")
+        if ours in out:  # unreachable for canonical names; kept so no tensor silently replaces another
+            raise ModelLoadError(f"{src.file}: tensors {out[ours].file_name!r} and {name!r} are the same weight")
         out[ours] = src
     return out
 
@@ -161,6 +183,7 @@ def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, tabl
 
     Raises ModelLoadError naming the file and the tensor (by its name in the file).
     """
+    _check_layer_count(weights, config, table, source)
     expected = expected_shapes(config)
     missing = [name for name in expected if name not in weights]
     if missing:
@@ -178,3 +201,15 @@ def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, tabl
             raise ModelLoadError(
                 f"{src.file}: tensor {src.file_name!r} has shape {tuple(src.shape)}; expected {expected[name]} from the config"
             )
+
+
+def _check_layer_count(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str) -> None:
+    """Refuse a layer count beyond what the file's tensors can hold before anything is sized
+    by it: a corrupt count of 2**63 would otherwise build a table with that many entries."""
+    layers = config.num_hidden_layers
+    if layers > len(weights):
+        key = table.layer_count_key.format(arch=config.architecture)
+        raise ModelLoadError(
+            f"{source}: {key}={layers} is more layers than the file's {len(weights)} tensors can hold "
+            f"({len(layer_shapes(config, 0))} per layer)"
+        )

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from ..config import ARCHITECTURES, ModelConfig
+from ..config import ARCHITECTURES, ModelConfig, is_token_id
 from ..errors import ModelLoadError
 from ..weights import GGUF_NAMES, WeightSource, check_weights, map_names, sanitize
 
@@ -45,6 +45,7 @@ GGUF_CONFIG_KEYS = {
 REQUIRED_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count")
 
 
+GGML_MAX_DIMS = 4
 _ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
 _SCALARS = {int(k): np.dtype(v) for k, v in GGUFReader.gguf_scalar_to_np.items()}
 
@@ -98,24 +99,81 @@ class _Reader(GGUFReader):
         return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self._plain)
-        for f in fields:
-            name = bytes(f.parts[1]).decode("utf-8", "replace")
-            raw_type = int(f.parts[4][0])
-            try:
-                qtype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise ModelLoadError(
-                    f"{self._path}: tensor {name!r} has unknown type id {raw_type}; "
-                    f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
-                ) from None
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(f.parts[5][0]) + math.prod(int(d) for d in f.parts[3]) * type_size // block
-            if end > size:
-                raise ModelLoadError(
-                    f"{self._path}: file is truncated: tensor {name!r} needs bytes up to {end} but the file has {size}"
-                )
+        check_layout(self._path, [_tensor_info(self._path, f) for f in fields], start_offs, int(self.alignment),
+                     len(self._plain))
         super()._build_tensors(start_offs, fields)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a GGUF header, as stored."""
+
+    name: str
+    raw_type: int  # GGMLQuantizationType id
+    dims: tuple[int, ...]  # ggml order: innermost (row length) first
+    offset: int  # bytes from the start of the data section
+
+
+def _tensor_info(path: str, f: Any) -> TensorInfo:
+    """The entry of the reader's tensor field ``f`` (parts: name length, name, dimension count,
+    dimensions, type, offset)."""
+    n_dims, dims = int(f.parts[2][0]), tuple(int(d) for d in f.parts[3])
+    if not 1 <= n_dims <= GGML_MAX_DIMS or len(dims) != n_dims:
+        raise ModelLoadError(f"{path}: tensor {f.name!r} has {n_dims} dimensions; expected 1 to {GGML_MAX_DIMS}")
+    return TensorInfo(f.name, int(f.parts[4][0]), dims, int(f.parts[5][0]))
+
+
+def check_layout(path: str, tensors: list[TensorInfo], data_start: int, alignment: int, file_size: int) -> None:
+    """Check the header's tensors against the file before any of them is mapped: known types,
+    no empty dimensions, whole quantization blocks per row, unique names, and byte ranges
+    that start at a multiple of ``alignment``, end inside the file and overlap no other tensor.
+
+    Raises ModelLoadError naming the file and the tensor.
+    """
+    spans = []
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} appears twice in the header")
+        names.add(t.name)
+        start = data_start + t.offset
+        end = start + _tensor_bytes(path, t)
+        if t.offset % alignment:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} starts at data offset {t.offset}, "
+                f"not a multiple of the alignment {alignment}"
+            )
+        if end > file_size:
+            raise ModelLoadError(
+                f"{path}: file is truncated: tensor {t.name!r} needs bytes up to {end} but the file has {file_size}"
+            )
+        spans.append((start, end, t.name))
+    spans.sort()
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if end > start:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} ends at byte {end}, past the start of tensor {other!r} at byte {start}; "
+                f"expected tensors that do not overlap"
+            )
+
+
+def _tensor_bytes(path: str, t: TensorInfo) -> int:
+    """Bytes tensor ``t`` takes in the data section (its type and dimensions checked)."""
+    try:
+        qtype = GGMLQuantizationType(t.raw_type)
+    except ValueError:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name!r} has unknown type id {t.raw_type}; "
+            f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}"
+        ) from None
+    if 0 in t.dims:
+        raise ModelLoadError(f"{path}: tensor {t.name!r} has a zero dimension in its shape {t.dims[::-1]}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if t.dims[0] % block:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name!r} has rows of {t.dims[0]} values; {qtype.name} needs a multiple of {block}"
+        )
+    return math.prod(t.dims) // block * type_size
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -127,18 +185,46 @@ def open_gguf(path: str) -> GGUFReader:
             # _Reader overrides internals of the gguf package; if a release changes them, the
             # package's own (slower) reader still works.
             log.warning("fast GGUF metadata reader unusable with this gguf version (%s); using gguf's reader", exc)
-            return GGUFReader(path, "r")
+            return _checked(GGUFReader(path, "r"), path)
     except ModelLoadError:
         raise
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: no such file") from None
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
+    except RecursionError:  # arrays nested in arrays, deeper than Python's stack
+        raise ModelLoadError(f"{path}: not a readable GGUF file: metadata arrays nested too deeply") from None
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: {exc})") from exc
 
 
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every metadata key with its value (strings decoded, arrays as lists)."""
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+def _checked(reader: GGUFReader, path: str) -> GGUFReader:
+    """``reader`` once its tensors pass ``check_layout`` (for the gguf package's own reader,
+    which builds its tensor list before any check can run)."""
+    infos = [TensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), t.data_offset - reader.data_offset)
+             for t in reader.tensors]
+    check_layout(path, infos, reader.data_offset, int(reader.alignment), len(reader.data))
+    return reader
+
+
+def metadata(reader: GGUFReader, source: str | None = None) -> dict[str, Any]:
+    """Every metadata key with its value (strings decoded, arrays as lists).
+
+    A value that cannot be decoded (text that is not UTF-8) is a ModelLoadError naming
+    ``source`` (by default the reader's file) and the key.
+    """
+    source = source or getattr(reader, "_path", None) or str(getattr(reader.data, "filename", "GGUF file"))
+    out: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            out[name] = f.contents()
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{source}: metadata key {name!r} holds text that is not valid UTF-8 ({exc})") from None
+        except (IndexError, ValueError, TypeError) as exc:
+            raise ModelLoadError(
+                f"{source}: metadata key {name!r} cannot be decoded ({type(exc).__name__}: {exc})"
+            ) from exc
+    return out
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -169,17 +255,16 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     if scaling not in ("none", None):
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none'")
     if "vocab_size" not in values:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        values["vocab_size"] = len(tokens) if tokens else int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+        values["vocab_size"] = _vocab_size(meta, tensors)
     values["tie_word_embeddings"] = "output.weight" not in tensors
     if arch == "qwen2":
         values["attention_bias"], values["attention_out_bias"] = True, False
     else:
         values["attention_bias"] = "blk.0.attn_q.bias" in tensors
         values["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
-    values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
-    values["eos_token_id"] = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    values["bos_token_id"] = _token_id(meta, "tokenizer.ggml.bos_token_id", path)
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    values["eos_token_id"] = [i for k in eos_keys if (i := _token_id(meta, k, path)) is not None]
     config = ModelConfig.from_dict(values).validate(path)
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != config.head_dim:
@@ -187,6 +272,23 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of each head; expected the whole head_dim={config.head_dim}"
         )
     return config
+
+
+def _vocab_size(meta: dict[str, Any], tensors: dict[str, Any]) -> int:
+    """The vocabulary size of a file without ``{arch}.vocab_size``: its token list's length, or
+    the embedding's row count; 0 (refused by the config check) when it has neither."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens:
+        return len(tokens)
+    return int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+
+
+def _token_id(meta: dict[str, Any], key: str, path: str) -> int | None:
+    """The token id ``meta[key]``; None when absent; a value of another type is a ModelLoadError."""
+    value = meta.get(key)
+    if value is not None and not is_token_id(value):
+        raise ModelLoadError(f"{path}: {key} must be a token id (an integer >= 0), got {value!r}")
+    return value
 
 
 def _row_reader(t: Any, shape: tuple[int, ...], path: str, fix: Callable[[np.ndarray], np.ndarray] | None):
@@ -224,7 +326,7 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
     """Parse a GGUF file: config from metadata and strict, checked weight sources."""
     path = os.fspath(path)
     reader = open_gguf(path)
-    meta = metadata(reader)
+    meta = metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, tensors, path)
     types = collections.Counter(t.tensor_type.name for t in reader.tensors)

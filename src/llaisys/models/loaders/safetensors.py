@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig, read_hf_config
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, read_json_object
 from ..weights import HF_NAMES, WeightSource, check_weights, map_names, sanitize
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16")
@@ -21,16 +20,14 @@ def safetensors_files(folder: Path) -> dict[Path, list[str] | None]:
     """The weight files of ``folder``: each with the tensor names the index assigns it (None
     for a single unindexed file)."""
     index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> file ({exc})") from exc
+    if index.exists():
+        weight_map = read_json_object(index, required=True).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> file, "
+                                 f"got weight_map={weight_map!r:.100}")
         files: dict[Path, list[str] | None] = {}
         for name, file in weight_map.items():
-            files.setdefault(folder / file, []).append(name)  # type: ignore[union-attr]
+            files.setdefault(_shard_path(folder, index, name, file), []).append(name)  # type: ignore[union-attr]
         for path in files:
             if not path.is_file():
                 raise ModelLoadError(f"{index}: lists {path.name!r}, which is not in {folder}")
@@ -45,6 +42,17 @@ def safetensors_files(folder: Path) -> dict[Path, list[str] | None]:
         f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}"
         + (f" (found {', '.join(found)} without an index)" if found else "")
     )
+
+
+def _shard_path(folder: Path, index: Path, name: str, file: object) -> Path:
+    """The path of the shard ``file`` that the index gives for tensor ``name``: a relative path
+    that stays inside ``folder`` (checked by its parts, so hub folders of symlinks still load)."""
+    if not isinstance(file, str) or not file:
+        raise ModelLoadError(f"{index}: tensor {name!r} is placed in {file!r}; expected a file name (a string)")
+    relative = PurePath(file)
+    if relative.is_absolute() or relative.anchor or ".." in relative.parts or "\0" in file:
+        raise ModelLoadError(f"{index}: tensor {name!r} is placed in {file!r}; expected a file inside {folder}")
+    return folder / relative
 
 
 def _open(path: Path, stack: contextlib.ExitStack):
