@@ -3,6 +3,7 @@ in-process generation, the GGUF file as the gguf library reads it, and Python's 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -104,13 +105,132 @@ def test_bench_prints_the_figures() -> None:
 @pytest.mark.parametrize("args,needle", [
     (("generate", "--model", "/no/such/model.gguf", "hi"), "/no/such/model.gguf"),
     (("info", "/no/such/folder"), "/no/such/folder"),
-    (("generate", "--top-p", "1.5", "hi"), "top_p"),
+    (("generate", "--top-p", "1.5", "hi"), "--top-p must be in (0, 1]"),
+    (("chat", "--repetition-penalty", "0"), "--repetition-penalty must be > 0"),
+    (("info", "--device", "nvidia"), "the nvidia backend is not available in this build"),
+    (("info", "--device", "tpu"), "unknown device type 'tpu'"),
+    (("info", "--plugin", "/no/such/libplugin.so"), "--plugin /no/such/libplugin.so"),
+    (("info", "/a.gguf", "--model", "/b.gguf"), "two models given"),
 ])
 def test_bad_input_is_a_clear_error(args: tuple[str, ...], needle: str) -> None:
     proc = llaisys(*args)
     assert proc.returncode == 1
     assert "error" in proc.stderr and needle in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "GenerationConfig" not in proc.stderr and "llaisys.backends" not in proc.stderr
+
+
+def test_device_errors_say_how_to_load_a_plugin() -> None:
+    for device in ("nvidia", "tpu"):
+        err = llaisys("info", "--device", device).stderr
+        assert "--plugin PATH" in err and "LLAISYS_PLUGIN_PATH" in err and "llaisys.load_plugin" in err
+
+
+def test_info_takes_the_model_as_option_or_argument(model_path) -> None:
+    by_option = llaisys("info", "--model", str(model_path), "--json")
+    by_argument = llaisys("info", str(model_path), "--json")
+    assert by_option.returncode == by_argument.returncode == 0, by_option.stderr + by_argument.stderr
+    assert json.loads(by_option.stdout) == json.loads(by_argument.stdout)
+
+
+def test_verbose_logs_the_load_once() -> None:
+    proc = llaisys("info", "-v")
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall(r"loaded .* in [0-9.]+ s", proc.stderr)) == 1, proc.stderr
+    assert re.search(r"threads: \d+", proc.stderr)
+
+
+def test_f16_on_the_cpu_warns_once() -> None:
+    proc = llaisys("info", "--dtype", "f16")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("f16 on the CPU") == 1 and "--dtype f32" in proc.stderr and "bf16" in proc.stderr
+    assert "f16 on the CPU" not in llaisys("info", "--dtype", "bf16").stderr
+
+
+def run_bytes(*args: str, stdin: bytes) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llaisys", *args], input=stdin, capture_output=True, timeout=120)
+
+
+def test_chat_survives_input_that_is_not_utf8(model) -> None:
+    proc = run_bytes("chat", "--greedy", "--max-new-tokens", "4", stdin=b"caf\xe9 \xff?\nWhat is 2+2?\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert err.count("not valid UTF-8") == 1 and "Traceback" not in err
+    first = chat(model, [{"role": "user", "content": "caf\ufffd \ufffd?"}], GenerationConfig(max_new_tokens=4))
+    replies = proc.stdout.decode().split("\n")
+    assert replies[0] == first.text and len(replies) == 3 and replies[1]  # the second line was answered too
+
+
+def test_generate_reads_a_prompt_that_is_not_utf8_from_stdin(model) -> None:
+    proc = run_bytes("generate", "--greedy", "--no-chat", "--max-new-tokens", "4", "-", stdin=b"The \xff sea")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "not valid UTF-8" in proc.stderr.decode()
+    want = generate(model, "The \ufffd sea", GenerationConfig(max_new_tokens=4))
+    assert proc.stdout.decode() == want.text + "\n"
+
+
+def test_prefill_progress_line_on_a_terminal_only() -> None:
+    import io
+
+    from llaisys.cli.common import PrefillLine, prefill_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    line = prefill_progress(term)
+    assert isinstance(line, PrefillLine)
+    for done in (256, 512, 600):
+        line(done, 600)
+    assert term.getvalue() == "\rprefill 256/600 tokens\rprefill 512/600 tokens\r\x1b[K"
+    short = Terminal()
+    prefill_progress(short)(40, 40)  # a prompt of one piece draws nothing
+    assert short.getvalue() == ""
+    assert prefill_progress(io.StringIO()) is None
+
+
+def test_default_threads_leave_busy_cpus_alone(monkeypatch) -> None:
+    from llaisys.cli import main
+
+    cpus = os.sched_getaffinity(0)
+    busy = main._busy_cpus(cpus)  # measured on this machine
+    assert busy is not None and 0 <= busy <= len(cpus) + 0.01
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for busy, want in ((0.0, 4), (1.0, 3), (1.4, 3), (1.6, 2), (3.9, 1), (8.0, 1)):
+        monkeypatch.setattr(main, "_busy_cpus", lambda cpus, busy=busy: busy)
+        assert main.default_threads() == want
+
+
+def test_thread_variables_are_respected(monkeypatch) -> None:
+    from llaisys.cli import main
+
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    monkeypatch.setattr(main, "default_threads", lambda: pytest.fail("the environment's choice was ignored"))
+    assert main.apply_threads(None) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A random-weight Qwen2 folder without a tokenizer (token ids only)."""
+    from conftest import random_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny_qwen2")
+    random_hf_model("qwen2", num_hidden_layers=1).save_pretrained(folder)
+    return folder
+
+
+def test_plugin_option_loads_the_library_before_the_model(tiny_folder) -> None:
+    from llaisys.plugins.build import build_reference_plugin
+
+    lib = str(build_reference_plugin())
+    proc = llaisys("info", "--plugin", lib, "--device", "custom_cpu:1", "--model", str(tiny_folder), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["device"] == "custom_cpu:1"
+    proc = llaisys("bench", "--plugin", lib, "--device", "custom_cpu:0", "--model", str(tiny_folder),
+                   "--prompt-tokens", "8", "--gen-tokens", "3", "--repeats", "1", "--warmup", "0", "--json")
+    assert proc.returncode == 0, proc.stderr  # a model without a tokenizer runs from token ids
+    assert json.loads(proc.stdout)["prompt_tokens"] == 8
 
 
 def test_usage_errors() -> None:

@@ -315,11 +315,70 @@ def test_bad_prompts(prompt: object, err: type) -> None:
         generate(scripted(PLEN, []), prompt)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("messages,err", [([], TypeError), ("hi", TypeError), ([{"role": "bot", "content": "x"}],
-                                          ValueError), ([{"role": "user", "content": 3}], ValueError)])
-def test_bad_messages(messages: object, err: type) -> None:
-    with pytest.raises(err):
+@pytest.mark.parametrize("messages,err,needle", [
+    ([], TypeError, "non-empty list"),
+    ("hi", TypeError, "non-empty list"),
+    ([{"role": "bot", "content": "x"}], ValueError, "'bot'"),
+    ([{"role": 3, "content": "x"}], TypeError, r"messages\[0\]\['role'\] must be a str"),
+    ([{"role": "user", "content": 3}], TypeError, r"messages\[0\]\['content'\] \(user\) must be a str or a list"),
+    ([{"role": "user", "content": None}], TypeError, "got NoneType"),
+])
+def test_bad_messages(messages: object, err: type, needle: str) -> None:
+    with pytest.raises(err, match=needle):
         chat(scripted(PLEN, []), messages)  # type: ignore[arg-type]
+
+
+def test_messages_may_hold_text_parts_and_an_assistant_without_content() -> None:
+    from llaisys.generation import check_messages
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": None, "tool_calls": []}]
+    assert check_messages(msgs) == msgs
+
+
+class IdsOnlyTokenizer(ByteTokenizer):
+    """A model file without a vocabulary: text methods fail, as llaisys' stand-in tokenizer does."""
+
+    missing = "model.gguf carries no tokenizer; pass token ids, not text"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(self.missing)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise ValueError(self.missing)
+
+
+def test_ids_without_a_tokenizer_stream_ids_and_no_text() -> None:
+    model = scripted(PLEN, [65, 66, 67])
+    model.tokenizer = IdsOnlyTokenizer()
+    events = list(stream(model, [BOS, 1, 2], GenerationConfig(max_new_tokens=10)))
+    assert [e.token_id for e in events] == [65, 66, 67, EOS]
+    assert all(e.text_delta == "" for e in events) and events[-1].finish_reason == "stop"
+    res = generate(model, [BOS, 1, 2], GenerationConfig(max_new_tokens=2))
+    assert (res.text, res.token_ids, res.finish_reason) == ("", [65, 66], "length")
+    with pytest.raises(ValueError, match="carries no tokenizer"):
+        generate(model, "text needs a tokenizer")
+    with pytest.raises(ValueError, match="stop strings .* no tokenizer"):
+        generate(model, [BOS, 1, 2], GenerationConfig(stop=["x"]))
+
+
+def test_prefill_progress_reports_each_piece_and_changes_nothing() -> None:
+    from llaisys.generation.loop import PREFILL_CHUNK
+
+    model = _random_model(3)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 128, size=2 * PREFILL_CHUNK + 88)]
+    cfg = GenerationConfig(max_new_tokens=6)
+    calls: list[tuple[int, int]] = []
+    got = generate(model, prompt, cfg, prefill_progress=lambda *a: calls.append(a))
+    n = len(prompt)
+    assert calls == [(PREFILL_CHUNK, n), (2 * PREFILL_CHUNK, n), (n, n)]
+    assert got.token_ids == generate(model, prompt, cfg).token_ids
+
+    cache = PromptCache(model)
+    generate(model, prompt, cfg, prompt_cache=cache)
+    calls.clear()
+    generate(model, prompt + [7, 8], cfg, prompt_cache=cache, prefill_progress=lambda *a: calls.append(a))
+    assert calls == [(2, 2)]  # only what the cache did not hold
 
 
 def test_prompt_longer_than_the_context() -> None:

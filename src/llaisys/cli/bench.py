@@ -45,7 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def prompt_ids(tokenizer: Any, n: int) -> list[int]:
-    """Exactly ``n`` token ids (n,) of PASSAGE repeated, with the tokenizer's BOS when it adds one."""
+    """Exactly ``n`` token ids (n,) of PASSAGE repeated, with the tokenizer's BOS when it adds one.
+    Without a vocabulary (a model that takes ids only), ids spread over the vocabulary."""
+    if getattr(tokenizer, "missing", None) is not None:
+        return [(i * 7919) % tokenizer.vocab_size for i in range(n)]
     base = tokenizer.encode(PASSAGE, add_special_tokens=False)
     head = tokenizer.encode("", add_special_tokens=True)
     ids = list(head)
@@ -104,6 +107,7 @@ def format_table(figures: dict[str, Any]) -> str:
         f"model          {figures['model']} ({figures['dtype']})",
         f"workload       {figures['prompt_tokens']} prompt tokens, {figures['gen_tokens']} generated, "
         f"median of {figures['repeats']}",
+        f"threads        {figures['threads'] or 'as the environment says'}",
         f"load time      {figures['load_s']:.2f} s",
         f"time to first  {figures['ttft_ms']:.1f} ms",
         f"prefill        {figures['prefill_tok_s']:.1f} tok/s",

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..generation import GenerationConfig, PromptCache, stream_chat
 from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
-                     load_from_args)
+                     keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
 from .generate import print_stats
 
 HELP = """commands:
@@ -44,6 +44,7 @@ class Conversation:
         self.system = system
         self.messages: list[dict[str, str]] = []
         self.cache = PromptCache(model)
+        self.progress = prefill_progress()
 
     def reset(self) -> None:
         """Forget the turns, keep the system message. The cache stays: the next prompt shares its start."""
@@ -66,7 +67,8 @@ class Conversation:
         """
         self.messages.append({"role": "user", "content": text})
         try:
-            events = stream_chat(self.model, self._all_messages(), self.config, prompt_cache=self.cache)
+            events = stream_chat(self.model, self._all_messages(), self.config, prompt_cache=self.cache,
+                                 prefill_progress=self.progress)
             try:
                 for event in events:
                     if event.text_delta:
@@ -84,7 +86,13 @@ class Conversation:
 
 
 def _lines(interactive: bool) -> Iterator[str]:
-    """User lines until end of input."""
+    """User lines until end of input; bytes that are not UTF-8 are replaced (with a notice)."""
+    keep_undecodable_stdin()
+    for line in _raw_lines(interactive):
+        yield user_text(line)
+
+
+def _raw_lines(interactive: bool) -> Iterator[str]:
     if not interactive:
         for line in sys.stdin:
             yield line.rstrip("\r\n")
@@ -107,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_from_args(args)
     if not model.tokenizer.chat_template:
         raise ValueError(f"{model.source} has no chat template; use `llaisys generate --no-chat` instead")
-    conv = Conversation(model, config_from_args(args, model), args.system)
+    conv = Conversation(model, config_from_args(args, model), user_text(args.system) if args.system else None)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {model.source}; /help for commands", file=sys.stderr)

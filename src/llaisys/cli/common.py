@@ -1,14 +1,15 @@
-"""Options shared by the sub-commands (model, dtype, device, sampling) and their use."""
+"""Options shared by the sub-commands (model, dtype, device, plugins, sampling) and their use."""
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import secrets
 import sys
-import time
-from typing import Any
+from typing import Any, TextIO
 
-from ..generation import GenerationConfig
+from ..generation import GenerationConfig, PrefillProgress
+from ..runtime.dtypes import DataType
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 # off: it also penalizes every prompt token, chat template included, which hurts small models.
 CLI_SAMPLING = {"temperature": 0.3, "top_p": 0.9}
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+BAD_UTF8_NOTICE = "[the input was not valid UTF-8; its undecodable bytes were replaced with U+FFFD]"
 
 
 def positive_int(text: str) -> int:
@@ -37,16 +39,18 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
                         help="log progress to stderr (twice: debug output and tracebacks)")
 
 
-def add_model_options(parser: argparse.ArgumentParser, *, model_flag: bool = True) -> None:
-    """--model, --dtype, --device, --threads."""
-    if model_flag:
-        parser.add_argument("-m", "--model", default=None, metavar="PATH",
-                            help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M)")
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device, --plugin, --threads, -v."""
+    parser.add_argument("-m", "--model", default=None, metavar="PATH",
+                        help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
                         help="weight data type (default: the model's own; quantized GGUF runs in f32)")
-    parser.add_argument("--device", default=None, help="device to run on, e.g. cpu or cpu:0 (default: cpu)")
+    parser.add_argument("--device", default=None,
+                        help="device to run on, e.g. cpu, cpu:0 or a plugin's device (default: cpu)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="PATH",
+                        help="load this device plugin library before the model; may be repeated")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help="threads for the BLAS and OpenMP pools (default: the libraries' choice)")
+                        help="threads for the BLAS and OpenMP pools (default: the CPUs not busy with other work)")
     add_verbose(parser)
 
 
@@ -69,20 +73,51 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int
                    help="stop when TEXT appears (not printed); may be repeated")
 
 
+def _flag_names(message: str) -> str:
+    """``message`` with ``GenerationConfig.top_p`` written as the option that sets it, ``--top-p``."""
+    return re.sub(r"GenerationConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 def check_sampling_args(args: argparse.Namespace) -> None:
-    """Validate the sampling options before the (slow) model load; raises ValueError/TypeError."""
+    """Validate the sampling options before the (slow) model load; raises ValueError/TypeError
+    naming the option."""
     values = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k) is not None}
-    GenerationConfig(**values, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    try:
+        GenerationConfig(**values, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(_flag_names(str(exc))) from None
+
+
+def load_plugins(paths: list[str]) -> None:
+    """Load the ``--plugin`` libraries; a library that fails is a ValueError naming it."""
+    if not paths:
+        return
+    from ..plugins import PluginError, load_plugin
+
+    for path in paths:
+        try:
+            plugin = load_plugin(path)
+        except PluginError as exc:
+            raise ValueError(f"--plugin {path}: {exc}") from exc
+        logger.info("plugin %s serves device type %s", path, plugin.name)
+
+
+def warn_if_slow_dtype(model: Any) -> None:
+    """Warn when the model computes in f16 on the CPU: every op widens it to f32 and back."""
+    if model.dtype is DataType.F16 and model.device.is_cpu:
+        logger.warning("f16 on the CPU is computed by widening to f32 in every op: it decodes about 10 times "
+                       "slower than f32 and 3 times slower than bf16; use --dtype f32 (fastest) or --dtype bf16 "
+                       "(half the memory)")
 
 
 def load_from_args(args: argparse.Namespace, source: str | None = None) -> Any:
-    """Load the model the options name; logs the load time."""
+    """Load the ``--plugin`` libraries, then the model the options name (the loader logs the time)."""
     from ..models import load_model
 
-    t0 = time.perf_counter()
+    load_plugins(args.plugin)
     model = load_model(source if source is not None else args.model, dtype=args.dtype, device=args.device,
                        progress=sys.stderr.isatty())  # a redrawn line would litter a log file
-    logger.info("loaded %s in %.2f s", model.source, time.perf_counter() - t0)
+    warn_if_slow_dtype(model)
     return model
 
 
@@ -90,7 +125,8 @@ def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
     """The GenerationConfig of the options: command line over the model's defaults over CLI_SAMPLING.
 
     When sampling without --seed, a seed is drawn and stored in the config, so it can be shown
-    and the text repeated.
+    and the text repeated. The command line was checked by ``check_sampling_args``, so an error
+    here is in the model's generation_config.json.
     """
     defaults = dict(getattr(model, "generation_defaults", None) or {})
     if args.greedy:
@@ -100,8 +136,13 @@ def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
     overrides = {k: getattr(args, k) for k in SAMPLING_KEYS}
     if args.greedy:
         overrides["temperature"] = 0.0
-    cfg = GenerationConfig.from_defaults(defaults, **overrides, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                         stop=tuple(args.stop) or None)
+    try:
+        cfg = GenerationConfig.from_defaults(defaults, **overrides, seed=args.seed,
+                                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) or None)
+    except (TypeError, ValueError) as exc:
+        bad = str(exc).replace("GenerationConfig.", "")
+        raise type(exc)(f"the model's generation_config.json has a bad value: {bad}; "
+                        "set that option on the command line") from None
     if not cfg.greedy and cfg.seed is None:
         cfg = cfg.replace(seed=secrets.randbelow(2**31))
     logger.info("sampling: %s", cfg)
@@ -123,3 +164,60 @@ def describe_sampling(cfg: GenerationConfig) -> str:
         parts.append(f"repetition penalty {cfg.repetition_penalty:g}")
     parts.append(f"seed {cfg.seed}")
     return ", ".join(parts)
+
+
+# ---- text from the user ----------------------------------------------------------------------
+def keep_undecodable_stdin() -> None:
+    """Let stdin pass bytes that are not UTF-8 through as surrogate escapes (Python's way of
+    keeping them), so that reading never fails; ``repair_text`` then replaces them."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
+
+
+def repair_text(text: str) -> tuple[str, bool]:
+    """``text`` with bytes that were not UTF-8 (surrogate escapes, as Python keeps them in
+    arguments and stdin) replaced by U+FFFD, and whether there were any."""
+    try:
+        text.encode("utf-8")
+        return text, False
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        data = text.encode("utf-8", "replace")
+    return data.decode("utf-8", "replace"), True
+
+
+def user_text(text: str) -> str:
+    """``text`` repaired by ``repair_text``; says so on stderr (one line) when it had to."""
+    text, repaired = repair_text(text)
+    if repaired:
+        print(BAD_UTF8_NOTICE, file=sys.stderr)
+    return text
+
+
+# ---- progress ------------------------------------------------------------------------------
+class PrefillLine:
+    """Shows ``prefill 256/2048 tokens`` on ``stream`` while a long prompt runs, and clears it
+    when the prompt is done. Use ``prefill_progress()`` to get one only on a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if done < total:
+            self.stream.write(f"\rprefill {done}/{total} tokens")
+            self.shown = True
+        elif self.shown:
+            self.stream.write("\r\033[K")  # erase the line: the reply starts where it was
+            self.shown = False
+        self.stream.flush()
+
+
+def prefill_progress(stream: TextIO | None = None) -> PrefillProgress | None:
+    """A PrefillLine on ``stream`` (default stderr) when it is a terminal, else None."""
+    stream = stream or sys.stderr
+    return PrefillLine(stream) if stream.isatty() else None

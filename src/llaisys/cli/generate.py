@@ -6,7 +6,7 @@ import sys
 
 from ..generation import GenerationStream, stream, stream_chat
 from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
-                     describe_sampling, load_from_args)
+                     describe_sampling, keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,20 +42,30 @@ def print_stats(events: GenerationStream) -> None:
           f"time to first token {t.ttft_s * 1000:.0f} ms; {describe_sampling(events.config)}]", file=sys.stderr)
 
 
+def read_prompt(arg: str) -> str:
+    """The prompt argument, or all of stdin for ``-`` (bytes that are not UTF-8 kept as escapes)."""
+    if arg != "-":
+        return arg
+    keep_undecodable_stdin()
+    return sys.stdin.read()
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, stream to stdout."""
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = user_text(read_prompt(args.prompt))
+    system = user_text(args.system) if args.system else None
     check_sampling_args(args)
     model = load_from_args(args)
     cfg = config_from_args(args, model)
     use_chat = args.chat if args.chat is not None else bool(model.tokenizer.chat_template)
+    progress = prefill_progress()
     if use_chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        events = stream_chat(model, messages + [{"role": "user", "content": prompt}], cfg)
+        messages = ([{"role": "system", "content": system}] if system else [])
+        events = stream_chat(model, messages + [{"role": "user", "content": prompt}], cfg, prefill_progress=progress)
     else:
-        if args.system:
+        if system:
             raise ValueError("--system needs --chat")
-        events = stream(model, prompt, cfg)
+        events = stream(model, prompt, cfg, prefill_progress=progress)
     print_stream(events)
     sys.stdout.write("\n")
     sys.stdout.flush()

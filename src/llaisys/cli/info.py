@@ -1,4 +1,5 @@
-"""``llaisys info [MODEL]``: what a model file holds: architecture, sizes, dtypes, tensor types."""
+"""``llaisys info [MODEL]`` (or ``--model MODEL``): what a model file holds: architecture, sizes,
+dtypes, tensor types."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("info", help="describe a model",
                               description="Load MODEL and print its architecture, sizes, data types and the "
                                           "tensor types in the file.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="a Hugging Face model folder or a .gguf file, as --model (default: the bundled SmolLM2-135M)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    add_model_options(p, model_flag=False)
+    add_model_options(p)
     p.set_defaults(func=run)
 
 
@@ -40,7 +41,9 @@ def format_info(info: dict[str, Any], indent: int = 0) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and print ``model.info()``."""
-    model = load_from_args(args, args.model)
+    if args.model_path is not None and args.model is not None and args.model_path != args.model:
+        raise ValueError(f"two models given, {args.model_path!r} and --model {args.model!r}; give one")
+    model = load_from_args(args, args.model_path or args.model)
     info = model.info()
     if args.json:
         print(json.dumps(info, indent=2, default=str))

@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 SUBCOMMANDS = ("generate", "chat", "info", "bench", "plugin", "serve")
@@ -40,30 +41,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _thread_count(argv: Sequence[str]) -> str | None:
-    """The value of ``--threads`` in ``argv``, if given (read before the full parse)."""
-    for i, arg in enumerate(argv):
-        if arg == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--threads="):
-            return arg.split("=", 1)[1]
-    return None
+def _busy_cpus(cpus: set[int], interval: float = 0.1) -> float | None:
+    """How many of ``cpus`` other processes kept busy over ``interval`` seconds, from the
+    per-CPU counters of /proc/stat; None where there is no /proc/stat."""
+    def sample() -> dict[int, tuple[int, int]]:
+        counts = {}
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    counts[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])
+        return counts
+
+    try:
+        before = sample()
+        time.sleep(interval)  # this process sleeps meanwhile: what is busy is other work
+        after = sample()
+    except (OSError, ValueError):
+        return None
+    total = sum(after[c][0] - before[c][0] for c in before if c in after)
+    idle = sum(after[c][1] - before[c][1] for c in before if c in after)
+    return len(before) * (1 - idle / total) if total > 0 else None
 
 
-def _apply_threads(argv: Sequence[str]) -> None:
-    """Make ``--threads N`` size the BLAS and OpenMP pools.
+def default_threads() -> int:
+    """Threads when --threads is not given: the CPUs this process may run on, less those other
+    processes keep busy (measured over 0.1 s), rounded, at least 1.
 
-    Those pools read their size when numpy loads, which importing llaisys has done by now, so
+    BLAS threads wait for each other at every matrix product, so one that shares its CPU with
+    another busy process stalls them all: on 2 CPUs beside one busy process, 2 threads decode
+    several times slower than 1.
+    """
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    busy = _busy_cpus(cpus)
+    if busy is None and hasattr(os, "getloadavg"):
+        busy = os.getloadavg()[0]
+    free = len(cpus) - (busy or 0.0)
+    return max(1, min(len(cpus), int(free + 0.5)))
+
+
+def apply_threads(threads: int | None) -> int | None:
+    """Size the BLAS and OpenMP pools: ``threads``, or ``default_threads()`` unless a thread
+    variable (OMP_NUM_THREADS, ...) is set. Returns the pools' size (None if unknown).
+
+    The pools read their size when numpy loads, which importing llaisys has done by now, so
     threadpoolctl resizes them in place; the variables are set too, for child processes.
     """
-    value = _thread_count(argv)
-    if value is None or not value.isdigit() or int(value) < 1:
-        return  # argparse reports a bad value
+    if threads is None:
+        preset = next((os.environ[var] for var in THREAD_VARS if os.environ.get(var)), None)
+        if preset is not None:  # the user's own choice, which the pools have read already
+            return int(preset) if preset.isdigit() else None
+        threads = default_threads()
     for var in THREAD_VARS:
-        os.environ[var] = value
+        os.environ[var] = str(threads)
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(int(value))
+    threadpool_limits(threads)
+    logger.info("threads: %d", threads)
+    return threads
 
 
 def _setup_logging(verbose: int) -> None:
@@ -73,14 +109,14 @@ def _setup_logging(verbose: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``llaisys`` command with ``argv`` (default: the process arguments); return the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    _apply_threads(args_list)
     parser = build_parser()
-    args = parser.parse_args(args_list)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
     _setup_logging(getattr(args, "verbose", 0))
+    if hasattr(args, "threads"):  # the model commands
+        args.threads = apply_threads(args.threads)
     try:
         status = args.func(args)
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@
 from .chat import chat, chat_prompt_ids, check_messages, stream_chat
 from .config import GenerationConfig
 from .detokenizer import IncrementalDetokenizer
-from .loop import GenerationStream, encode_prompt, generate, stream
+from .loop import GenerationStream, PrefillProgress, encode_prompt, generate, has_tokenizer, stream
 from .prompt_cache import PromptCache
 from .results import FinishReason, GenerationResult, StreamEvent, Timings
 from .sampler import Sampler, sample_from_logits
@@ -16,6 +16,7 @@ from .stopping import StopStringMatcher
 
 __all__ = [
     "FinishReason", "GenerationConfig", "GenerationResult", "GenerationStream", "IncrementalDetokenizer",
-    "PromptCache", "Sampler", "StopStringMatcher", "StreamEvent", "Timings", "chat", "chat_prompt_ids",
-    "check_messages", "encode_prompt", "generate", "sample_from_logits", "stream", "stream_chat",
+    "PrefillProgress", "PromptCache", "Sampler", "StopStringMatcher", "StreamEvent", "Timings", "chat",
+    "chat_prompt_ids", "check_messages", "encode_prompt", "generate", "has_tokenizer", "sample_from_logits", "stream",
+    "stream_chat",
 ]

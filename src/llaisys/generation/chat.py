@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .config import GenerationConfig
-from .loop import GenerationStream
+from .loop import GenerationStream, PrefillProgress
 from .prompt_cache import PromptCache
 from .protocol import LanguageModel
 from .results import GenerationResult
@@ -13,16 +13,23 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict]:
-    """Validate chat messages: a non-empty list of {"role": one of ROLES, "content": str}."""
+    """Validate chat messages: a non-empty list of {"role": one of ROLES, "content": ...} with
+    content a str, a list of text parts ({"type": "text", "text": ...}, joined by the template
+    renderer) or, for an assistant message, None. Raises TypeError or ValueError naming the
+    bad message."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}]['role'] must be one of {ROLES}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}]['content'] must be a str, got {type(m.get('content')).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise TypeError(f"messages[{i}]['role'] must be a str, one of {ROLES}, got {type(role).__name__} {role!r}")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]['role'] must be one of {ROLES}, got {role!r}")
+        if not (isinstance(content, (str, list)) or (content is None and role == "assistant")):
+            allowed = "a str, a list of text parts or None" if role == "assistant" else "a str or a list of text parts"
+            raise TypeError(f"messages[{i}]['content'] ({role}) must be {allowed}, got {type(content).__name__}")
     return list(messages)
 
 
@@ -38,13 +45,15 @@ def chat_prompt_ids(model: LanguageModel, messages: Sequence[dict]) -> list[int]
 
 
 def stream_chat(model: LanguageModel, messages: Sequence[dict], config: GenerationConfig | None = None, *,
-                prompt_cache: PromptCache | None = None) -> GenerationStream:
+                prompt_cache: PromptCache | None = None,
+                prefill_progress: PrefillProgress | None = None) -> GenerationStream:
     """Stream the assistant's reply to ``messages``; see ``stream``. With a ``prompt_cache``
     kept across turns, each turn runs only what the previous one did not."""
-    return GenerationStream(model, chat_prompt_ids(model, messages), config or GenerationConfig(), prompt_cache)
+    return GenerationStream(model, chat_prompt_ids(model, messages), config or GenerationConfig(), prompt_cache,
+                            prefill_progress)
 
 
 def chat(model: LanguageModel, messages: Sequence[dict], config: GenerationConfig | None = None, *,
-         prompt_cache: PromptCache | None = None) -> GenerationResult:
+         prompt_cache: PromptCache | None = None, prefill_progress: PrefillProgress | None = None) -> GenerationResult:
     """The assistant's reply to ``messages`` as a GenerationResult."""
-    return stream_chat(model, messages, config, prompt_cache=prompt_cache).result()
+    return stream_chat(model, messages, config, prompt_cache=prompt_cache, prefill_progress=prefill_progress).result()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -16,6 +16,28 @@ from .sampler import Sampler
 from .stopping import StopStringMatcher
 
 logger = logging.getLogger(__name__)
+
+# Prompts run in pieces of this many tokens when prefill progress is reported: the decoder's
+# own chunk size, so the pieces compute exactly what one call would.
+PREFILL_CHUNK = 256
+
+# Called as progress(done, total) after each piece of the prompt's uncached tokens has run.
+PrefillProgress = Callable[[int, int], None]
+
+
+def has_tokenizer(model: LanguageModel) -> bool:
+    """False for a model that takes token ids only (its tokenizer says what is ``missing``)."""
+    return getattr(model.tokenizer, "missing", None) is None
+
+
+class _NoText:
+    """The detokenizer of a model without a tokenizer: token ids stream with no text."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 def _context_limit(model: LanguageModel) -> int | None:
@@ -48,14 +70,20 @@ class GenerationStream:
     """Iterate for StreamEvents, one per generated token; the last carries the finish reason.
 
     While and after iterating, ``text``, ``token_ids``, ``finish_reason`` and ``timings`` tell
-    the state so far; ``result()`` runs to the end and returns a GenerationResult.
+    the state so far; ``result()`` runs to the end and returns a GenerationResult. A model
+    without a tokenizer streams token ids with empty text. ``prefill_progress`` is called as
+    ``(done, total)`` while the prompt runs (see ``PrefillProgress``).
     """
 
     def __init__(self, model: LanguageModel, prompt_ids: list[int], config: GenerationConfig,
-                 prompt_cache: PromptCache | None = None) -> None:
+                 prompt_cache: PromptCache | None = None, prefill_progress: PrefillProgress | None = None) -> None:
         self.model = model
         self.config = config
         self.prompt_ids = prompt_ids
+        self.prefill_progress = prefill_progress
+        if config.stop and not has_tokenizer(model):
+            raise ValueError(f"stop strings {list(config.stop)!r} need text, and this model has no tokenizer "
+                             f"({model.tokenizer.missing}); stop at token ids with eos_token_ids instead")
         self.text = ""
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -95,18 +123,28 @@ class GenerationStream:
         self.prompt_cache.token_ids.extend(ids)
         return logits
 
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Run the prompt's uncached ``ids``: in one call, or piece by piece with progress reports."""
+        if self.prefill_progress is None:
+            return self._forward(ids)
+        for begin in range(0, len(ids), PREFILL_CHUNK):
+            logits = self._forward(ids[begin:begin + PREFILL_CHUNK])  # (V,)
+            self.prefill_progress(min(begin + PREFILL_CHUNK, len(ids)), len(ids))
+        return logits
+
     def _run(self) -> Iterator[StreamEvent]:
         cfg, tok = self.config, self.model.tokenizer
         t0 = time.perf_counter()
         sampler = Sampler(cfg)
         eos = set() if cfg.ignore_eos else {*cfg.eos_token_ids, *self.model.eos_token_ids}
-        detok = IncrementalDetokenizer(tok, self.prompt_ids, skip_special_tokens=cfg.skip_special_tokens)
+        detok = (IncrementalDetokenizer(tok, self.prompt_ids, skip_special_tokens=cfg.skip_special_tokens)
+                 if has_tokenizer(self.model) else _NoText())
         stops = StopStringMatcher(cfg.stop)
         context = list(self.prompt_ids)  # every id so far, for the repetition penalty
 
         cached = self.prompt_cache.reuse(self.prompt_ids)
         self.timings.cached_tokens = cached
-        logits = self._forward(self.prompt_ids[cached:])  # (V,)
+        logits = self._prefill(self.prompt_ids[cached:])  # (V,)
         t_prefill = time.perf_counter()
         self.timings.prefill_s = t_prefill - t0
         t_resume = t_prefill  # when the generator last got control back from its consumer
@@ -147,15 +185,19 @@ class GenerationStream:
 
 
 def stream(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,
-           config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None) -> GenerationStream:
+           config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None,
+           prefill_progress: PrefillProgress | None = None) -> GenerationStream:
     """Generate from ``prompt`` (text, or token ids (S,)) and stream it: iterate the returned
     GenerationStream for StreamEvents. ``prompt_cache`` lets consecutive calls share the KV of
-    a common prompt prefix. Text prompts are encoded with the tokenizer's special tokens."""
-    return GenerationStream(model, encode_prompt(model, prompt), config or GenerationConfig(), prompt_cache)
+    a common prompt prefix; ``prefill_progress(done, total)`` hears how the prompt is going.
+    Text prompts are encoded with the tokenizer's special tokens."""
+    return GenerationStream(model, encode_prompt(model, prompt), config or GenerationConfig(), prompt_cache,
+                            prefill_progress)
 
 
 def generate(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,
-             config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None) -> GenerationResult:
+             config: GenerationConfig | None = None, *, prompt_cache: PromptCache | None = None,
+             prefill_progress: PrefillProgress | None = None) -> GenerationResult:
     """Generate from ``prompt`` (text, or token ids (S,)) to the end; returns the text, the
     generated ids, the finish reason ("stop" or "length"), the prompt length and timings."""
-    return stream(model, prompt, config, prompt_cache=prompt_cache).result()
+    return stream(model, prompt, config, prompt_cache=prompt_cache, prefill_progress=prefill_progress).result()

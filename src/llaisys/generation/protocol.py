@@ -11,6 +11,9 @@ import numpy as np
 
 
 class TokenizerLike(Protocol):
+    """Text <-> ids. A tokenizer may also have ``missing`` (why there is no vocabulary, or
+    None): a model whose tokenizer is missing takes and streams token ids only."""
+
     vocab_size: int
     eos_token_ids: list[int]
     chat_template: str | None

@@ -10,6 +10,7 @@ Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -106,6 +107,7 @@ class CausalLM:
         self._file_info = dict(file_info or {})
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._workspaces: OrderedDict[int, Workspace] = OrderedDict()
+        self._lock = threading.Lock()  # guards the shared workspaces: one chunk runs at a time
 
     # ---- cache -------------------------------------------------------------------------
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
@@ -113,7 +115,8 @@ class CausalLM:
         c = self.config
         if max_tokens is None:
             max_tokens = min(c.max_position_embeddings, MAX_DEFAULT_CACHE)
-        return KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                       owner=self)
 
     def _workspace(self, s: int) -> Workspace:
         ws = self._workspaces.get(s)
@@ -131,8 +134,11 @@ class CausalLM:
 
         Returns float32 host logits: (V,) for the last position, or (S, V) if ``all_logits``.
         Raises ValueError for empty or out-of-vocabulary ids, a cache of another model, or a
-        cache that would overflow. One model's passes share buffers: call it from one thread
-        at a time.
+        cache that would overflow.
+
+        Thread-safe by a lock, the simplest correct choice: a model's passes share its work
+        buffers, so each chunk runs under a lock on the model and threads sharing a model take
+        turns (each with its own cache; load a model per thread to run them in parallel).
         """
         ids = self._check_ids(token_ids)
         self._check_cache(cache, len(ids))
@@ -151,6 +157,10 @@ class CausalLM:
     __call__ = forward
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool = True) -> np.ndarray | None:
+        with self._lock:
+            return self._run_locked(ids, cache, all_rows, head)
+
+    def _run_locked(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool) -> np.ndarray | None:
         s = len(ids)
         start, end = cache.length, cache.length + s
         ws = self._workspace(s)
@@ -189,8 +199,7 @@ class CausalLM:
     def _check_cache(self, cache: KVCache, s: int) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
-        c = self.config
-        if cache.spec != (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device):
+        if not cache.made_by(self):  # another model's cache, even of the same layout, holds its own keys
             raise ValueError(f"cache {cache!r} was not made for this model; use model.new_cache()")
         if cache.length + s > cache.max_tokens:
             raise ValueError(

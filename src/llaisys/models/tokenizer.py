@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .chat_template import render_chat
+from .chat_template import ChatTemplate, render_chat
 from .config import is_int
 from .errors import ModelLoadError, read_json_object
 
@@ -163,6 +163,8 @@ class Tokenizer:
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise ModelLoadError(f"{source}: tokenizer.chat_template must be a string, got {_kind(template)}")
+        if template:
+            template = ChatTemplate(template, f"{source} (GGUF metadata tokenizer.chat_template)")
         return cls(backend, bos_token=bos, eos_tokens=eos_tokens, chat_template=template,
                    pad_token=token("padding_token_id"))
 
@@ -267,7 +269,7 @@ def _read_text(path: Path) -> str:
 def _folder_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
-        return _read_text(jinja)
+        return ChatTemplate(_read_text(jinja), str(jinja))
     source = folder / "tokenizer_config.json"
     template = cfg.get("chat_template")
     if not template:
@@ -282,7 +284,7 @@ def _folder_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
         template = named.get("default") or next(iter(named.values()), None)
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{source}: chat_template must be a string, got {template!r:.200}")
-    return template or None
+    return ChatTemplate(template, str(source)) if template else None
 
 
 def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str) -> _Backend:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-from .device import DeviceType
+from .device import PLUGIN_HINT, DeviceType
 from .interface import DeviceBackend
 
 _BUILTIN_MODULES = {"cpu": "llaisys.backends.cpu", "nvidia": "llaisys.backends.nvidia"}
@@ -37,16 +37,30 @@ def get_backend(device_type: DeviceType) -> DeviceBackend:
         return backend
     module_name = _BUILTIN_MODULES.get(name)
     if module_name is None:
-        raise ValueError(f"no backend serves device type {name!r}; available: {', '.join(available_backends())}")
-    try:
-        module = importlib.import_module(module_name)
-        backend = module.create_backend()
-    except Exception as exc:
-        raise ValueError(
-            f"the {name} backend is unavailable here ({exc}); available: {', '.join(available_backends())}"
-        ) from exc
+        raise ValueError(f"no backend serves device type {name!r}; available: {', '.join(available_backends())}. "
+                         f"{PLUGIN_HINT}")
+    backend = _create_builtin(name, module_name)
     with _lock:
         return _backends.setdefault(name, backend)
+
+
+def _create_builtin(name: str, module_name: str) -> DeviceBackend:
+    """The built-in backend of device type ``name``; a ValueError says why it cannot be had."""
+    available = ", ".join(available_backends())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise ValueError(f"the {name} backend cannot start: it needs the module {exc.name!r}, which is "
+                             f"not installed; available: {available}") from exc
+        raise ValueError(f"the {name} backend is not available in this build: the device type is reserved, but "
+                         f"no backend serves it yet; run on the CPU or on a plugin's device (available: "
+                         f"{available}). {PLUGIN_HINT}") from None
+    try:
+        return module.create_backend()
+    except Exception as exc:
+        raise ValueError(f"the {name} backend failed to start ({type(exc).__name__}: {exc}); "
+                         f"available: {available}") from exc
 
 
 def available_backends() -> list[str]:

@@ -57,6 +57,10 @@ def device_types() -> list[DeviceType]:
     return sorted(_types_by_name.values(), key=lambda t: t.id)
 
 
+# The runtime does not load plugins (that layer sits above it), but its errors say how to.
+PLUGIN_HINT = ("A device plugin adds device types: load its library with `--plugin PATH` (llaisys commands), "
+               "a folder of lib*.so in LLAISYS_PLUGIN_PATH, or llaisys.load_plugin(path)")
+
 _resolvers: list[Callable[[str], None]] = []
 
 
@@ -76,7 +80,7 @@ def lookup_device_type(name: str) -> DeviceType:
         found = _types_by_name.get(name.lower())
     if found is None:
         known = ", ".join(t.name for t in device_types())
-        raise ValueError(f"unknown device type {name!r}; known device types: {known}")
+        raise ValueError(f"unknown device type {name!r}; known device types: {known}. {PLUGIN_HINT}")
     return found
 
 
