@@ -319,9 +319,15 @@ def test_conformance_check_passes(plugin):
     assert report.ok, report.table()
     assert [r.status for r in report.rows] == [PASS] * len(report.rows), report.table()
     names = [r.name for r in report.rows]
-    for needed in ("copies (async)", "memset", "stream order", "events across streams", "host callbacks",
-                   "memory stats", "decoder layer vs CPU", "model vs CPU"):
+    for needed in ("allocator sizes", "allocate/free odd sizes", "copies (async)", "memset", "stream order",
+                   "synchronize device", "events across streams", "host callbacks", "memory stats",
+                   "decoder layer vs CPU", "model vs CPU"):
         assert needed in names
+    # Device memory of 1 GiB: every row runs at its full size.
+    details = {r.name: r.detail for r in report.rows}
+    assert "1048589 bytes (allocated as 512, 512, 512, 4608, 1049088)" in details["allocate/free odd sizes"]
+    assert details["copies (async)"].startswith("2097159 bytes")
+    assert "2-layer Qwen2 logits (6, 96)" in details["model vs CPU"]
 
 
 def test_check_command_exit_status(plugin, tmp_path):
@@ -335,3 +341,6 @@ def test_check_command_exit_status(plugin, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert failed.returncode == 1
     assert "cannot be opened" in failed.stdout and FAIL in failed.stdout
+    bad_option = subprocess.run([sys.executable, "-m", "llaisys.cli.plugin", "check", str(bad), "--timeout", "-1"],
+                                capture_output=True, text=True, timeout=120)
+    assert bad_option.returncode == 1 and "--timeout must be >= 0 seconds, got -1" in bad_option.stderr

@@ -9,6 +9,7 @@ import pytest
 
 import llaisys
 from llaisys import DataType, Tensor
+from llaisys.tensor import FrozenTensorError
 from llaisys.runtime import get_runtime
 
 NUMPY_TYPES = [t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32)]
@@ -332,6 +333,42 @@ def test_storage_returns_to_the_allocator_with_its_last_view():
     del arr
     assert allocator.stats().allocated == before
 
+
+
+# ---- frozen (read-only) tensors ------------------------------------------------------------
+def test_frozen_tensor_refuses_every_write():
+    t, host = arange((3, 4))
+    view = t.slice(1, 1, 3)  # made before freezing: shares the storage, so it is frozen too
+    assert t.freeze() is t and t.frozen and view.frozen
+    with pytest.raises(FrozenTensorError, match=r"op add: cannot write into a frozen \(read-only\) tensor \(3, 4\) F32"):
+        llaisys.ops.add(t, t, t)
+    with pytest.raises(FrozenTensorError, match="copy_: cannot write into a frozen"):
+        view.copy_(Tensor.zeros((3, 2)))
+    with pytest.raises(FrozenTensorError, match="load: cannot write into a frozen"):
+        t.load(np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="read-only"):
+        t.host_array()[0, 0] = 7.0  # NumPy's own error: the host view is read-only
+    np.testing.assert_array_equal(t.numpy(), host)  # nothing changed
+    assert issubclass(FrozenTensorError, ValueError)
+
+
+def test_frozen_tensor_reads_and_copies_normally():
+    t, host = arange((3, 4))
+    t.freeze()
+    out = llaisys.ops.functional.add(t, t)  # a frozen input is fine
+    np.testing.assert_array_equal(out.numpy(), host * 2)
+    copy = t.clone()
+    assert not copy.frozen and copy.storage is not t.storage
+    copy.load(np.zeros((3, 4), np.float32))  # the copy is writable
+    np.testing.assert_array_equal(t.permute(1, 0).contiguous().numpy(), host.T)
+
+
+def test_only_frozen_storage_keeps_a_host_copy():
+    t, _ = arange((4,))
+    with pytest.raises(ValueError, match="not frozen"):
+        t.storage.host_copy()
+    t.freeze()
+    assert t.storage.host_copy() is t.storage  # CPU memory is host memory already
 
 def test_repr_and_debug_print(capsys):
     t = Tensor.from_numpy(np.array([[1.5, 2.0], [3.0, 4.0]], np.float32))

@@ -5,10 +5,12 @@ uniform signature ``kernel(outputs, inputs, attrs)``: tuples of Tensors (outputs
 the ops API orders them) and a dict of scalar attributes. Kernels trust their arguments; the
 public ops check them.
 
-Dispatch looks up (name, device type, layout, dtype), then the same key with ``Layout.ANY``.
-On a device with no such kernel the CPU kernel runs on host copies (inputs copied to the
-host, outputs copied back), logged once per op; set ``LLAISYS_KERNEL_FALLBACK=0`` to make
-that an error. With no kernel anywhere the error lists what is registered for the op.
+Dispatch refuses frozen outputs (FrozenTensorError), then looks up (name, device type,
+layout, dtype), then the same key with ``Layout.ANY``. On a device with no such kernel the CPU
+kernel runs on host copies (inputs copied to the host, outputs copied back), logged once per
+op; a frozen input (a weight) is copied once and its host copy kept with its storage, so each
+call copies activations only. Set ``LLAISYS_KERNEL_FALLBACK=0`` to make the fallback an error.
+With no kernel anywhere the error lists what is registered for the op.
 """
 from __future__ import annotations
 
@@ -113,7 +115,11 @@ def fallback_enabled() -> bool:
 
 
 def dispatch(name: str, dtype: DataType, outputs: Sequence["Tensor"], inputs: Sequence["Tensor | None"], attrs: dict[str, Any]) -> None:
-    """Run op ``name`` on the device of ``outputs[0]``."""
+    """Run op ``name`` on the device of ``outputs[0]``. Raises FrozenTensorError when an
+    output is frozen, KernelNotFoundError when no kernel (nor the CPU fallback) serves it."""
+    for out in outputs:
+        if out.storage.frozen:
+            out.check_writable(f"op {name}")
     device = outputs[0].device
     fn = _kernels.get((name, device.type.name, Layout.ANY, dtype))
     if fn is not None:
@@ -140,10 +146,12 @@ def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:
         _fallback_logged.add(key)
         log.info("op %s has no kernel on %s; running it on the CPU with copies", name, device.type.name)
     # Raw byte spans rather than t.to("cpu"): a strided view would need the device's own
-    # rearrange kernel, which may be missing too and would come back here.
+    # rearrange kernel, which may be missing too and would come back here. A frozen input's
+    # span is its storage's host copy, made on first use: weights cross to the host once.
     host_in = tuple(None if t is None else t.host_span() for t in inputs)
-    # Outputs are copied in too: a kernel may write only part of them.
-    host_out = tuple(t.host_span() for t in outputs)
+    # An op writes every element of its outputs, so a dense output needs no copy in; a strided
+    # one does, since the bytes between its elements go back as they were.
+    host_out = tuple(t.host_span(copy=not t.is_contiguous()) for t in outputs)
     fn(host_out, host_in, attrs)
     for dev_t, host_t in zip(outputs, host_out):
         dev_t.store_host_span(host_t)

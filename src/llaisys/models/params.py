@@ -95,7 +95,7 @@ class _Builder:
     def one(self, name: str) -> Tensor:
         out = Tensor.empty(self.weights[name].shape, self.dtype, self.device)
         self._fill(out, name)
-        return out
+        return out.freeze()
 
     def maybe(self, name: str) -> Tensor | None:
         return self.one(name) if name in self.weights else None
@@ -109,7 +109,7 @@ class _Builder:
         for name, shape in zip(names, shapes):
             self._fill(out.slice(0, start, start + shape[0]), name)
             start += shape[0]
-        return out
+        return out.freeze()
 
 
 def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype: DataType,

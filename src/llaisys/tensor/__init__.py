@@ -1,3 +1,3 @@
 """Tensor layer: storage and strided views."""
-from .storage import Storage
+from .storage import FrozenTensorError, Storage
 from .tensor import Tensor

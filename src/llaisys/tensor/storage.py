@@ -5,27 +5,74 @@ import ctypes
 
 import numpy as np
 
-from ..runtime.device import Device
-from ..runtime.runtime import Runtime
+from ..runtime.device import Device, as_device
+from ..runtime.dtypes import MemcpyKind
+from ..runtime.runtime import Runtime, get_runtime
+
+
+_CPU = as_device("cpu")
+
+
+class FrozenTensorError(ValueError):
+    """A write into frozen (read-only) storage, such as a model's weights."""
 
 
 class Storage:
     """``nbytes`` of memory at ``ptr`` on ``runtime``'s device, from its caching allocator.
 
-    Freed back to the allocator when the last tensor using it goes away.
+    Freed back to the allocator when the last tensor using it goes away. A frozen storage is
+    read-only for good (``freeze``); off the CPU it keeps a host copy of its bytes once one is
+    asked for (``host_copy``), freed with it.
     """
 
-    __slots__ = ("runtime", "ptr", "nbytes", "__weakref__")
+    __slots__ = ("runtime", "ptr", "nbytes", "frozen", "_host", "_buffer", "__weakref__")
 
     def __init__(self, runtime: Runtime, nbytes: int):
         self.runtime = runtime
         self.nbytes = nbytes
+        self.frozen = False
+        self._host: Storage | None = None
+        self._buffer: np.ndarray | None = None  # set for host scratch, which NumPy owns
         self.ptr = runtime.malloc(nbytes)
+
+    @classmethod
+    def host_scratch(cls, nbytes: int) -> "Storage":
+        """CPU storage of ``nbytes`` over a new NumPy buffer rather than the CPU caching
+        allocator: cheaper to make and drop, for short-lived host copies."""
+        storage = cls.__new__(cls)
+        storage.runtime = get_runtime(_CPU)
+        storage.nbytes = nbytes
+        storage.frozen = False
+        storage._host = None
+        storage._buffer = np.empty(nbytes, np.uint8)
+        storage.ptr = storage._buffer.ctypes.data
+        return storage
 
     @property
     def device(self) -> Device:
         """The device this memory lives on."""
         return self.runtime.device
+
+    def freeze(self) -> None:
+        """Make this storage read-only from now on: writes through tensors raise
+        FrozenTensorError, and the CPU fallback may keep a host copy of it."""
+        self.frozen = True
+
+    def host_copy(self) -> "Storage":
+        """A frozen CPU storage with this frozen storage's bytes: copied from the device the
+        first time, then kept with this storage. A CPU storage is its own host copy."""
+        if not self.frozen:
+            raise ValueError(f"storage on {self.device} is not frozen; only frozen storage keeps a host copy")
+        if self.runtime.is_cpu:
+            return self
+        host = self._host
+        if host is None:
+            host = Storage(get_runtime(_CPU), self.nbytes)
+            if self.nbytes:
+                self.runtime.memcpy(host.ptr, self.ptr, self.nbytes, MemcpyKind.D2H)
+            host.freeze()
+            self._host = host
+        return host
 
     def host_buffer(self) -> ctypes.Array:
         """The storage as a ctypes byte array over its memory, without a copy (CPU storage
@@ -36,13 +83,22 @@ class Storage:
         raw.owner = self  # ties the storage's life to the buffer and its users
         return raw
 
+    def host_memory(self) -> "ctypes.Array | np.ndarray":
+        """An object exposing the storage's memory through the buffer protocol, without a copy
+        (CPU storage only); it keeps that memory alive."""
+        return self.host_buffer() if self._buffer is None else self._buffer
+
     def host_bytes(self) -> np.ndarray:
         """The storage as a uint8 NumPy array (nbytes,), without a copy (CPU storage only).
-        The array keeps this storage alive."""
-        return np.frombuffer(self.host_buffer(), dtype=np.uint8)
+        The array keeps this storage alive; it is read-only when the storage is frozen."""
+        arr = np.frombuffer(self.host_buffer(), dtype=np.uint8)
+        if self.frozen:
+            arr.flags.writeable = False
+        return arr
 
     def __del__(self) -> None:
         try:
-            self.runtime.free(self.ptr)
+            if self._buffer is None:
+                self.runtime.free(self.ptr)
         except Exception:  # interpreter shutdown: the allocator may be gone
             pass

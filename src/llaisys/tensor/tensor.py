@@ -1,7 +1,9 @@
 """Tensor: storage + byte offset + shape, strides (in elements), dtype and device.
 
 Views (``view``, ``permute``, ``slice``) share storage; nothing is copied unless asked
-(``contiguous``, ``to``, ``numpy``, ``clone``).
+(``contiguous``, ``to``, ``numpy``, ``clone``). ``freeze`` makes a tensor's storage read-only
+for good (a model's weights): writes raise FrozenTensorError, and reads off the device may be
+served from a host copy kept with the storage.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from ..runtime.context import current_runtime
 from ..runtime.device import Device, as_device
 from ..runtime.dtypes import DataType, MemcpyKind, as_dtype
 from ..runtime.runtime import Runtime, get_runtime
-from .storage import Storage
+from .storage import FrozenTensorError, Storage
 
 Shape = tuple[int, ...]
 
@@ -46,7 +48,7 @@ def _as_shape(shape: "Iterable[int] | int", what: str = "shape") -> Shape:
 class Tensor:
     """An n-dimensional array on one device."""
 
-    __slots__ = ("storage", "offset", "shape", "strides", "dtype", "_array")
+    __slots__ = ("storage", "offset", "shape", "strides", "dtype", "_array", "_host_span")
 
     def __init__(self, storage: Storage, offset: int, shape: Shape, strides: Shape, dtype: DataType):
         self.storage = storage
@@ -55,6 +57,7 @@ class Tensor:
         self.strides = strides  # elements
         self.dtype = dtype
         self._array: np.ndarray | None = None
+        self._host_span: Tensor | None = None  # a frozen tensor's view of its host copy
 
     # ---- creation ----------------------------------------------------------------------
     @staticmethod
@@ -122,6 +125,28 @@ class Tensor:
         return self.numel() * self.dtype.itemsize
 
     @property
+    def frozen(self) -> bool:
+        """Whether the storage is read-only (``freeze``)."""
+        return self.storage.frozen
+
+    def freeze(self) -> "Tensor":
+        """Make this tensor's storage, and so every view of it, read-only for good; returns
+        self. Writes through ops, ``copy_`` or ``load`` then raise FrozenTensorError, and
+        CPU views are read-only NumPy arrays. ``clone()`` gives a writable copy."""
+        self.storage.freeze()
+        if self._array is not None:
+            self._array.flags.writeable = False
+        return self
+
+    def check_writable(self, what: str) -> None:
+        """Raise FrozenTensorError, naming ``what`` would write, when this tensor is frozen."""
+        if self.storage.frozen:
+            raise FrozenTensorError(
+                f"{what}: cannot write into a frozen (read-only) tensor {self.shape} {self.dtype.name} on "
+                f"{self.device}; frozen tensors, such as a model's weights, are never written; clone() it for a "
+                "writable copy")
+
+    @property
     def data_ptr(self) -> int:
         """Address of the first element (an opaque device pointer off the CPU)."""
         return self.storage.ptr + self.offset
@@ -140,7 +165,8 @@ class Tensor:
     # ---- host access -------------------------------------------------------------------
     def host_array(self) -> np.ndarray:
         """A NumPy view of this CPU tensor (same shape, strides and dtype) without a copy;
-        writes go to the tensor. Made once per tensor: kernels call this on every op."""
+        writes go to the tensor (read-only when frozen). Made once per tensor: kernels call
+        this on every op."""
         arr = self._array
         if arr is None:
             if 0 in self.shape:
@@ -148,9 +174,11 @@ class Tensor:
             else:
                 item = self.dtype.itemsize
                 arr = np.ndarray(
-                    self.shape, self.dtype.numpy, buffer=self.storage.host_buffer(),
+                    self.shape, self.dtype.numpy, buffer=self.storage.host_memory(),
                     offset=self.offset, strides=tuple([s * item for s in self.strides]),
                 )
+            if self.storage.frozen:
+                arr.flags.writeable = False
             self._array = arr
         return arr
 
@@ -173,17 +201,27 @@ class Tensor:
             return 0
         return (1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides))) * self.dtype.itemsize
 
-    def host_span(self) -> "Tensor":
+    def host_span(self, copy: bool = True) -> "Tensor":
         """A CPU tensor with this tensor's shape and strides over a host copy of the bytes it
-        spans (first to last element). Needs only the device's D2H copy, no kernel."""
-        host = Tensor._allocate(get_runtime("cpu"), (self._span_nbytes(),), DataType.BYTE)
-        if host.storage.nbytes:
-            self.storage.runtime.memcpy(host.data_ptr, self.data_ptr, host.storage.nbytes, MemcpyKind.D2H)
-        return Tensor(host.storage, 0, self.shape, self.strides, self.dtype)
+        spans (first to last element). Needs only the device's D2H copy, no kernel. A frozen
+        tensor's comes from its storage's host copy (``Storage.host_copy``): copied once,
+        read-only. ``copy=False`` leaves the bytes uninitialised (for an output to be written
+        whole before ``store_host_span``)."""
+        if self.storage.frozen:
+            view = self._host_span
+            if view is None:
+                view = Tensor(self.storage.host_copy(), self.offset, self.shape, self.strides, self.dtype)
+                self._host_span = view
+            return view
+        host = Storage.host_scratch(self._span_nbytes())
+        if copy and host.nbytes:
+            self.storage.runtime.memcpy(host.ptr, self.data_ptr, host.nbytes, MemcpyKind.D2H)
+        return Tensor(host, 0, self.shape, self.strides, self.dtype)
 
     def store_host_span(self, host: "Tensor") -> None:
         """Write back the span that ``host_span`` read (after changes on the host). Bytes
         between this tensor's elements go back as they were read."""
+        self.check_writable("store_host_span")
         if host.storage.nbytes:
             self.storage.runtime.memcpy(self.data_ptr, host.data_ptr, host.storage.nbytes, MemcpyKind.H2D)
 
@@ -205,6 +243,7 @@ class Tensor:
             if raw.nbytes != self.nbytes:
                 raise ValueError(f"load: buffer has {raw.nbytes} bytes, tensor {self.shape} {self.dtype.name} needs {self.nbytes}")
             host = raw.view(self.dtype.numpy).reshape(self.shape)
+        self.check_writable("load")
         host = np.asarray(host)
         if host.shape != self.shape:
             raise ValueError(f"load: array shape {host.shape} does not match tensor shape {self.shape}")
@@ -306,6 +345,7 @@ class Tensor:
             raise TypeError(f"copy_: src must be a llaisys Tensor, got {type(src).__name__}")
         if src.shape != self.shape or src.dtype != self.dtype:
             raise ValueError(f"copy_: source {src.shape} {src.dtype.name} does not match {self.shape} {self.dtype.name}")
+        self.check_writable("copy_")
         if self.numel() == 0:
             return self
         if self.device.is_cpu and src.device.is_cpu:
