@@ -3,7 +3,9 @@
 Each folder ``csrc/<name>/`` is compiled into one shared library ``llaisys/_native/_<name>``
 (a plain C library loaded with ctypes by ``llaisys._native.load``, not a Python extension).
 They are optional: without a compiler the install still succeeds and llaisys uses its
-portable Python paths, saying so where a feature needs the library.
+portable Python paths, saying so where a feature needs the library. No -march: SIMD code
+carries target attributes and is chosen at run time; -ffp-contract=off keeps a written
+multiply-then-add from becoming one fused instruction (decoders must match NumPy bit for bit).
 """
 from pathlib import Path
 
@@ -19,7 +21,8 @@ def native_libraries() -> list[Extension]:
         if sources:
             libs.append(Extension(
                 f"llaisys._native._{folder.name}", sources, include_dirs=["include", str(folder.relative_to(ROOT))],
-                extra_compile_args=["-std=c11", "-O2", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall"],
+                extra_compile_args=["-std=c11", "-O3", "-ffp-contract=off", "-fPIC", "-pthread", "-fvisibility=hidden",
+                                    "-Wall"],
                 extra_link_args=["-pthread", "-lm"], optional=True))
     return libs
 

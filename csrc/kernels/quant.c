@@ -1,0 +1,441 @@
+/* Quantized linear on GGUF block formats: the exported API, the portable scalar kernels and the
+ * choice of SIMD level.
+ *
+ *   Y (M, N) = X (M, K) . W (N, K)^T + bias (N)      X, Y, bias float32; W encoded rows
+ *
+ * M = 1 (decoding one token): each row of W is dotted with x straight from its blocks.
+ * M > 1: a tile of rows of W is decoded once into a float buffer, then multiplied with all M
+ * rows of X, so the weight bytes are read once whatever M is. Work is split over rows of W
+ * only (never over K), so every output element is summed the same way whatever the thread
+ * count.
+ */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign */
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+
+/* ---- formats ----------------------------------------------------------------------------- */
+
+typedef struct {
+    int type, index;
+    int block_elems, block_bytes;
+} format_t;
+
+static const format_t FORMATS[] = {
+    {LQ_F32, IX_F32, 1, 4},          {LQ_F16, IX_F16, 1, 2},          {LQ_BF16, IX_BF16, 1, 2},
+    {LQ_Q4_0, IX_Q4_0, QK, 18},      {LQ_Q4_1, IX_Q4_1, QK, 20},      {LQ_Q5_0, IX_Q5_0, QK, 22},
+    {LQ_Q5_1, IX_Q5_1, QK, 24},      {LQ_Q8_0, IX_Q8_0, QK, 34},      {LQ_Q4_K, IX_Q4_K, QK_K, 144},
+    {LQ_Q5_K, IX_Q5_K, QK_K, 176},   {LQ_Q6_K, IX_Q6_K, QK_K, 210},
+};
+
+static const format_t *find_format(int type) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+        if (FORMATS[i].type == type) return &FORMATS[i];
+    return NULL;
+}
+
+/* Formats whose M = 1 kernel needs the per-32 sums of x (value = d * q + min). */
+static int needs_xsum(int index) {
+    return index == IX_Q4_1 || index == IX_Q5_1 || index == IX_Q4_K || index == IX_Q5_K;
+}
+
+/* ---- scalar decoders (the portable reference for the SIMD ones) -------------------------- */
+
+void lq_decode_f32(const void *row, float *dst, size_t k) { memcpy(dst, row, k * sizeof(float)); }
+
+static void decode_f16(const void *row, float *dst, size_t k) {
+    const uint8_t *p = row;
+    for (size_t i = 0; i < k; i++) {
+        lq_half h;
+        memcpy(&h, p + 2 * i, 2);
+        dst[i] = lq_half_to_float(h);
+    }
+}
+
+static void decode_bf16(const void *row, float *dst, size_t k) {
+    const uint8_t *p = row;
+    for (size_t i = 0; i < k; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        dst[i] = lq_bf16_to_float(h);
+    }
+}
+
+static void decode_q4_0(const void *row, float *dst, size_t k) {
+    const block_q4_0 *b = row;
+    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
+        const float d = lq_half_to_float(b->d);
+        for (int j = 0; j < QK / 2; j++) {
+            dst[j] = d * (float)((b->qs[j] & 0x0f) - 8);
+            dst[j + QK / 2] = d * (float)((b->qs[j] >> 4) - 8);
+        }
+    }
+}
+
+static void decode_q4_1(const void *row, float *dst, size_t k) {
+    const block_q4_1 *b = row;
+    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
+        const float d = lq_half_to_float(b->d), m = lq_half_to_float(b->m);
+        for (int j = 0; j < QK / 2; j++) {
+            dst[j] = d * (float)(b->qs[j] & 0x0f) + m;
+            dst[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
+        }
+    }
+}
+
+static uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void decode_q5_0(const void *row, float *dst, size_t k) {
+    const block_q5_0 *b = row;
+    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
+        const float d = lq_half_to_float(b->d);
+        const uint32_t qh = load_u32(b->qh);
+        for (int j = 0; j < QK / 2; j++) {
+            const int lo = (b->qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (b->qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            dst[j] = d * (float)(lo - 16);
+            dst[j + QK / 2] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void decode_q5_1(const void *row, float *dst, size_t k) {
+    const block_q5_1 *b = row;
+    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
+        const float d = lq_half_to_float(b->d), m = lq_half_to_float(b->m);
+        const uint32_t qh = load_u32(b->qh);
+        for (int j = 0; j < QK / 2; j++) {
+            const int lo = (b->qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (b->qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            dst[j] = d * (float)lo + m;
+            dst[j + QK / 2] = d * (float)hi + m;
+        }
+    }
+}
+
+static void decode_q8_0(const void *row, float *dst, size_t k) {
+    const block_q8_0 *b = row;
+    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
+        const float d = lq_half_to_float(b->d);
+        for (int j = 0; j < QK; j++) dst[j] = (float)b->qs[j] * d;
+    }
+}
+
+static void decode_q4_K(const void *row, float *dst, size_t k) {
+    const block_q4_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++, b++) {
+        const float d = lq_half_to_float(b->d), dmin = lq_half_to_float(b->dmin);
+        for (int c = 0; c < 4; c++) { /* 32 bytes -> sub-blocks 2c (low nibbles), 2c+1 (high) */
+            uint8_t sc0, m0, sc1, m1;
+            unpack_scales_k4(b->scales, 2 * c, &sc0, &m0);
+            unpack_scales_k4(b->scales, 2 * c + 1, &sc1, &m1);
+            const float d0 = d * (float)sc0, min0 = dmin * (float)m0;
+            const float d1 = d * (float)sc1, min1 = dmin * (float)m1;
+            const uint8_t *q = b->qs + 32 * c;
+            for (int l = 0; l < 32; l++) {
+                dst[l] = d0 * (float)(q[l] & 0x0f) - min0;
+                dst[l + 32] = d1 * (float)(q[l] >> 4) - min1;
+            }
+            dst += 64;
+        }
+    }
+}
+
+static void decode_q5_K(const void *row, float *dst, size_t k) {
+    const block_q5_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++, b++) {
+        const float d = lq_half_to_float(b->d), dmin = lq_half_to_float(b->dmin);
+        for (int c = 0; c < 4; c++) {
+            uint8_t sc0, m0, sc1, m1;
+            unpack_scales_k4(b->scales, 2 * c, &sc0, &m0);
+            unpack_scales_k4(b->scales, 2 * c + 1, &sc1, &m1);
+            const float d0 = d * (float)sc0, min0 = dmin * (float)m0;
+            const float d1 = d * (float)sc1, min1 = dmin * (float)m1;
+            const uint8_t *q = b->qs + 32 * c;
+            for (int l = 0; l < 32; l++) {
+                const int lo = (q[l] & 0x0f) | (((b->qh[l] >> (2 * c)) & 1) << 4);
+                const int hi = (q[l] >> 4) | (((b->qh[l] >> (2 * c + 1)) & 1) << 4);
+                dst[l] = d0 * (float)lo - min0;
+                dst[l + 32] = d1 * (float)hi - min1;
+            }
+            dst += 64;
+        }
+    }
+}
+
+/* Q6_K, per 128-element half: for l < 32, ql[l] and ql[l+32] give the low nibbles of elements
+ * l and l+32 and the high nibbles of l+64 and l+96; the four 2-bit pairs of qh[l] give their
+ * top bits, in that order. */
+static void decode_q6_K(const void *row, float *dst, size_t k) {
+    const block_q6_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++, b++) {
+        const float d = lq_half_to_float(b->d);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
+            const int8_t *sc = b->scales + 8 * h;
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                dst[l] = d * (float)sc[is] * (float)q1;
+                dst[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                dst[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                dst[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+            dst += 128;
+        }
+    }
+}
+
+/* ---- scalar dot products ----------------------------------------------------------------- */
+
+/* w . x with 8 interleaved partial sums (a layout the compiler can keep in vector registers),
+ * added pairwise at the end. */
+static float dot_f32(const float *w, const float *x, size_t k) {
+    float acc[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += w[i + j] * x[i + j];
+    for (int j = 0; i < k; i++, j++) acc[j] += w[i] * x[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+static void tile_scalar(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
+                        size_t ldy, const float *bias) {
+    for (size_t r = 0; r < m; r++)
+        for (size_t j = 0; j < rows; j++) {
+            const float v = dot_f32(w + j * k, x + r * ldx, k);
+            y[r * ldy + j] = bias ? v + bias[j] : v;
+        }
+}
+
+const lq_kernels lq_kernels_scalar = {
+    .name = "scalar",
+    .decode = {
+        [IX_F32] = lq_decode_f32, [IX_F16] = decode_f16, [IX_BF16] = decode_bf16,
+        [IX_Q4_0] = decode_q4_0, [IX_Q4_1] = decode_q4_1, [IX_Q5_0] = decode_q5_0,
+        [IX_Q5_1] = decode_q5_1, [IX_Q8_0] = decode_q8_0, [IX_Q4_K] = decode_q4_K,
+        [IX_Q5_K] = decode_q5_K, [IX_Q6_K] = decode_q6_K,
+    },
+    .dot = {NULL},
+    .tile = tile_scalar,
+    .tile_rows = 1,
+};
+
+/* ---- SIMD level -------------------------------------------------------------------------- */
+
+enum { LEVEL_SCALAR, LEVEL_AVX2, LEVEL_AVX512, LEVEL_COUNT };
+static const char *const LEVEL_NAMES[LEVEL_COUNT] = {"scalar", "avx2", "avx512"};
+
+static const lq_kernels *level_kernels(int level) {
+    switch (level) {
+    case LEVEL_SCALAR: return &lq_kernels_scalar;
+    case LEVEL_AVX2: return lq_kernels_avx2();
+    case LEVEL_AVX512: return lq_kernels_avx512();
+    default: return NULL;
+    }
+}
+
+static _Atomic(const lq_kernels *) active; /* NULL until first use */
+
+/* The best level this CPU has, or the one LLAISYS_SIMD names if it is available. */
+static const lq_kernels *initial_kernels(void) {
+    const char *want = getenv("LLAISYS_SIMD");
+    if (want && *want)
+        for (int l = 0; l < LEVEL_COUNT; l++)
+            if (strcmp(want, LEVEL_NAMES[l]) == 0 && level_kernels(l)) return level_kernels(l);
+    for (int l = LEVEL_COUNT - 1; l >= 0; l--)
+        if (level_kernels(l)) return level_kernels(l);
+    return &lq_kernels_scalar;
+}
+
+static const lq_kernels *kernels(void) {
+    const lq_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
+    if (!k) {
+        k = initial_kernels();
+        atomic_store_explicit(&active, k, memory_order_release);
+    }
+    return k;
+}
+
+/* ---- jobs -------------------------------------------------------------------------------- */
+
+typedef struct {
+    const lq_kernels *kern;
+    const format_t *fmt;
+    const uint8_t *w;              /* n encoded rows of row_bytes */
+    size_t row_bytes, n, k, rows_per_chunk;
+    const float *x, *xsum, *bias;  /* x (m, k) row stride ldx; xsum (k / 32) or NULL; bias (n) or NULL */
+    size_t ldx, m, ldy;
+    float *y;                      /* (m, n) row stride ldy */
+    float *scratch;                /* one decoded tile (tile_rows, k) per pool thread */
+} linear_job;
+
+static void *alloc_floats(size_t n) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) == 0 ? p : NULL;
+}
+
+/* sums[i] = x[32i] + ... + x[32i+31] for i < blocks, through 8 interleaved partial sums (a
+ * fixed order the compiler can vectorize). */
+static void block_sums(const float *x, size_t blocks, float *sums) {
+    for (size_t i = 0; i < blocks; i++, x += QK) {
+        float p[8] = {0};
+        for (int l = 0; l < QK; l += 8)
+            for (int j = 0; j < 8; j++) p[j] += x[l + j];
+        sums[i] = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+    }
+}
+
+/* M = 1 with a fused kernel: rows [n0, n1) of y, a tile at a time. */
+static void linear_chunk_dot(void *arg, size_t chunk, int thread) {
+    (void)thread;
+    const linear_job *j = arg;
+    const lq_dot_fn dot = j->kern->dot[j->fmt->index];
+    const size_t tile = (size_t)j->kern->tile_rows;
+    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
+    if (n1 > j->n) n1 = j->n;
+    for (size_t t0 = n0; t0 < n1; t0 += tile) {
+        const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
+        const float *bias = j->bias ? j->bias + t0 : NULL;
+        dot(j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->xsum, j->k, j->y + t0, bias);
+    }
+}
+
+/* Any M: decode a tile of rows of W once, then multiply it with every row of X. A chunk is
+ * a whole number of tiles. */
+static void linear_chunk_tiles(void *arg, size_t chunk, int thread) {
+    const linear_job *j = arg;
+    const lq_decode_fn decode = j->kern->decode[j->fmt->index];
+    const size_t tile = (size_t)j->kern->tile_rows;
+    float *buf = j->scratch + (size_t)thread * tile * j->k; /* (tile, k) */
+    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
+    if (n1 > j->n) n1 = j->n;
+    for (size_t t0 = n0; t0 < n1; t0 += tile) {
+        const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
+        for (size_t r = 0; r < rows; r++) decode(j->w + (t0 + r) * j->row_bytes, buf + r * j->k, j->k);
+        if (rows < tile) memset(buf + rows * j->k, 0, (tile - rows) * j->k * sizeof(float));
+        j->kern->tile(buf, rows, j->k, j->x, j->ldx, j->m, j->y + t0, j->ldy, j->bias ? j->bias + t0 : NULL);
+    }
+}
+
+static void dequant_chunk(void *arg, size_t chunk, int thread) {
+    (void)thread;
+    const linear_job *j = arg;
+    const lq_decode_fn decode = j->kern->decode[j->fmt->index];
+    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
+    if (n1 > j->n) n1 = j->n;
+    for (size_t r = n0; r < n1; r++) decode(j->w + r * j->row_bytes, j->y + r * j->k, j->k);
+}
+
+/* Rows per chunk, for rows that cost `row_work` (weight elements times rows of X) each: about
+ * 2^17 units per chunk, at least 4 chunks per thread when that leaves 2^15 units or more per
+ * chunk (so a thread that loses its core holds up little work, and waking a thread pays off),
+ * rounded up to whole tiles of `align` rows. */
+static size_t chunk_rows(size_t n, size_t row_work, size_t align, size_t threads) {
+    const size_t target = (size_t)1 << 17, floor = (size_t)1 << 15;
+    if (row_work == 0) row_work = 1;
+    size_t rows = target / row_work;
+    const size_t spread = (n + 4 * threads - 1) / (4 * threads);
+    if (rows > spread) rows = spread;
+    if (rows < floor / row_work) rows = floor / row_work;
+    rows = (rows + align - 1) / align * align;
+    return rows ? rows : align;
+}
+
+/* ---- exported API ------------------------------------------------------------------------ */
+
+enum { LQ_OK = 0, LQ_ERR_TYPE = -1, LQ_ERR_SHAPE = -2, LQ_ERR_MEMORY = -3 };
+
+LQ_EXPORT int llaisys_quant_block_size(int type) {
+    const format_t *f = find_format(type);
+    return f ? f->block_elems : LQ_ERR_TYPE;
+}
+
+LQ_EXPORT int llaisys_quant_block_bytes(int type) {
+    const format_t *f = find_format(type);
+    return f ? f->block_bytes : LQ_ERR_TYPE;
+}
+
+/* Dequantize n_rows rows of k elements from src (n_rows * row_bytes) into dst (n_rows, k). */
+LQ_EXPORT int llaisys_quant_dequantize(int type, const void *src, int64_t n_rows, int64_t k, float *dst) {
+    const format_t *f = find_format(type);
+    if (!f) return LQ_ERR_TYPE;
+    if (k <= 0 || n_rows < 0 || k % f->block_elems) return LQ_ERR_SHAPE;
+    linear_job j = {.kern = kernels(), .fmt = f, .w = src, .n = (size_t)n_rows, .k = (size_t)k, .y = dst};
+    j.row_bytes = (size_t)k / (size_t)f->block_elems * (size_t)f->block_bytes;
+    const int threads = lq_pool_threads();
+    j.rows_per_chunk = chunk_rows(j.n, j.k, 1, (size_t)threads);
+    lq_pool_run(dequant_chunk, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, threads);
+    return LQ_OK;
+}
+
+/* Y (m, n) = X (m, k) . W (n, k)^T + bias (n) or no bias when NULL. X rows are ldx floats
+ * apart, Y rows ldy floats apart; W is n rows of encoded bytes, back to back. */
+LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx,
+                                   int64_t m, float *y, int64_t ldy, const float *bias) {
+    const format_t *f = find_format(type);
+    if (!f) return LQ_ERR_TYPE;
+    if (k <= 0 || n < 0 || m < 0 || k % f->block_elems || (m > 1 && ldx < k) || (m > 1 && ldy < n))
+        return LQ_ERR_SHAPE;
+    if (n == 0 || m == 0) return LQ_OK;
+    linear_job j = {.kern = kernels(), .fmt = f, .w = w, .n = (size_t)n, .k = (size_t)k, .x = x,
+                    .bias = bias, .ldx = (size_t)ldx, .m = (size_t)m, .ldy = (size_t)ldy, .y = y};
+    j.row_bytes = (size_t)k / (size_t)f->block_elems * (size_t)f->block_bytes;
+    const int threads = lq_pool_threads();
+    const size_t tile = (size_t)j.kern->tile_rows;
+    if (m == 1 && j.kern->dot[f->index]) {
+        float xsum_small[256], *xsum = NULL;
+        if (needs_xsum(f->index)) {
+            xsum = j.k / QK <= 256 ? xsum_small : alloc_floats(j.k / QK);
+            if (!xsum) return LQ_ERR_MEMORY;
+            block_sums(x, j.k / QK, xsum);
+        }
+        j.xsum = xsum;
+        j.rows_per_chunk = chunk_rows(j.n, j.k, tile, (size_t)threads);
+        lq_pool_run(linear_chunk_dot, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, threads);
+        if (xsum != xsum_small) free(xsum);
+        return LQ_OK;
+    }
+    j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, tile, (size_t)threads);
+    const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
+    const int slots = n_chunks < (size_t)threads ? (int)n_chunks : threads;
+    if (!(j.scratch = alloc_floats((size_t)slots * tile * j.k))) return LQ_ERR_MEMORY;
+    lq_pool_run(linear_chunk_tiles, &j, n_chunks, slots);
+    free(j.scratch);
+    return LQ_OK;
+}
+
+LQ_EXPORT int llaisys_quant_set_threads(int n) { return lq_pool_set_threads(n); }
+
+LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }
+
+/* Name of the SIMD level in use: "scalar", "avx2" or "avx512". */
+LQ_EXPORT const char *llaisys_quant_simd_level(void) { return kernels()->name; }
+
+/* Bit l set when SIMD level l (0 scalar, 1 avx2, 2 avx512) runs on this CPU. */
+LQ_EXPORT int llaisys_quant_simd_available(void) {
+    int mask = 0;
+    for (int l = 0; l < LEVEL_COUNT; l++)
+        if (level_kernels(l)) mask |= 1 << l;
+    return mask;
+}
+
+/* Use SIMD level `name` from now on; -1 when it does not run on this CPU. */
+LQ_EXPORT int llaisys_quant_set_simd_level(const char *name) {
+    for (int l = 0; l < LEVEL_COUNT; l++) {
+        if (strcmp(name, LEVEL_NAMES[l]) == 0 && level_kernels(l)) {
+            atomic_store_explicit(&active, level_kernels(l), memory_order_release);
+            return LQ_OK;
+        }
+    }
+    return LQ_ERR_TYPE;
+}

@@ -1,0 +1,181 @@
+/* Quantized linear: GGUF block formats, the per-SIMD-level kernel tables, the thread pool.
+ *
+ * The block structs mirror the GGUF (ggml) layout byte for byte, so a tensor's bytes from a
+ * GGUF file are an array of these structs, one row of K elements after another. Scales are
+ * IEEE half floats stored as uint16_t. Activations and accumulation stay float32 throughout.
+ */
+#ifndef LLAISYS_KERNELS_QUANT_H
+#define LLAISYS_KERNELS_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LQ_EXPORT __attribute__((visibility("default")))
+
+/* GGML type ids (the numbers stored in GGUF files). */
+enum {
+    LQ_F32 = 0, LQ_F16 = 1, LQ_Q4_0 = 2, LQ_Q4_1 = 3, LQ_Q5_0 = 6, LQ_Q5_1 = 7, LQ_Q8_0 = 8,
+    LQ_Q4_K = 12, LQ_Q5_K = 13, LQ_Q6_K = 14, LQ_BF16 = 30,
+};
+
+/* Dense index of the handled types, for the kernel tables. */
+enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_Q4_K, IX_Q5_K, IX_Q6_K, IX_COUNT };
+
+#define QK 32    /* elements per block of the 32-element formats */
+#define QK_K 256 /* elements per K-quant super-block */
+
+#define LQ_PREFETCH_BYTES 4096 /* how far ahead the M = 1 kernels prefetch weights (measured) */
+
+typedef uint16_t lq_half; /* IEEE binary16 bits */
+
+typedef struct {
+    lq_half d;           /* scale: value = d * (q - 8) */
+    uint8_t qs[QK / 2];  /* element j in the low nibble of qs[j], element j+16 in the high nibble */
+} block_q4_0;
+
+typedef struct {
+    lq_half d, m;        /* scale and minimum: value = d * q + m */
+    uint8_t qs[QK / 2];  /* nibbles as in q4_0 */
+} block_q4_1;
+
+typedef struct {
+    lq_half d;           /* value = d * (q - 16), q of 5 bits */
+    uint8_t qh[4];       /* bit j (little-endian 32-bit word) is bit 4 of element j */
+    uint8_t qs[QK / 2];  /* low 4 bits, nibbles as in q4_0 */
+} block_q5_0;
+
+typedef struct {
+    lq_half d, m;        /* value = d * q + m */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} block_q5_1;
+
+typedef struct {
+    lq_half d;           /* value = d * q */
+    int8_t qs[QK];
+} block_q8_0;
+
+/* K-quants: a 256-element super-block of 8 sub-blocks of 32, each with a 6-bit scale and a
+ * 6-bit min packed into 12 bytes (see unpack_scales_k4). */
+typedef struct {
+    lq_half d, dmin;        /* super-block scale for the sub-block scales and mins */
+    uint8_t scales[12];     /* 8 x (6-bit scale, 6-bit min) */
+    uint8_t qs[QK_K / 2];   /* 32-byte chunk c: low nibbles = sub-block 2c, high = 2c+1 */
+} block_q4_K;
+
+typedef struct {
+    lq_half d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];   /* bit j of qh[l] is bit 4 of element l of sub-block j */
+    uint8_t qs[QK_K / 2];   /* low 4 bits, as in q4_K */
+} block_q5_K;
+
+typedef struct {
+    uint8_t ql[QK_K / 2];   /* low 4 bits; see the Q6_K decoders for the order */
+    uint8_t qh[QK_K / 4];   /* high 2 bits */
+    int8_t scales[QK_K / 16]; /* one signed 8-bit scale per 16 elements */
+    lq_half d;              /* value = d * scale * (q - 32) */
+} block_q6_K;
+
+_Static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must match GGUF");
+_Static_assert(sizeof(block_q4_1) == 20, "block_q4_1 must match GGUF");
+_Static_assert(sizeof(block_q5_0) == 22, "block_q5_0 must match GGUF");
+_Static_assert(sizeof(block_q5_1) == 24, "block_q5_1 must match GGUF");
+_Static_assert(sizeof(block_q8_0) == 34, "block_q8_0 must match GGUF");
+_Static_assert(sizeof(block_q4_K) == 144, "block_q4_K must match GGUF");
+_Static_assert(sizeof(block_q5_K) == 176, "block_q5_K must match GGUF");
+_Static_assert(sizeof(block_q6_K) == 210, "block_q6_K must match GGUF");
+
+/* Portable half -> float, exact for every input (subnormals, inf, nan). */
+static inline float lq_half_to_float(lq_half h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float lq_bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The 6-bit scale and min of sub-block j of a q4_K / q5_K super-block. */
+static inline void unpack_scales_k4(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* All 8 scales and mins of a q4_K / q5_K super-block at once, one byte each, from the 12
+ * bytes read as three little-endian words (the x86 kernels' form of unpack_scales_k4). */
+static inline void unpack_scales_k4_le(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x30303030u;
+    const uint32_t s[2] = {a & low6, (c & low4) | ((a >> 2) & top2)};
+    const uint32_t m[2] = {b & low6, ((c >> 4) & low4) | ((b >> 2) & top2)};
+    memcpy(sc, s, 8);
+    memcpy(mn, m, 8);
+}
+
+/* Kernels of one SIMD level. Row tiles: `tile_rows` rows of W at a time (fewer in the last
+ * tile of a matrix); within a tile every output is reduced by the same lane layout and tree,
+ * so results do not depend on how rows are split among threads (nor, for M > 1, on M; M = 1
+ * takes the fused path, which sums in another order).
+ *   decode: one row of k elements -> k floats, bit-exact with the NumPy reference (same f32
+ *           operations in the same order; no fused multiply-add).
+ *   dot:    M = 1: y[j] = row j . x (+ bias[j]) for j < rows, straight from the encoded rows
+ *           (row_bytes apart); xsum[i] is the sum of x[32i .. 32i+31], used by the formats
+ *           with a minimum term (q4_1, q5_1, q4_K, q5_K). NULL: decode + tile.
+ *   tile:   y[r][j] = w[j] . x[r] (+ bias[j]) for r < m, j < rows, where w holds tile_rows
+ *           decoded rows of k floats (those past `rows` zero). */
+typedef void (*lq_decode_fn)(const void *row, float *dst, size_t k);
+typedef void (*lq_dot_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias);
+typedef void (*lq_tile_fn)(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
+                           size_t ldy, const float *bias);
+
+typedef struct {
+    const char *name;
+    lq_decode_fn decode[IX_COUNT];
+    lq_dot_fn dot[IX_COUNT];
+    lq_tile_fn tile;
+    int tile_rows;
+} lq_kernels;
+
+extern const lq_kernels lq_kernels_scalar;
+void lq_decode_f32(const void *row, float *dst, size_t k); /* a copy: shared by every level */
+const lq_kernels *lq_kernels_avx2(void);   /* NULL unless this CPU (and build) has the level */
+const lq_kernels *lq_kernels_avx512(void);
+
+/* Thread pool (threadpool.c): runs task(ctx, i, thread) for i in [0, n_chunks), handing chunks
+ * out one at a time to the calling thread (thread 0) and the workers (1, 2, ...); threads
+ * numbered `slots` or more sit the job out, so a task may index per-thread scratch by `thread`.
+ * Returns when all chunks have run. */
+typedef void (*lq_task_fn)(void *ctx, size_t chunk, int thread);
+void lq_pool_run(lq_task_fn task, void *ctx, size_t n_chunks, int slots);
+int lq_pool_set_threads(int n);
+int lq_pool_threads(void);
+
+#endif

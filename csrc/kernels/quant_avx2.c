@@ -1,0 +1,567 @@
+/* AVX2 + FMA + F16C kernels for quant.c: 8 floats per vector, tiles of 8 rows.
+ *
+ * Compiled without -march: every function carries a target attribute and runs only after
+ * lq_kernels_avx2() has checked the CPU. Decoders multiply, then add (no FMA), so they stay
+ * bit-exact with the reference; the dot products use FMA freely.
+ */
+#include "quant.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+#define TILE 8
+
+AVX2_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
+
+AVX2_INLINE __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
+
+AVX2_INLINE __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+AVX2_INLINE __m256i tail_mask(size_t n) { /* the first n of 8 lanes */
+    static const int32_t ones[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256((const __m256i *)(ones + 8 - n));
+}
+
+/* Ask for the weight bytes a few rows ahead of [p, p + n) (see quant_avx512.c). */
+AVX2_INLINE void prefetch_ahead(const void *p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + LQ_PREFETCH_BYTES + i, _MM_HINT_T0);
+}
+
+/* ---- integer values of 32 elements as floats: v[g] = elements 8g .. 8g+7 ----------------- */
+
+/* The 32 nibbles of a q4/q5 block: low nibbles are elements 0..15, high nibbles 16..31. */
+AVX2_INLINE void nibbles(const uint8_t *qs, __m256i q[4]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    q[0] = _mm256_cvtepu8_epi32(lo);
+    q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    q[2] = _mm256_cvtepu8_epi32(hi);
+    q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+AVX2_INLINE void q4_values(const uint8_t *qs, int offset, __m256 v[4]) {
+    __m256i q[4];
+    nibbles(qs, q);
+    for (int g = 0; g < 4; g++) v[g] = to_float(_mm256_sub_epi32(q[g], _mm256_set1_epi32(offset)));
+}
+
+/* 16 where bit 8g+i of qh is set, for the 8 elements i of group g. */
+AVX2_INLINE __m256i fifth_bit(uint32_t qh, int g) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i v = _mm256_and_si256(_mm256_set1_epi32((int)((qh >> (8 * g)) & 0xff)), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi32(v, sel), _mm256_set1_epi32(16));
+}
+
+AVX2_INLINE void q5_values(const uint8_t *qs, const uint8_t *qhp, int offset, __m256 v[4]) {
+    __m256i q[4];
+    uint32_t qh;
+    memcpy(&qh, qhp, 4);
+    nibbles(qs, q);
+    for (int g = 0; g < 4; g++)
+        v[g] = to_float(_mm256_sub_epi32(_mm256_or_si256(q[g], fifth_bit(qh, g)), _mm256_set1_epi32(offset)));
+}
+
+AVX2_INLINE void q8_values(const int8_t *qs, __m256 v[4]) {
+    for (int g = 0; g < 4; g++) v[g] = to_float(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * g))));
+}
+
+/* 16 where bit j of each of the 8 bytes h (widened to int32) is set. */
+AVX2_INLINE __m256i bit_j(__m256i h, int j) {
+    return _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(j)), _mm256_set1_epi32(1)), 4);
+}
+
+/* Sub-blocks 2c (v0) and 2c+1 (v1) of a q4_K / q5_K super-block; qh NULL for q4_K. */
+AVX2_INLINE void k4_values(const uint8_t *qs, const uint8_t *qh, int c, __m256 v0[4], __m256 v1[4]) {
+    const __m256i m = _mm256_set1_epi32(0x0f);
+    for (int g = 0; g < 4; g++) {
+        const __m256i raw = u8x8(qs + 32 * c + 8 * g);
+        __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_srli_epi32(raw, 4);
+        if (qh) {
+            const __m256i h = u8x8(qh + 8 * g);
+            lo = _mm256_or_si256(lo, bit_j(h, 2 * c));
+            hi = _mm256_or_si256(hi, bit_j(h, 2 * c + 1));
+        }
+        v0[g] = to_float(lo);
+        v1[g] = to_float(hi);
+    }
+}
+
+/* The 8 scales d * sc_j and mins dmin * m_j of a q4_K / q5_K super-block. */
+AVX2_INLINE void k4_scales(const uint8_t *packed, float d, float dmin, __m256 *scale, __m256 *minimum) {
+    uint8_t sc[8], mn[8];
+    unpack_scales_k4_le(packed, sc, mn);
+    *scale = _mm256_mul_ps(_mm256_set1_ps(d), to_float(u8x8(sc)));
+    *minimum = _mm256_mul_ps(_mm256_set1_ps(dmin), to_float(u8x8(mn)));
+}
+
+/* The 32 elements 128h + 8g + {0, 32, 64, 96} of a q6_K super-block (t = 0..3 in v[t]),
+ * minus 32; see quant.c for the bit layout. */
+AVX2_INLINE void q6_values(const block_q6_K *b, int h, int g, __m256 v[4]) {
+    const __m256i a = u8x8(b->ql + 64 * h + 8 * g), c = u8x8(b->ql + 64 * h + 32 + 8 * g);
+    const __m256i hq = u8x8(b->qh + 32 * h + 8 * g);
+    const __m256i low4 = _mm256_set1_epi32(0x0f), top2 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
+    const __m256i q[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi32(hq, 4), top2)),
+        _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi32(hq, 2), top2)),
+        _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(hq, top2)),
+        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(hq, 2), top2)),
+    };
+    for (int t = 0; t < 4; t++) v[t] = to_float(_mm256_sub_epi32(q[t], off));
+}
+
+/* d * scale for the 16 groups of 16 elements of a q6_K super-block, in two vectors. */
+AVX2_INLINE void q6_scales(const block_q6_K *b, float out[16]) {
+    const __m256 d = _mm256_set1_ps(half(b->d));
+    const __m128i s = _mm_loadu_si128((const __m128i *)b->scales);
+    _mm256_storeu_ps(out, _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(s))));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+}
+
+/* ---- decoders (bit-exact: d * q, then + m or - m) ---------------------------------------- */
+
+AVX2_INLINE void store_scaled(float *dst, const __m256 v[4], float d) {
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(dv, v[g]));
+}
+
+AVX2_INLINE void store_affine(float *dst, const __m256 v[4], float d, float m) {
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_add_ps(_mm256_mul_ps(dv, v[g]), mv));
+}
+
+AVX2_INLINE void store_shifted(float *dst, const __m256 v[4], float d, float m) {
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_sub_ps(_mm256_mul_ps(dv, v[g]), mv));
+}
+
+AVX2_INLINE __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+AVX2_INLINE __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static AVX2 void decode_f16(const void *row, float *dst, size_t k) {
+    const uint16_t *p = row;
+    size_t i = 0;
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(dst + i, f16x8(p + i));
+    for (; i < k; i++) dst[i] = half(p[i]);
+}
+
+static AVX2 void decode_bf16(const void *row, float *dst, size_t k) {
+    const uint16_t *p = row;
+    size_t i = 0;
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(dst + i, bf16x8(p + i));
+    for (; i < k; i++) dst[i] = lq_bf16_to_float(p[i]);
+}
+
+static AVX2 void decode_q4_0(const void *row, float *dst, size_t k) {
+    const block_q4_0 *b = row;
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK; i++, dst += QK) {
+        q4_values(b[i].qs, 8, v);
+        store_scaled(dst, v, half(b[i].d));
+    }
+}
+
+static AVX2 void decode_q4_1(const void *row, float *dst, size_t k) {
+    const block_q4_1 *b = row;
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK; i++, dst += QK) {
+        q4_values(b[i].qs, 0, v);
+        store_affine(dst, v, half(b[i].d), half(b[i].m));
+    }
+}
+
+static AVX2 void decode_q5_0(const void *row, float *dst, size_t k) {
+    const block_q5_0 *b = row;
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK; i++, dst += QK) {
+        q5_values(b[i].qs, b[i].qh, 16, v);
+        store_scaled(dst, v, half(b[i].d));
+    }
+}
+
+static AVX2 void decode_q5_1(const void *row, float *dst, size_t k) {
+    const block_q5_1 *b = row;
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK; i++, dst += QK) {
+        q5_values(b[i].qs, b[i].qh, 0, v);
+        store_affine(dst, v, half(b[i].d), half(b[i].m));
+    }
+}
+
+static AVX2 void decode_q8_0(const void *row, float *dst, size_t k) {
+    const block_q8_0 *b = row;
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK; i++, dst += QK) {
+        q8_values(b[i].qs, v);
+        store_scaled(dst, v, half(b[i].d));
+    }
+}
+
+/* q4_K and q5_K: d_j * q - min_j per sub-block j. */
+AVX2_INLINE void decode_k4(const uint8_t *packed, const uint8_t *qs, const uint8_t *qh, float d, float dmin,
+                           float *dst) {
+    float scale[8], minimum[8];
+    __m256 s, m, v0[4], v1[4];
+    k4_scales(packed, d, dmin, &s, &m);
+    _mm256_storeu_ps(scale, s);
+    _mm256_storeu_ps(minimum, m);
+    for (int c = 0; c < 4; c++, dst += 64) {
+        k4_values(qs, qh, c, v0, v1);
+        store_shifted(dst, v0, scale[2 * c], minimum[2 * c]);
+        store_shifted(dst + 32, v1, scale[2 * c + 1], minimum[2 * c + 1]);
+    }
+}
+
+static AVX2 void decode_q4_K(const void *row, float *dst, size_t k) {
+    const block_q4_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++, dst += QK_K)
+        decode_k4(b[i].scales, b[i].qs, NULL, half(b[i].d), half(b[i].dmin), dst);
+}
+
+static AVX2 void decode_q5_K(const void *row, float *dst, size_t k) {
+    const block_q5_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++, dst += QK_K)
+        decode_k4(b[i].scales, b[i].qs, b[i].qh, half(b[i].d), half(b[i].dmin), dst);
+}
+
+static AVX2 void decode_q6_K(const void *row, float *dst, size_t k) {
+    const block_q6_K *b = row;
+    float scale[16];
+    __m256 v[4];
+    for (size_t i = 0; i < k / QK_K; i++, dst += QK_K) {
+        q6_scales(b + i, scale);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++) {
+                q6_values(b + i, h, g, v);
+                for (int t = 0; t < 4; t++) /* element 128h + 32t + 8g, scale group 8h + 2t + g/2 */
+                    _mm256_storeu_ps(dst + 128 * h + 32 * t + 8 * g,
+                                     _mm256_mul_ps(_mm256_set1_ps(scale[8 * h + 2 * t + g / 2]), v[t]));
+            }
+    }
+}
+
+/* ---- reduction of a tile ----------------------------------------------------------------- */
+
+/* Lane i of the result is the sum of the 8 lanes of a[i], every a[i] reduced by the same tree:
+ * 128-bit halves, then element pairs. */
+AVX2_INLINE __m256 reduce8(const __m256 a[8]) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* [a2i (4 lanes) | a2i+1 (4 lanes)] */
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* half h: [a4i+h, a4i+2+h], 2 lanes each */
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+    /* half h: [ah, a2+h, a4+h, a6+h] -> natural order */
+    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+    return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* y[j] = v[j] (+ bias[j]) for j < n <= 8. */
+AVX2_INLINE void store_row(float *y, __m256 v, const float *bias, size_t n) {
+    if (n == 8) {
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    const __m256i keep = tail_mask(n);
+    if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias, keep));
+    _mm256_maskstore_ps(y, keep, v);
+}
+
+/* ---- M = 1: one row . x as a vector of 8 partial sums ------------------------------------ */
+
+/* 8 weights of a row of f32 (kind 0), f16 (1) or bf16 (2), widened */
+AVX2_INLINE __m256 floats8(const void *row, size_t i, const int kind) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)row + i);
+    return kind == 1 ? f16x8((const uint16_t *)row + i) : bf16x8((const uint16_t *)row + i);
+}
+
+AVX2_INLINE __m256 row_float(const void *row, const float *x, size_t k, const int kind) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    size_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        prefetch_ahead((const uint8_t *)row + i * (kind == 0 ? 4 : 2), kind == 0 ? 128 : 64);
+        for (int g = 0; g < 4; g++)
+            acc[g] = _mm256_fmadd_ps(floats8(row, i + 8 * g, kind), _mm256_loadu_ps(x + i + 8 * g), acc[g]);
+    }
+    for (; i + 8 <= k; i += 8) acc[0] = _mm256_fmadd_ps(floats8(row, i, kind), _mm256_loadu_ps(x + i), acc[0]);
+    if (i < k) { /* widen the tail through zero-padded buffers */
+        float w[8] = {0}, xt[8] = {0};
+        for (size_t j = 0; i + j < k; j++) {
+            const uint16_t *h = (const uint16_t *)row + i + j;
+            w[j] = kind == 0 ? ((const float *)row)[i + j] : kind == 1 ? half(*h) : lq_bf16_to_float(*h);
+            xt[j] = x[i + j];
+        }
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(xt), acc[1]);
+    }
+    return _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+}
+
+/* q (4 vectors of 32 consecutive elements) . x */
+AVX2_INLINE __m256 dot32(const __m256 q[4], const float *x) {
+    const __m256 a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(x)));
+    const __m256 b = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(x + 16)));
+    return _mm256_add_ps(a, b);
+}
+
+/* The 32-element formats: sum over blocks of d * (q . x), plus m * sum(x) for q4_1 / q5_1.
+ * Scales come 8 blocks at a time from one gather and one conversion. */
+enum { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
+
+AVX2_INLINE void legacy_values(const void *block, const int kind, __m256 v[4]) {
+    switch (kind) {
+    case L_Q4_0: q4_values(((const block_q4_0 *)block)->qs, 8, v); break;
+    case L_Q4_1: q4_values(((const block_q4_1 *)block)->qs, 0, v); break;
+    case L_Q5_0: q5_values(((const block_q5_0 *)block)->qs, ((const block_q5_0 *)block)->qh, 16, v); break;
+    case L_Q5_1: q5_values(((const block_q5_1 *)block)->qs, ((const block_q5_1 *)block)->qh, 0, v); break;
+    default: q8_values(((const block_q8_0 *)block)->qs, v); break;
+    }
+}
+
+/* The first 4 bytes (d, and m where there is one) of `count` blocks `stride` bytes apart. */
+AVX2_INLINE __m256i block_heads(const uint8_t *first, const int stride, size_t count) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)first, offsets, tail_mask(count), 1);
+}
+
+/* The low (shift 0) or high (shift 16) half of each 32-bit lane, as f16 -> f32. */
+AVX2_INLINE __m256 halves(__m256i v, const int shift) {
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0xffff));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+AVX2_INLINE __m256 row_legacy(const uint8_t *blocks, const float *x, const float *xsum, size_t k, const int kind,
+                              const int stride, const int has_min) {
+    const size_t nb = k / QK;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), v[4]; /* named: kept in registers */
+    float d[8];
+    for (size_t g = 0; g < nb; g += 8) {
+        const size_t count = nb - g < 8 ? nb - g : 8;
+        const __m256i heads = block_heads(blocks + g * (size_t)stride, stride, count);
+        _mm256_storeu_ps(d, halves(heads, 0));
+        if (has_min) /* lane-wise m * sum(x), reduced with the rest */
+            acc1 = _mm256_fmadd_ps(halves(heads, 16), _mm256_maskload_ps(xsum + g, tail_mask(count)), acc1);
+        for (size_t i = 0; i < count; i++) { /* even blocks into acc0, odd into acc1 */
+            prefetch_ahead(blocks + (g + i) * (size_t)stride, (size_t)stride);
+            legacy_values(blocks + (g + i) * (size_t)stride, kind, v);
+            const __m256 t = dot32(v, x + (g + i) * QK);
+            if (i & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[i]), t, acc1);
+            else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[i]), t, acc0);
+        }
+    }
+    return _mm256_add_ps(acc0, acc1);
+}
+
+/* q4_K / q5_K: sum over sub-blocks j of d_j * (q . x) - min_j * sum(x). */
+AVX2_INLINE __m256 row_k4(const uint8_t *row, const float *x, const float *xsum, size_t k, const int five) {
+    const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mins = _mm256_setzero_ps(), v0[4], v1[4];
+    float scale[8];
+    for (size_t i = 0; i < k / QK_K; i++) {
+        const uint8_t *blk = row + i * stride;
+        prefetch_ahead(blk, stride);
+        const block_q4_K *b4 = (const block_q4_K *)blk; /* q5_K starts with the same fields */
+        const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+        const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : b4->qs;
+        __m256 s, m;
+        k4_scales(b4->scales, half(b4->d), half(b4->dmin), &s, &m);
+        _mm256_storeu_ps(scale, s);
+        mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + 8 * i), mins);
+        const float *xb = x + i * QK_K;
+        for (int c = 0; c < 4; c++) {
+            k4_values(qs, qh, c, v0, v1);
+            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(scale[2 * c]), dot32(v0, xb + 64 * c), acc[0]);
+            acc[1] = _mm256_fmadd_ps(_mm256_set1_ps(scale[2 * c + 1]), dot32(v1, xb + 64 * c + 32), acc[1]);
+        }
+    }
+    return _mm256_sub_ps(_mm256_add_ps(acc[0], acc[1]), mins);
+}
+
+/* q6_K: one scale per 16 elements, i.e. per two vectors. */
+AVX2_INLINE __m256 row_q6_K(const block_q6_K *b, const float *x, size_t k) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, v[4];
+    float scale[16];
+    for (size_t i = 0; i < k / QK_K; i++) {
+        prefetch_ahead(b + i, sizeof(block_q6_K));
+        q6_scales(b + i, scale);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++) {
+                q6_values(b + i, h, g, v);
+                const float *xp = x + i * QK_K + 128 * h + 8 * g;
+                for (int t = 0; t < 4; t++)
+                    acc[t & 1] = _mm256_fmadd_ps(_mm256_set1_ps(scale[8 * h + 2 * t + g / 2]),
+                                                 _mm256_mul_ps(v[t], _mm256_loadu_ps(xp + 32 * t)), acc[t & 1]);
+            }
+    }
+    return _mm256_add_ps(acc[0], acc[1]);
+}
+
+AVX2_INLINE __m256 row_dot(const uint8_t *row, const float *x, const float *xsum, size_t k, const int ix) {
+    switch (ix) {
+    case IX_F32: return row_float(row, x, k, 0);
+    case IX_F16: return row_float(row, x, k, 1);
+    case IX_BF16: return row_float(row, x, k, 2);
+    case IX_Q4_0: return row_legacy(row, x, xsum, k, L_Q4_0, sizeof(block_q4_0), 0);
+    case IX_Q4_1: return row_legacy(row, x, xsum, k, L_Q4_1, sizeof(block_q4_1), 1);
+    case IX_Q5_0: return row_legacy(row, x, xsum, k, L_Q5_0, sizeof(block_q5_0), 0);
+    case IX_Q5_1: return row_legacy(row, x, xsum, k, L_Q5_1, sizeof(block_q5_1), 1);
+    case IX_Q8_0: return row_legacy(row, x, xsum, k, L_Q8_0, sizeof(block_q8_0), 0);
+    case IX_Q4_K: return row_k4(row, x, xsum, k, 0);
+    case IX_Q5_K: return row_k4(row, x, xsum, k, 1);
+    default: return row_q6_K((const block_q6_K *)row, x, k);
+    }
+}
+
+/* Up to 8 rows, each kept as 8 partial sums, reduced together at the end. */
+AVX2_INLINE void dot_tile(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias, const int ix) {
+    __m256 acc[8];
+    for (size_t j = 0; j < 8; j++)
+        acc[j] = j < rows ? row_dot((const uint8_t *)w + j * row_bytes, x, xsum, k, ix) : _mm256_setzero_ps();
+    store_row(y, reduce8(acc), bias, rows);
+}
+
+static AVX2 void dot_f32(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                         float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F32);
+}
+
+static AVX2 void dot_f16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                         float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F16);
+}
+
+static AVX2 void dot_bf16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_BF16);
+}
+
+static AVX2 void dot_q4_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_0);
+}
+
+static AVX2 void dot_q4_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_1);
+}
+
+static AVX2 void dot_q5_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_0);
+}
+
+static AVX2 void dot_q5_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_1);
+}
+
+static AVX2 void dot_q8_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q8_0);
+}
+
+static AVX2 void dot_q4_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_K);
+}
+
+static AVX2 void dot_q5_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_K);
+}
+
+static AVX2 void dot_q6_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
+                          float *y, const float *bias) {
+    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q6_K);
+}
+
+/* ---- M > 1: a decoded tile of 8 rows of W . rows of X ------------------------------------ */
+
+/* acc[r * nr + j] += w[j] . x[r] lane-wise, for nr rows of w and mr rows of x (nr * mr = 8);
+ * nr and mr are constants at each call site, so the loops unroll into registers. */
+AVX2_INLINE void tile_block(const float *w, size_t k, const float *x, size_t ldx, const int nr, const int mr,
+                            __m256 acc[8]) {
+    for (int a = 0; a < 8; a++) acc[a] = _mm256_setzero_ps();
+    size_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 xv[2];
+        for (int r = 0; r < mr; r++) xv[r] = _mm256_loadu_ps(x + (size_t)r * ldx + i);
+        for (int j = 0; j < nr; j++) {
+            const __m256 wv = _mm256_loadu_ps(w + (size_t)j * k + i);
+            for (int r = 0; r < mr; r++) acc[r * nr + j] = _mm256_fmadd_ps(wv, xv[r], acc[r * nr + j]);
+        }
+    }
+    if (i < k) { /* f16/bf16/f32 rows of any length */
+        const __m256i t = tail_mask(k - i);
+        __m256 xv[2];
+        for (int r = 0; r < mr; r++) xv[r] = _mm256_maskload_ps(x + (size_t)r * ldx + i, t);
+        for (int j = 0; j < nr; j++) {
+            const __m256 wv = _mm256_maskload_ps(w + (size_t)j * k + i, t);
+            for (int r = 0; r < mr; r++) acc[r * nr + j] = _mm256_fmadd_ps(wv, xv[r], acc[r * nr + j]);
+        }
+    }
+}
+
+/* Two rows of x at a time against 4 + 4 rows of w; one row of x against all 8 for an odd
+ * last row. */
+static AVX2 void tile(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
+                      size_t ldy, const float *bias) {
+    __m256 acc[8];
+    size_t r = 0;
+    for (; r + 2 <= m; r += 2) {
+        for (size_t j0 = 0; j0 < rows; j0 += 4) {
+            tile_block(w + j0 * k, k, x + r * ldx, ldx, 4, 2, acc);
+            const __m256 s = reduce8(acc); /* [row r: w j0..j0+3 | row r+1: w j0..j0+3] */
+            const size_t n = rows - j0 < 4 ? rows - j0 : 4;
+            const __m128i keep = _mm256_castsi256_si128(tail_mask(n));
+            __m128 lo = _mm256_castps256_ps128(s), hi = _mm256_extractf128_ps(s, 1);
+            if (bias) {
+                const __m128 b = _mm_maskload_ps(bias + j0, keep);
+                lo = _mm_add_ps(lo, b);
+                hi = _mm_add_ps(hi, b);
+            }
+            _mm_maskstore_ps(y + r * ldy + j0, keep, lo);
+            _mm_maskstore_ps(y + (r + 1) * ldy + j0, keep, hi);
+        }
+    }
+    if (r < m) {
+        tile_block(w, k, x + r * ldx, ldx, 8, 1, acc);
+        store_row(y + r * ldy, reduce8(acc), bias, rows);
+    }
+}
+
+static const lq_kernels KERNELS = {
+    .name = "avx2",
+    .decode = {
+        [IX_F32] = lq_decode_f32, [IX_F16] = decode_f16, [IX_BF16] = decode_bf16,
+        [IX_Q4_0] = decode_q4_0, [IX_Q4_1] = decode_q4_1, [IX_Q5_0] = decode_q5_0,
+        [IX_Q5_1] = decode_q5_1, [IX_Q8_0] = decode_q8_0, [IX_Q4_K] = decode_q4_K,
+        [IX_Q5_K] = decode_q5_K, [IX_Q6_K] = decode_q6_K,
+    },
+    .dot = {
+        [IX_F32] = dot_f32, [IX_F16] = dot_f16, [IX_BF16] = dot_bf16,
+        [IX_Q4_0] = dot_q4_0, [IX_Q4_1] = dot_q4_1, [IX_Q5_0] = dot_q5_0,
+        [IX_Q5_1] = dot_q5_1, [IX_Q8_0] = dot_q8_0, [IX_Q4_K] = dot_q4_K,
+        [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
+    },
+    .tile = tile,
+    .tile_rows = TILE,
+};
+
+const lq_kernels *lq_kernels_avx2(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return &KERNELS;
+    return NULL;
+}
+
+#else /* not x86 */
+const lq_kernels *lq_kernels_avx2(void) { return NULL; }
+#endif

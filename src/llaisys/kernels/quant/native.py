@@ -1,0 +1,268 @@
+"""NumPy front end of the native quantized kernels (``csrc/kernels``, loaded with ctypes).
+
+``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
+float32 (the weights are never widened in memory, the activations never quantized). Few rows
+(decoding, small batches) run in the native kernels, which read every weight byte once; many
+rows (prefill) dequantize W a tile of rows at a time with the native decoder and multiply with
+NumPy's BLAS. The SIMD level is chosen by CPU at first use (``LLAISYS_SIMD=scalar|avx2|avx512``
+forces one); the thread pool is the library's own (``set_threads``).
+
+A weight used many times is best wrapped once with ``prepare`` (its checks run once; a call then
+costs a few microseconds of Python).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+
+from ... import _native
+from .formats import QuantFormat, get_format
+
+SIMD_LEVELS = ("scalar", "avx2", "avx512")
+
+# From this many rows of X up, dequantize + BLAS beats the native kernels: the native cost
+# grows linearly with M at a fixed FMA rate, BLAS gets more efficient with M. Measured with
+# ``benchmarks/quant_linear.py --crossover`` (SmolLM2-135M shapes, 1 thread): about equal at
+# M = 96..128, BLAS 1.1-1.6x faster at M = 512, the native kernel 2-3.5x faster at M = 16.
+BLAS_MIN_ROWS = 128
+# Float32 bytes of weight dequantized per BLAS call on the BLAS path.
+_TILE_BYTES = 4 << 20
+
+log = logging.getLogger(__name__)
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+_scratch = threading.local()
+
+
+def _library() -> ctypes.CDLL:
+    """The native library with its signatures declared (loaded once)."""
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                lib = _native.require("kernels")
+                ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                signatures = {
+                    "llaisys_quant_dequantize": [cint, ptr, i64, i64, ptr],
+                    "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr],
+                    "llaisys_quant_set_threads": [cint],
+                    "llaisys_quant_threads": [],
+                    "llaisys_quant_simd_available": [],
+                    "llaisys_quant_set_simd_level": [ctypes.c_char_p],
+                    "llaisys_quant_block_size": [cint],
+                    "llaisys_quant_block_bytes": [cint],
+                }
+                for name, args in signatures.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = args, cint
+                lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
+                wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
+                if wanted and wanted != level:
+                    mask = lib.llaisys_quant_simd_available()
+                    runs = ", ".join(name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1)
+                    log.warning("LLAISYS_SIMD=%s ignored: this CPU runs %s; using %s", wanted, runs, level)
+                _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native library was built (a C compiler was present at install)."""
+    return _native.load("kernels") is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:  # the arguments were validated here, so this is a bug, not bad input
+        raise RuntimeError(f"llaisys_quant_{what} failed with status {status}")
+
+
+def _weight_bytes(raw: np.ndarray, fmt: QuantFormat) -> tuple[np.ndarray, int]:
+    """Validated weight bytes (N, row_bytes) uint8 and K."""
+    if not isinstance(raw, np.ndarray):
+        raise ValueError(f"raw weights must be a NumPy array, got {type(raw).__name__}")
+    if raw.ndim != 2:
+        raise ValueError(f"raw weights must be 2-D (N, row_bytes), got shape {raw.shape}")
+    if raw.dtype != np.uint8:
+        # F32/F16/BF16 weights may come as their own dtype, (N, K)
+        if fmt.block_size != 1 or raw.dtype.itemsize != fmt.block_bytes:
+            raise ValueError(f"raw {fmt.name} weights must be uint8 (N, row_bytes), got dtype {raw.dtype}")
+        if not raw.flags.c_contiguous:
+            raise ValueError(f"{fmt.name} weights must be C-contiguous, got strides {raw.strides}")
+        raw = raw.view(np.uint8)
+    if not raw.flags.c_contiguous:
+        raise ValueError(f"raw weights must be C-contiguous (N, row_bytes), got strides {raw.strides}")
+    if raw.ctypes.data % 2:
+        raise ValueError("raw weights must start at an even address (blocks hold 16-bit scales)")
+    return raw, fmt.row_elements(raw.shape[1])
+
+
+def _require_f32(a: object, name: str) -> None:
+    if type(a) is not np.ndarray or a.dtype != np.float32:
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{name} must be a float32 NumPy array, got {got}")
+
+
+def _rows_contiguous(a: np.ndarray, name: str) -> None:
+    """a (rows, cols) float32 must have contiguous rows that do not overlap."""
+    rows, cols = a.shape
+    if a.strides[1] != 4 or a.strides[0] % 4 or (rows > 1 and a.strides[0] < 4 * cols):
+        raise ValueError(f"{name} rows must be contiguous, non-overlapping float32, got strides {a.strides} "
+                         f"for shape {a.shape}")
+
+
+class QuantWeight:
+    """A weight matrix W (N, K) in a GGUF format, checked once, for repeated ``linear`` calls.
+
+    ``raw``: uint8 (N, row_bytes), C-contiguous (F32/F16/BF16 weights may also be (N, K) of
+    their own dtype). The array is referenced, not copied: keep it unchanged while in use.
+    """
+
+    __slots__ = ("fmt", "raw", "n", "k", "_ptr")
+
+    def __init__(self, qtype: int | str | QuantFormat, raw: np.ndarray):
+        self.fmt = get_format(qtype)
+        self.raw, self.k = _weight_bytes(raw, self.fmt)  # (N, row_bytes) uint8, K
+        self.n = self.raw.shape[0]
+        self._ptr = self.raw.ctypes.data
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.fmt.name}, N={self.n}, K={self.k})"
+
+    def dequantize(self, out: np.ndarray | None = None) -> np.ndarray:
+        """W as float32 (N, K), bit-exact with ``reference.dequantize``; into ``out`` (N, K)
+        float32 C-contiguous if given."""
+        if out is None:
+            out = np.empty((self.n, self.k), np.float32)
+        else:
+            _require_f32(out, "out")
+            if out.shape != (self.n, self.k) or not out.flags.c_contiguous:
+                raise ValueError(f"out must be C-contiguous of shape {(self.n, self.k)}, got shape {out.shape}")
+        if self.n:
+            status = _library().llaisys_quant_dequantize(self.fmt.type_id, self._ptr, self.n, self.k, out.ctypes.data)
+            _check(status, "dequantize")
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (integers in [0, N), any shape S) of W as float32 (*S, K): an embedding
+        lookup. Bit-exact with ``reference.dequantize``."""
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"row ids must be integers, got dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n):
+            raise ValueError(f"row ids must lie in [0, {self.n}), got {ids.min()} .. {ids.max()}")
+        picked = QuantWeight(self.fmt, self.raw[ids.reshape(-1)])  # (ids.size, row_bytes), a copy
+        return picked.dequantize().reshape(*ids.shape, self.k)
+
+    def linear(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Y (M, N) = x (M, K) @ W^T + bias (N,), float32.
+
+        x: float32 (M, K) with contiguous rows (any row stride). bias: float32 (N,) or None.
+        out: float32 (M, N) with contiguous rows, not overlapping x; a new array if None.
+        Returns out.
+        """
+        _require_f32(x, "x")
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x must be 2-D (M, K={self.k}) for {self!r}, got shape {x.shape}")
+        _rows_contiguous(x, "x")
+        m, n = x.shape[0], self.n
+        if bias is not None:
+            _require_f32(bias, "bias")
+            if bias.shape != (n,) or bias.strides != (4,):
+                raise ValueError(f"bias must be contiguous of shape {(n,)}, got shape {bias.shape}")
+        if out is None:
+            out = np.empty((m, n), np.float32)
+        else:
+            _require_f32(out, "out")
+            if out.shape != (m, n):
+                raise ValueError(f"out must have shape {(m, n)}, got {out.shape}")
+            _rows_contiguous(out, "out")
+            if np.may_share_memory(out, x):
+                raise ValueError("out must not overlap x")
+        if m == 0 or n == 0:
+            return out
+        if m >= BLAS_MIN_ROWS:
+            self._linear_blas(x, out)
+            if bias is not None:
+                out += bias
+            return out
+        status = _library().llaisys_quant_linear(
+            self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
+            out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
+        _check(status, "linear")
+        return out
+
+    def _linear_blas(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out (M, N) = x (M, K) @ W^T, W dequantized a tile of rows at a time."""
+        rows = max(1, _TILE_BYTES // (4 * self.k))
+        buf = _tile_buffer(min(rows, self.n), self.k)
+        for start in range(0, self.n, rows):
+            stop = min(self.n, start + rows)
+            tile = QuantWeight(self.fmt, self.raw[start:stop]).dequantize(out=buf[: stop - start])  # (rows, K)
+            np.matmul(x, tile.T, out=out[:, start:stop])
+
+
+def _tile_buffer(rows: int, k: int) -> np.ndarray:
+    """A per-thread float32 buffer of at least ``rows * k`` elements, viewed as (rows, K)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < rows * k:
+        buf = _scratch.buf = np.empty(rows * k, np.float32)
+    return buf[: rows * k].reshape(rows, k)
+
+
+def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
+    """Check weight bytes raw (N, row_bytes) uint8 in format ``qtype`` once, for repeated use."""
+    return QuantWeight(qtype, raw)
+
+
+def dequantize(qtype: int | str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Weights (N, row_bytes) uint8 in format ``qtype`` -> float32 (N, K), bit-exact with
+    ``reference.dequantize``; ``out`` (N, K) float32 C-contiguous receives it if given."""
+    return QuantWeight(qtype, raw).dequantize(out)
+
+
+def linear(x: np.ndarray, qtype: int | str, raw: np.ndarray, bias: np.ndarray | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Y (M, N) = x (M, K) @ W (N, K)^T + bias (N,), all float32, W given as its encoded bytes.
+
+    x: float32 (M, K), rows contiguous (any row stride). raw: uint8 (N, row_bytes) in format
+    ``qtype`` (a GGML type id or name; F32/F16/BF16 weights may also be (N, K) arrays of their
+    own dtype). bias: float32 (N,) or None. out: float32 (M, N) with contiguous rows, not
+    overlapping x; a new array if None. Returns out. Repeated calls on one weight: ``prepare``.
+    """
+    return QuantWeight(qtype, raw).linear(x, bias, out)
+
+
+def set_threads(n: int) -> int:
+    """Size the native thread pool to ``n`` threads (the caller counts as one; 0 means one per
+    available CPU). Returns the number of threads it now has."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"thread count must be a non-negative int, got {n!r}")
+    return _library().llaisys_quant_set_threads(n)
+
+
+def threads() -> int:
+    """Threads in the native pool."""
+    return _library().llaisys_quant_threads()
+
+
+def simd_level() -> str:
+    """The SIMD level the kernels use now: "scalar", "avx2" or "avx512"."""
+    return _library().llaisys_quant_simd_level().decode()
+
+
+def available_simd_levels() -> tuple[str, ...]:
+    """The SIMD levels this CPU runs, lowest first ("scalar" always)."""
+    mask = _library().llaisys_quant_simd_available()
+    return tuple(name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1)
+
+
+def set_simd_level(name: str) -> None:
+    """Use SIMD level ``name`` from now on (for tests and comparisons); ValueError if this CPU
+    lacks it. The level at start is the best available, or the one ``LLAISYS_SIMD`` names."""
+    if name not in available_simd_levels():
+        raise ValueError(f"SIMD level {name!r} is not available here; available: {', '.join(available_simd_levels())}")
+    _check(_library().llaisys_quant_set_simd_level(name.encode()), "set_simd_level")
