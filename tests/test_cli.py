@@ -205,9 +205,16 @@ def test_default_threads_leave_busy_cpus_alone(monkeypatch) -> None:
 def test_thread_variables_are_respected(monkeypatch) -> None:
     from llaisys.cli import main
 
+    from llaisys.kernels.quant import native
+
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
     monkeypatch.setattr(main, "default_threads", lambda: pytest.fail("the environment's choice was ignored"))
-    assert main.apply_threads(None) == 3
+    before = native.threads()
+    try:
+        assert main.apply_threads(None) == 3
+        assert native.threads() == 3  # the quantized kernels' pool follows the same choice
+    finally:
+        native.set_threads(before)
 
 
 @pytest.fixture(scope="module")

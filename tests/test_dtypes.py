@@ -28,11 +28,28 @@ TORCH = {
     DataType.C128: torch.complex128, DataType.BF16: torch.bfloat16,
 }
 
-NUMPY_TYPES = [t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32)]
+NUMPY_TYPES = [t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32) and not t.is_quantized]
 
 
 def test_numbering_matches_header():
-    assert {t.name: int(t) for t in DataType} == HEADER_DTYPES
+    assert {t.name: int(t) for t in DataType if not t.is_quantized} == HEADER_DTYPES
+
+
+def test_block_formats_are_numbered_after_their_ggml_type():
+    import gguf
+
+    quantized = [t for t in DataType if t.is_quantized]
+    assert [t.name for t in quantized] == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+    for t in quantized:
+        ggml = gguf.GGMLQuantizationType[t.name]
+        assert int(t) == 100 + int(ggml) == 100 + t.ggml_type
+        assert (t.block_size, t.block_bytes) == gguf.GGML_QUANT_SIZES[ggml]
+    assert (DataType.F32.block_size, DataType.F32.block_bytes, DataType.F32.is_quantized) == (1, 4, False)
+    assert DataType.Q4_1.nbytes_of(64) == 40 and DataType.F16.nbytes_of(3) == 6
+    with pytest.raises(ValueError, match="not whole blocks of 32"):
+        DataType.Q4_1.nbytes_of(48)
+    with pytest.raises(TypeError, match="Q4_1 stores 32 elements in 20 bytes"):
+        DataType.Q4_1.itemsize
 
 
 @pytest.mark.parametrize("dt", list(TORCH), ids=lambda t: t.name)

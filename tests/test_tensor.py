@@ -12,7 +12,7 @@ from llaisys import DataType, Tensor
 from llaisys.tensor import FrozenTensorError
 from llaisys.runtime import get_runtime
 
-NUMPY_TYPES = [t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32)]
+NUMPY_TYPES = [t for t in DataType if t not in (DataType.INVALID, DataType.C16, DataType.C32) and not t.is_quantized]
 
 
 def arange(shape, dtype=np.float32) -> tuple[Tensor, np.ndarray]:

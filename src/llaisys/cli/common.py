@@ -50,7 +50,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plugin", action="append", default=[], metavar="PATH",
                         help="load this device plugin library before the model; may be repeated")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help="threads for the BLAS and OpenMP pools (default: the CPUs not busy with other work)")
+                        help="threads for the BLAS, OpenMP and quantized-kernel pools (default: the CPUs not busy with "
+                             "other work)")
     add_verbose(parser)
 
 

@@ -82,24 +82,37 @@ def default_threads() -> int:
 
 
 def apply_threads(threads: int | None) -> int | None:
-    """Size the BLAS and OpenMP pools: ``threads``, or ``default_threads()`` unless a thread
-    variable (OMP_NUM_THREADS, ...) is set. Returns the pools' size (None if unknown).
+    """Size the BLAS and OpenMP pools and the quantized kernels' own pool: ``threads``, or
+    ``default_threads()`` unless a thread variable (OMP_NUM_THREADS, ...) is set. Returns the
+    pools' size (None if unknown).
 
-    The pools read their size when numpy loads, which importing llaisys has done by now, so
-    threadpoolctl resizes them in place; the variables are set too, for child processes.
+    The BLAS pools read their size when numpy loads, which importing llaisys has done by now,
+    so threadpoolctl resizes them in place; the variables are set too, for child processes.
     """
     if threads is None:
         preset = next((os.environ[var] for var in THREAD_VARS if os.environ.get(var)), None)
-        if preset is not None:  # the user's own choice, which the pools have read already
-            return int(preset) if preset.isdigit() else None
+        if preset is not None:  # the user's own choice, which the BLAS pools have read already
+            threads = int(preset) if preset.isdigit() and int(preset) > 0 else None
+            if threads is not None:
+                _size_native_pool(threads)
+            return threads
         threads = default_threads()
     for var in THREAD_VARS:
         os.environ[var] = str(threads)
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)
+    _size_native_pool(threads)
     logger.info("threads: %d", threads)
     return threads
+
+
+def _size_native_pool(threads: int) -> None:
+    """Give the native quantized kernels ``threads`` threads (when the library was built)."""
+    from ..kernels.quant import native
+
+    if native.available():
+        native.set_threads(threads)
 
 
 def _setup_logging(verbose: int) -> None:

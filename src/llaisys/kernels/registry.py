@@ -1,12 +1,17 @@
-"""The kernel registry: kernels keyed by (op name, backend, layout, dtype).
+"""The kernel registry: kernels keyed by (op name, backend, layout, dtype, weight dtype).
 
 ``register_kernel`` is the Python analogue of ``PD_REGISTER_PLUGIN_KERNEL``. A kernel has the
 uniform signature ``kernel(outputs, inputs, attrs)``: tuples of Tensors (outputs first, as
 the ops API orders them) and a dict of scalar attributes. Kernels trust their arguments; the
 public ops check them.
 
+``dtype`` is the type of the op's activations (its output). ``weight dtype`` is that of its
+weight input for the ops that take one in another type (linear, embedding: a block-quantized
+weight, or an F16/BF16 weight with F32 activations); it equals ``dtype`` otherwise, and a
+kernel registered without ``weight_dtypes`` (every plugin kernel) serves only that case.
+
 Dispatch refuses frozen outputs (FrozenTensorError), then looks up (name, device type,
-layout, dtype), then the same key with ``Layout.ANY``. On a device with no such kernel the CPU
+layout, dtype, weight dtype), then the same key with ``Layout.ANY``. On a device with no such kernel the CPU
 kernel runs on host copies (inputs copied to the host, outputs copied back), logged once per
 op; a frozen input (a weight) is copied once and its host copy kept with its storage, so each
 call copies activations only. Set ``LLAISYS_KERNEL_FALLBACK=0`` to make the fallback an error.
@@ -43,7 +48,7 @@ class Layout(enum.IntEnum):
     STRIDED = 5
 
 
-KernelKey = tuple  # (name, backend name, Layout, DataType)
+KernelKey = tuple  # (name, backend name, Layout, DataType, weight DataType)
 
 _lock = threading.Lock()
 _kernels: dict[KernelKey, Kernel] = {}
@@ -61,8 +66,10 @@ def register_kernel(
     dtypes: Iterable[DataType] = (),
     kernel: Kernel | None = None,
     replace: bool = False,
+    weight_dtypes: Iterable[DataType] | None = None,
 ):
-    """Register ``kernel`` for op ``name`` on ``backend`` for each of ``dtypes``.
+    """Register ``kernel`` for op ``name`` on ``backend`` for each of ``dtypes`` (the
+    activations' type) with each of ``weight_dtypes`` (the weight's; None: the same type).
 
     Usable as a decorator when ``kernel`` is omitted. Registering a key twice raises
     ValueError unless ``replace`` is true.
@@ -70,12 +77,14 @@ def register_kernel(
     dtypes = tuple(DataType(d) for d in dtypes)
     if not dtypes:
         raise ValueError(f"register_kernel({name!r}): give at least one dtype")
+    weights = None if weight_dtypes is None else tuple(DataType(d) for d in weight_dtypes)
+    pairs = [(dt, dt) for dt in dtypes] if weights is None else [(dt, wt) for dt in dtypes for wt in weights]
     backend_name = _backend_name(backend)
 
     def add(fn: Kernel) -> Kernel:
         with _lock:
-            for dt in dtypes:
-                key = (name, backend_name, Layout(layout), dt)
+            for dt, wt in pairs:
+                key = (name, backend_name, Layout(layout), dt, wt)
                 if key in _kernels and not replace:
                     raise ValueError(f"kernel {_fmt(key)} is already registered")
                 _kernels[key] = fn
@@ -98,14 +107,17 @@ def registered_kernels(name: str | None = None) -> list[KernelKey]:
     """The registered keys, optionally only those of op ``name``."""
     with _lock:
         keys = [k for k in _kernels if name is None or k[0] == name]
-    return sorted(keys, key=lambda k: (k[0], k[1], int(k[2]), int(k[3])))
+    return sorted(keys, key=lambda k: (k[0], k[1], int(k[2]), int(k[3]), int(k[4])))
 
 
-def find_kernel(name: str, backend: str, dtype: DataType, layout: Layout = Layout.ANY) -> Kernel | None:
-    """The kernel for the key, trying ``Layout.ANY`` after ``layout``; None when absent."""
-    fn = _kernels.get((name, backend, layout, dtype))
+def find_kernel(name: str, backend: str, dtype: DataType, layout: Layout = Layout.ANY,
+                weight_dtype: DataType | None = None) -> Kernel | None:
+    """The kernel for the key (``weight_dtype`` None: ``dtype``), trying ``Layout.ANY`` after
+    ``layout``; None when absent."""
+    wt = dtype if weight_dtype is None else weight_dtype
+    fn = _kernels.get((name, backend, layout, dtype, wt))
     if fn is None and layout is not Layout.ANY:
-        fn = _kernels.get((name, backend, Layout.ANY, dtype))
+        fn = _kernels.get((name, backend, Layout.ANY, dtype, wt))
     return fn
 
 
@@ -114,30 +126,32 @@ def fallback_enabled() -> bool:
     return os.environ.get("LLAISYS_KERNEL_FALLBACK", "1").lower() not in ("0", "false", "no", "off")
 
 
-def dispatch(name: str, dtype: DataType, outputs: Sequence["Tensor"], inputs: Sequence["Tensor | None"], attrs: dict[str, Any]) -> None:
-    """Run op ``name`` on the device of ``outputs[0]``. Raises FrozenTensorError when an
-    output is frozen, KernelNotFoundError when no kernel (nor the CPU fallback) serves it."""
+def dispatch(name: str, dtype: DataType, outputs: Sequence["Tensor"], inputs: Sequence["Tensor | None"],
+             attrs: dict[str, Any], weight_dtype: DataType | None = None) -> None:
+    """Run op ``name`` on the device of ``outputs[0]``, for activations of ``dtype`` and a
+    weight of ``weight_dtype`` (None: ``dtype``). Raises FrozenTensorError when an output is
+    frozen, KernelNotFoundError when no kernel (nor the CPU fallback) serves it."""
     for out in outputs:
         if out.storage.frozen:
             out.check_writable(f"op {name}")
     device = outputs[0].device
-    fn = _kernels.get((name, device.type.name, Layout.ANY, dtype))
+    wt = dtype if weight_dtype is None else weight_dtype
+    fn = _kernels.get((name, device.type.name, Layout.ANY, dtype, wt))
     if fn is not None:
         fn(outputs, inputs, attrs)
         return
+    key = (name, device.type.name, Layout.ANY, dtype, wt)
     if not device.is_cpu:
-        cpu_fn = _kernels.get((name, "cpu", Layout.ANY, dtype))
+        cpu_fn = _kernels.get((name, "cpu", Layout.ANY, dtype, wt))
         if cpu_fn is not None and fallback_enabled():
             _run_on_host(cpu_fn, name, device, outputs, inputs, attrs)
             return
         if cpu_fn is not None:
             raise KernelNotFoundError(
-                f"no kernel {_fmt((name, device.type.name, Layout.ANY, dtype))} and CPU fallback is "
+                f"no kernel {_fmt(key)} and CPU fallback is "
                 f"off (LLAISYS_KERNEL_FALLBACK=0); registered for {name!r}: {_listing(name)}"
             )
-    raise KernelNotFoundError(
-        f"no kernel {_fmt((name, device.type.name, Layout.ANY, dtype))}; registered for {name!r}: {_listing(name)}"
-    )
+    raise KernelNotFoundError(f"no kernel {_fmt(key)}; registered for {name!r}: {_listing(name)}")
 
 
 def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:
@@ -158,8 +172,9 @@ def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:
 
 
 def _fmt(key: KernelKey) -> str:
-    name, backend, layout, dtype = key
-    return f"({name}, {backend}, {Layout(layout).name}, {DataType(dtype).name})"
+    name, backend, layout, dtype, weight = key
+    mixed = "" if weight == dtype else f", weight {DataType(weight).name}"
+    return f"({name}, {backend}, {Layout(layout).name}, {DataType(dtype).name}{mixed})"
 
 
 def _listing(name: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Sequence
 
 import numpy as np
@@ -217,6 +217,31 @@ class CausalLM:
                         if t is not None]
         return sum(t.numel() for t in tensors)
 
+    def weight_types(self) -> dict[str, str]:
+        """The data type each weight is held in, by role: ``{"embed": "Q8_0", "qkv": "Q4_1", ...}``;
+        a role whose layers differ lists the counts (``"Q4_K x20, Q6_K x10"``)."""
+        p = self.params
+        roles: dict[str, list[Tensor]] = {"embed": [p.embed], "lm_head": [p.lm_head]}
+        for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias"):
+            tensors = [getattr(lp, name) for lp in p.layers if getattr(lp, name) is not None]
+            if tensors:
+                roles[name] = tensors
+        roles["norms"] = [p.norm] + [t for lp in p.layers for t in (lp.attn_norm, lp.ffn_norm)]
+        out = {}
+        for role, tensors in roles.items():
+            counts = Counter(t.dtype.name for t in tensors)
+            out[role] = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        if p.lm_head is p.embed:
+            out["lm_head"] = "embed (tied)"
+        return out
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on the device (a tied head counted once)."""
+        p = self.params
+        tensors = [p.embed, p.lm_head, p.norm] + [t for lp in p.layers for t in (
+            lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down) if t is not None]
+        return sum({id(t.storage): t.storage.nbytes for t in tensors}.values())
+
     def info(self) -> dict:
         """Architecture, size and type facts for display (``llaisys info``)."""
         c = self.config
@@ -236,6 +261,8 @@ class CausalLM:
             "tie_word_embeddings": c.tie_word_embeddings,
             "attention_bias": c.attention_bias,
             "dtype": self.dtype.name.lower(),
+            "weights": self.weight_types(),
+            "weight_bytes": self.weight_bytes(),
             "device": str(self.device),
             "eos_token_ids": list(self.eos_token_ids),
             "has_chat_template": bool(self.tokenizer.chat_template),

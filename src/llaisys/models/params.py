@@ -1,5 +1,9 @@
 """Weights as llaisys tensors on the model's device, fused where that saves ops per token:
-q/k/v stacked into one projection, gate/up into another."""
+q/k/v stacked into one projection, gate/up into another.
+
+A matrix stored in a block format llaisys computes on (Q4_0 ... Q6_K; ``WeightSource.read_raw_rows``)
+stays as stored, a tensor of that DataType; the rest is converted to the model's dtype. A
+fused matrix stays quantized when its parts share a format, else it is converted whole."""
 from __future__ import annotations
 
 import sys
@@ -64,6 +68,12 @@ class Progress:
 
 
 BLOCK_BYTES = 1 << 20  # float32 bytes decoded at a time: temporaries stay small and in cache
+RAW_BLOCK_BYTES = 16 << 20  # stored bytes copied at a time for a matrix kept quantized
+
+
+def kept_dtype(src: WeightSource) -> DataType | None:
+    """The block-format DataType a weight stays in, or None when it is converted."""
+    return DataType[src.kind] if src.read_raw_rows is not None else None
 
 
 class _Builder:
@@ -92,9 +102,21 @@ class _Builder:
                 (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(part)
         self.progress.step()
 
+    def _fill_raw(self, dst: Tensor, name: str) -> None:
+        """Copy weight ``name``'s raw blocks into ``dst`` (its shape, its block format)."""
+        src = self.weights[name]
+        rows, row_bytes = dst.raw_shape
+        step = max(src.row_multiple, RAW_BLOCK_BYTES // row_bytes // src.row_multiple * src.row_multiple)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(src.read_raw_rows(start, stop))
+        self.progress.step()
+
     def one(self, name: str) -> Tensor:
-        out = Tensor.empty(self.weights[name].shape, self.dtype, self.device)
-        self._fill(out, name)
+        src = self.weights[name]
+        kept = kept_dtype(src)
+        out = Tensor.empty(src.shape, self.dtype if kept is None else kept, self.device)
+        (self._fill if kept is None else self._fill_raw)(out, name)
         return out.freeze()
 
     def maybe(self, name: str) -> Tensor | None:
@@ -104,10 +126,12 @@ class _Builder:
         """The named tensors stacked along dim 0, each read straight into its rows."""
         shapes = [self.weights[n].shape for n in names]
         rows = sum(s[0] for s in shapes)
-        out = Tensor.empty((rows, *shapes[0][1:]), self.dtype, self.device)
+        kept = {kept_dtype(self.weights[n]) for n in names}
+        dtype = kept.pop() if len(kept) == 1 and None not in kept else None
+        out = Tensor.empty((rows, *shapes[0][1:]), self.dtype if dtype is None else dtype, self.device)
         start = 0
         for name, shape in zip(names, shapes):
-            self._fill(out.slice(0, start, start + shape[0]), name)
+            (self._fill if dtype is None else self._fill_raw)(out.slice(0, start, start + shape[0]), name)
             start += shape[0]
         return out.freeze()
 

@@ -119,7 +119,10 @@ class WeightSource:
     kind: str  # the stored type: "F32", "BF16", "Q4_1", ...
     read: Callable[[], np.ndarray]  # the values as a float array of ``shape``
     read_rows: Callable[[int, int], np.ndarray] | None = None  # rows [start, stop) only
-    row_multiple: int = 1  # read_rows needs start and stop to be multiples of this
+    row_multiple: int = 1  # read_rows (and read_raw_rows) need start and stop to be multiples of this
+    # A block-quantized matrix kept as stored: rows [start, stop) as their raw blocks, uint8
+    # (stop - start, row_bytes), with the same row fix as read_rows. None: always dequantized.
+    read_raw_rows: Callable[[int, int], np.ndarray] | None = None
 
 
 def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -14,6 +14,8 @@ from ..tensor import Tensor
 
 FLOAT_TYPES = frozenset((DataType.F16, DataType.F32, DataType.BF16))
 INDEX_TYPES = frozenset((DataType.I64,))
+QUANTIZED_TYPES = frozenset(t for t in DataType if t.is_quantized)
+MIXED_WEIGHT_TYPES = frozenset((DataType.F16, DataType.BF16))  # weights an F32 linear may take as stored
 
 
 def tensors_match(op: str, names: Sequence[str], tensors: Sequence["Tensor | None"], dtypes: int | None = None) -> None:
@@ -80,3 +82,15 @@ def number(op: str, name: str, value: object, condition: str = "") -> float:
     if (condition == "> 0" and not value > 0) or (condition == ">= 0" and not value >= 0):
         raise ValueError(f"{op}: {name} must be {condition}, got {value}")
     return value
+
+
+def weight_type_fits(op: str, name: str, act: Tensor, weight: Tensor, mixed: bool = False) -> None:
+    """Check ``weight``'s type against the activations ``act`` (named ``name``): the same type,
+    a block-quantized type, or (``mixed``) F16/BF16 with F32 activations."""
+    wt = weight.dtype
+    if wt is act.dtype or wt in QUANTIZED_TYPES or (mixed and wt in MIXED_WEIGHT_TYPES and act.dtype is DataType.F32):
+        return
+    also = ", or F16/BF16 with F32 activations" if mixed else ""
+    raise TypeError(f"{op}: {name} has data type {act.dtype.name} but weight has {wt.name}; expected the weight "
+                    f"in {act.dtype.name}, in a block-quantized type ({', '.join(sorted(t.name for t in QUANTIZED_TYPES))})"
+                    f"{also}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..kernels import dispatch
 from ..tensor import Tensor
-from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match
+from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match, weight_type_fits
 
 
 def add(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -40,24 +40,33 @@ def argmax(max_idx: Tensor, max_val: Tensor, vals: Tensor) -> tuple[Tensor, Tens
 def embedding(out: Tensor, index: Tensor, weight: Tensor) -> Tensor:
     """out[i] = weight[index[i]]: index (S,) I64, weight (V, D), out (S, D). Returns out.
 
-    Raises ValueError when an index is outside [0, V).
+    weight is of out's float type or block-quantized (its rows are dequantized). Raises
+    ValueError when an index is outside [0, V).
     """
-    tensors_match("embedding", ("weight", "out", "index"), (weight, out, index), dtypes=2)
-    dtype_in("embedding", "weight", weight, FLOAT_TYPES)
+    tensors_match("embedding", ("out", "index", "weight"), (out, index, weight), dtypes=1)
+    dtype_in("embedding", "out", out, FLOAT_TYPES)
+    if weight.dtype is not out.dtype:
+        weight_type_fits("embedding", "out", out, weight)
     dtype_in("embedding", "index", index, INDEX_TYPES)
     ndim_is("embedding", "index", index, 1, "(S,) token ids")
     ndim_is("embedding", "weight", weight, 2, "(V, D) table")
     shape_is("embedding", "out", out, (index.shape[0], weight.shape[1]))
     if 0 not in out.shape:
-        dispatch("embedding", weight.dtype, (out,), (index, weight), {})
+        dispatch("embedding", out.dtype, (out,), (index, weight), {}, weight.dtype)
     return out
 
 
 def linear(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """out = inp @ weight^T + bias: inp (..., K), weight (N, K) (not transposed), bias (N,)
-    or None, out (..., N). Returns out."""
-    tensors_match("linear", ("out", "in", "weight", "bias"), (out, inp, weight, bias))
+    or None, out (..., N). Returns out.
+
+    out, inp and bias share one float type; weight has it too, or is block-quantized
+    (computed on the stored blocks, in float32), or is F16/BF16 with F32 activations.
+    """
+    tensors_match("linear", ("out", "in", "bias", "weight"), (out, inp, bias, weight), dtypes=3)
     dtype_in("linear", "out", out, FLOAT_TYPES)
+    if weight.dtype is not out.dtype:
+        weight_type_fits("linear", "out", out, weight, mixed=True)
     ndim_is("linear", "weight", weight, 2, "(N, K) matrix")
     if inp.ndim < 1 or inp.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: in has shape {inp.shape} but weight {weight.shape} expects "
@@ -66,7 +75,7 @@ def linear(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None = None)
     if bias is not None:
         shape_is("linear", "bias", bias, (weight.shape[0],))
     if 0 not in out.shape:
-        dispatch("linear", out.dtype, (out,), (inp, weight, bias), {})
+        dispatch("linear", out.dtype, (out,), (inp, weight, bias), {}, weight.dtype)
     return out
 
 

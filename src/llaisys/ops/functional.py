@@ -27,16 +27,18 @@ def argmax(vals: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def embedding(index: Tensor, weight: Tensor) -> Tensor:
-    """Rows of weight (V, D) at index (S,) I64: (S, D)."""
+    """Rows of weight (V, D) at index (S,) I64: (S, D), of weight's type (F32 for a
+    block-quantized table)."""
     tensors_match("embedding", ("weight", "index"), (weight, index), dtypes=1)
     ndim_is("embedding", "index", index, 1, "(S,) token ids")
     ndim_is("embedding", "weight", weight, 2, "(V, D) table")
-    return core.embedding(_new(weight, (index.shape[0], weight.shape[1])), index, weight)
+    dtype = DataType.F32 if weight.dtype.is_quantized else weight.dtype
+    return core.embedding(_new(weight, (index.shape[0], weight.shape[1]), dtype), index, weight)
 
 
 def linear(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """inp (..., K) @ weight (N, K)^T + bias (N,): (..., N)."""
-    tensors_match("linear", ("in", "weight", "bias"), (inp, weight, bias))
+    tensors_match("linear", ("in", "weight", "bias"), (inp, weight, bias), dtypes=1)
     ndim_is("linear", "weight", weight, 2, "(N, K) matrix")
     return core.linear(_new(inp, inp.shape[:-1] + weight.shape[:1]), inp, weight, bias)
 

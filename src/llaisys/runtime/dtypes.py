@@ -1,4 +1,5 @@
-"""Data types: the public enum (numbering fixed by the runtime's C header), sizes and NumPy mapping."""
+"""Data types: the public enum (numbering fixed by the runtime's C header, plus llaisys's
+block-quantized extensions), sizes and NumPy mapping."""
 from __future__ import annotations
 
 import enum
@@ -7,8 +8,15 @@ import ml_dtypes
 import numpy as np
 
 
+# Block-quantized types are llaisys extensions outside ``llaisysDataType_t`` (0..19): value =
+# GGML_TYPE_BASE + the GGML type id, so the GGUF type of Q4_1 (103) is 3. Plugins never see them.
+GGML_TYPE_BASE = 100
+
+
 class DataType(enum.IntEnum):
-    """Element type of a tensor; values match ``llaisysDataType_t``."""
+    """Element type of a tensor; values 0..19 match ``llaisysDataType_t``. Q4_0 ... Q6_K are
+    GGUF block formats (value ``GGML_TYPE_BASE + GGML type id``): K elements of a row are
+    stored as K / block_size blocks of block_bytes bytes; tensors of them are 2-D weights."""
 
     INVALID = 0
     BYTE = 1
@@ -30,15 +38,59 @@ class DataType(enum.IntEnum):
     C64 = 17
     C128 = 18
     BF16 = 19
+    Q4_0 = GGML_TYPE_BASE + 2
+    Q4_1 = GGML_TYPE_BASE + 3
+    Q5_0 = GGML_TYPE_BASE + 6
+    Q5_1 = GGML_TYPE_BASE + 7
+    Q8_0 = GGML_TYPE_BASE + 8
+    Q4_K = GGML_TYPE_BASE + 12
+    Q5_K = GGML_TYPE_BASE + 13
+    Q6_K = GGML_TYPE_BASE + 14
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element."""
-        return _ITEMSIZE[self]
+        """Bytes per element; TypeError for a block format, whose elements share bytes."""
+        try:
+            return _ITEMSIZE[self]
+        except KeyError:
+            raise TypeError(f"{self.name} stores {self.block_size} elements in {self.block_bytes} bytes: it has no "
+                            "per-element size; use nbytes_of") from None
+
+    @property
+    def is_quantized(self) -> bool:
+        """True for the block formats (Q4_0 ... Q6_K)."""
+        return self in _BLOCKS
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block: 32 or 256 for the block formats, 1 for the others."""
+        return _BLOCKS[self][0] if self in _BLOCKS else 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per block: e.g. 20 for Q4_1; the itemsize for the others."""
+        return _BLOCKS[self][1] if self in _BLOCKS else _ITEMSIZE[self]
+
+    @property
+    def ggml_type(self) -> int:
+        """The GGML type id of a block format (3 for Q4_1); ValueError for the others."""
+        if self not in _BLOCKS:
+            raise ValueError(f"{self.name} is not a GGML block format")
+        return int(self) - GGML_TYPE_BASE
+
+    def nbytes_of(self, n: int) -> int:
+        """Bytes of ``n`` elements; for a block format ``n`` must be whole blocks (ValueError)."""
+        block = _BLOCKS.get(self)
+        if block is None:
+            return n * _ITEMSIZE[self]
+        if n % block[0]:
+            raise ValueError(f"{n} elements of {self.name} are not whole blocks of {block[0]}")
+        return n // block[0] * block[1]
 
     @property
     def numpy(self) -> np.dtype:
-        """The NumPy dtype with the same bytes; raises for types NumPy cannot hold (C16, C32)."""
+        """The NumPy dtype with the same bytes; raises for types NumPy cannot hold (C16, C32 and
+        the block formats, whose raw bytes are uint8)."""
         try:
             return _TO_NUMPY[self]
         except KeyError:
@@ -59,6 +111,13 @@ _ITEMSIZE = {
     DataType.U64: 8, DataType.F8: 1, DataType.F16: 2, DataType.F32: 4, DataType.F64: 8,
     DataType.C16: 2, DataType.C32: 4, DataType.C64: 8, DataType.C128: 16, DataType.BF16: 2,
 }
+
+# Block formats: (elements, bytes) per block, as GGUF stores them.
+_BLOCKS = {
+    DataType.Q4_0: (32, 18), DataType.Q4_1: (32, 20), DataType.Q5_0: (32, 22), DataType.Q5_1: (32, 24),
+    DataType.Q8_0: (32, 34), DataType.Q4_K: (256, 144), DataType.Q5_K: (256, 176), DataType.Q6_K: (256, 210),
+}
+QUANTIZED_TYPES = tuple(_BLOCKS)
 
 _TO_NUMPY = {
     DataType.BYTE: np.dtype(np.uint8), DataType.BOOL: np.dtype(np.bool_),

@@ -4,11 +4,16 @@ Views (``view``, ``permute``, ``slice``) share storage; nothing is copied unless
 (``contiguous``, ``to``, ``numpy``, ``clone``). ``freeze`` makes a tensor's storage read-only
 for good (a model's weights): writes raise FrozenTensorError, and reads off the device may be
 served from a host copy kept with the storage.
+
+A tensor of a block-quantized type (``DataType.Q4_1``, ...) is a weight matrix (N, K): K a
+multiple of the block size, rows stored one after another as GGUF stores them, so its raw
+bytes are uint8 (N, row_bytes). It is always contiguous: row ranges (``slice`` on dim 0) are
+its only views; anything that would split a block or reorder its elements is refused.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -48,7 +53,7 @@ def _as_shape(shape: "Iterable[int] | int", what: str = "shape") -> Shape:
 class Tensor:
     """An n-dimensional array on one device."""
 
-    __slots__ = ("storage", "offset", "shape", "strides", "dtype", "_array", "_host_span")
+    __slots__ = ("storage", "offset", "shape", "strides", "dtype", "_array", "_host_span", "_derived")
 
     def __init__(self, storage: Storage, offset: int, shape: Shape, strides: Shape, dtype: DataType):
         self.storage = storage
@@ -58,6 +63,7 @@ class Tensor:
         self.dtype = dtype
         self._array: np.ndarray | None = None
         self._host_span: Tensor | None = None  # a frozen tensor's view of its host copy
+        self._derived: dict[str, Any] | None = None  # see ``derived``
 
     # ---- creation ----------------------------------------------------------------------
     @staticmethod
@@ -85,8 +91,26 @@ class Tensor:
     def _allocate(runtime: Runtime, shape: Shape, dtype: DataType) -> "Tensor":
         if dtype is DataType.INVALID:
             raise ValueError("cannot create a tensor of data type INVALID")
-        storage = Storage(runtime, math.prod(shape) * dtype.itemsize)
+        if dtype.is_quantized:
+            _check_block_shape(shape, dtype)
+        storage = Storage(runtime, dtype.nbytes_of(math.prod(shape)))
         return Tensor(storage, 0, shape, _contiguous_strides(shape), dtype)
+
+    @staticmethod
+    def from_raw(raw: np.ndarray, dtype: "DataType | str", device: "Device | str | None" = None) -> "Tensor":
+        """A new tensor of block format ``dtype`` (N, K) holding a copy of its raw blocks ``raw``:
+        uint8 (N, row_bytes), row_bytes a multiple of the block's bytes."""
+        dtype = as_dtype(dtype)
+        if not dtype.is_quantized:
+            raise TypeError(f"from_raw builds tensors of the block formats; {dtype.name} is not one (use from_numpy)")
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.ndim != 2:
+            raise ValueError(f"from_raw: raw {dtype.name} blocks must be uint8 (N, row_bytes), got {raw.dtype} {raw.shape}")
+        if raw.shape[1] == 0 or raw.shape[1] % dtype.block_bytes:
+            raise ValueError(f"from_raw: rows of {raw.shape[1]} bytes are not whole {dtype.name} blocks of "
+                             f"{dtype.block_bytes} bytes")
+        t = Tensor.empty((raw.shape[0], raw.shape[1] // dtype.block_bytes * dtype.block_size), dtype, device)
+        return t.load(raw)
 
     @staticmethod
     def zeros(shape: "Iterable[int] | int", dtype: "DataType | str" = DataType.F32, device: "Device | str | None" = None) -> "Tensor":
@@ -100,6 +124,9 @@ class Tensor:
         """A new tensor holding a copy of ``array`` (converted to ``dtype`` if given)."""
         array = np.asarray(array)
         target = as_dtype(dtype) if dtype is not None else as_dtype(array.dtype)
+        if target.is_quantized:
+            raise TypeError(f"from_numpy does not quantize: build a {target.name} tensor from its raw blocks "
+                            "with Tensor.from_raw")
         t = Tensor.empty(array.shape, target, device)
         t.load(array)
         return t
@@ -121,8 +148,29 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the elements (not of the storage, which a view may share)."""
-        return self.numel() * self.dtype.itemsize
+        """Bytes of the elements (not of the storage, which a view may share); whole blocks for
+        a block format."""
+        return self.dtype.nbytes_of(self.numel())
+
+    @property
+    def raw_shape(self) -> tuple[int, int]:
+        """The shape of a block-format tensor's raw bytes: (N, row_bytes)."""
+        if not self.dtype.is_quantized:
+            raise TypeError(f"raw_shape is for the block formats; this tensor is {self.dtype.name}")
+        return (self.shape[0], self.dtype.nbytes_of(self.shape[1]))
+
+    def derived(self, key: str, make: "Callable[[Tensor], Any]") -> Any:
+        """``make(self)``, made on the first call with ``key`` and kept with this tensor: kernels
+        keep a prepared form of a weight here (the quantized linear its checked weight). What
+        ``make`` returns must stay valid while this tensor lives (a view of its bytes, or a
+        copy of a frozen tensor's)."""
+        cache = self._derived
+        if cache is None:
+            cache = self._derived = {}
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = make(self)
+        return value
 
     @property
     def frozen(self) -> bool:
@@ -166,11 +214,14 @@ class Tensor:
     def host_array(self) -> np.ndarray:
         """A NumPy view of this CPU tensor (same shape, strides and dtype) without a copy;
         writes go to the tensor (read-only when frozen). Made once per tensor: kernels call
-        this on every op."""
+        this on every op. A block-format tensor gives its raw bytes, uint8 (N, row_bytes)."""
         arr = self._array
         if arr is None:
             if 0 in self.shape:
-                arr = np.empty(self.shape, self.dtype.numpy)
+                arr = np.empty(self.raw_shape if self.dtype.is_quantized else self.shape,
+                               np.uint8 if self.dtype.is_quantized else self.dtype.numpy)
+            elif self.dtype.is_quantized:
+                arr = np.ndarray(self.raw_shape, np.uint8, buffer=self.storage.host_memory(), offset=self.offset)
             else:
                 item = self.dtype.itemsize
                 arr = np.ndarray(
@@ -183,7 +234,10 @@ class Tensor:
         return arr
 
     def numpy(self) -> np.ndarray:
-        """A host copy as a C-contiguous NumPy array."""
+        """A host copy as a C-contiguous NumPy array; a block-format tensor is dequantized to
+        float32 (N, K) (its raw bytes: ``raw_numpy``)."""
+        if self.dtype.is_quantized:
+            return _dequantize(self.raw_numpy(), self.dtype)
         if self.device.is_cpu:
             return np.array(self.host_array(), copy=True, order="C")
         if 0 in self.shape:
@@ -194,12 +248,21 @@ class Tensor:
             return out
         return np.array(self._read_span(), copy=True, order="C")
 
+    def raw_numpy(self) -> np.ndarray:
+        """A host copy of a block-format tensor's raw bytes, uint8 (N, row_bytes)."""
+        if self.device.is_cpu:
+            return self.host_array().copy()
+        out = np.empty(self.raw_shape, np.uint8)
+        if out.size:
+            self.storage.runtime.memcpy(out.ctypes.data, self.data_ptr, out.nbytes, MemcpyKind.D2H)
+        return out
+
     # Off the CPU, a strided view moves as the byte span from its first to its last element
     # (the gaps included) and is taken apart on the host: no device kernel is needed.
     def _span_nbytes(self) -> int:
         if self.numel() == 0:
             return 0
-        return (1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides))) * self.dtype.itemsize
+        return self.dtype.nbytes_of(1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides)))
 
     def host_span(self, copy: bool = True) -> "Tensor":
         """A CPU tensor with this tensor's shape and strides over a host copy of the bytes it
@@ -237,7 +300,10 @@ class Tensor:
 
     def load(self, host: "np.ndarray | bytes | bytearray | memoryview") -> "Tensor":
         """Fill this tensor from host data: an array of the same shape (cast to this dtype)
-        or a buffer of exactly ``nbytes`` raw bytes. Returns self."""
+        or a buffer of exactly ``nbytes`` raw bytes; a block-format tensor takes its raw
+        bytes, uint8 (N, row_bytes) or a buffer. Returns self."""
+        if self.dtype.is_quantized:
+            return self._load_raw(host)
         if isinstance(host, (bytes, bytearray, memoryview)):
             raw = np.frombuffer(host, dtype=np.uint8)
             if raw.nbytes != self.nbytes:
@@ -256,6 +322,27 @@ class Tensor:
             self.storage.runtime.memcpy(self.data_ptr, host.ctypes.data, host.nbytes, MemcpyKind.H2D)
         else:
             self._write_span(host)
+        return self
+
+    def _load_raw(self, host: "np.ndarray | bytes | bytearray | memoryview") -> "Tensor":
+        """``load`` for a block format: raw blocks, uint8 (N, row_bytes) or a buffer of nbytes."""
+        if isinstance(host, (bytes, bytearray, memoryview)):
+            raw = np.frombuffer(host, dtype=np.uint8)
+            if raw.nbytes != self.nbytes:
+                raise ValueError(f"load: buffer has {raw.nbytes} bytes, tensor {self.shape} {self.dtype.name} "
+                                 f"needs {self.nbytes}")
+            raw = raw.reshape(self.raw_shape)
+        else:
+            raw = np.asarray(host)
+            if raw.dtype != np.uint8 or raw.shape != self.raw_shape:
+                raise ValueError(f"load: a {self.dtype.name} tensor {self.shape} takes its raw blocks, uint8 "
+                                 f"{self.raw_shape}; got {raw.dtype} {raw.shape}")
+        self.check_writable("load")
+        if self.device.is_cpu:
+            self.host_array()[...] = raw
+        elif raw.size:
+            raw = np.ascontiguousarray(raw)
+            self.storage.runtime.memcpy(self.data_ptr, raw.ctypes.data, raw.nbytes, MemcpyKind.H2D)
         return self
 
     # ---- views -------------------------------------------------------------------------
@@ -280,6 +367,9 @@ class Tensor:
             shape = tuple(n // known if d == -1 else d for d in shape)
         if any(d < 0 for d in shape) or math.prod(shape) != n:
             raise ValueError(f"view: shape {shape} does not hold the {n} elements of shape {self.shape}")
+        if self.dtype.is_quantized and shape != self.shape:
+            raise ValueError(f"view: a {self.dtype.name} tensor {self.shape} keeps its shape (its rows are blocks of "
+                             f"{self.dtype.block_size} elements); got {shape}")
         strides = _view_strides(self.shape, self.strides, shape)
         if strides is None:
             raise ValueError(
@@ -302,6 +392,9 @@ class Tensor:
         dims = tuple(int(d) % n for d in dims)
         if sorted(dims) != list(range(n)):
             raise ValueError(f"permute: {dims} is not a permutation of the {n} dimensions")
+        if self.dtype.is_quantized and dims != tuple(range(n)):
+            raise ValueError(f"permute: a {self.dtype.name} tensor cannot be permuted: its elements are packed in "
+                             f"blocks of {self.dtype.block_size} along each row")
         return Tensor(self.storage, self.offset, tuple(self.shape[d] for d in dims), tuple(self.strides[d] for d in dims), self.dtype)
 
     def slice(self, dim: int, start: int, end: int) -> "Tensor":
@@ -316,6 +409,12 @@ class Tensor:
         if not 0 <= start <= end <= size:
             raise ValueError(f"slice: [{start}, {end}) is not within dimension {dim} of size {size}")
         shape = self.shape[:dim] + (end - start,) + self.shape[dim + 1:]
+        if self.dtype.is_quantized:
+            if dim != 0 and (start, end) != (0, size):
+                raise ValueError(f"slice: a {self.dtype.name} tensor is sliced by rows (dim 0) only; columns "
+                                 f"[{start}, {end}) would split its blocks of {self.dtype.block_size} elements")
+            return Tensor(self.storage, self.offset + self.dtype.nbytes_of(start * self.strides[0]), shape,
+                          self.strides, self.dtype)
         offset = self.offset + start * self.strides[dim] * self.dtype.itemsize
         return Tensor(self.storage, offset, shape, self.strides, self.dtype)
 
@@ -348,6 +447,8 @@ class Tensor:
         self.check_writable("copy_")
         if self.numel() == 0:
             return self
+        if self.dtype.is_quantized:  # always contiguous: the bytes move as they are
+            return self._copy_blocks(src)
         if self.device.is_cpu and src.device.is_cpu:
             self.host_array()[...] = src.host_array()
             return self
@@ -363,6 +464,16 @@ class Tensor:
             self.load(src.host_array() if src.device.is_cpu else src.numpy())
         return self
 
+    def _copy_blocks(self, src: "Tensor") -> "Tensor":
+        """``copy_`` for block formats (both contiguous, same shape): a plain byte copy."""
+        if self.device.is_cpu and src.device.is_cpu:
+            self.host_array()[...] = src.host_array()
+        elif self.device == src.device:
+            self.storage.runtime.memcpy(self.data_ptr, src.data_ptr, self.nbytes, MemcpyKind.D2D)
+        else:
+            self._load_raw(src.host_array() if src.device.is_cpu else src.raw_numpy())
+        return self
+
     # ---- printing ----------------------------------------------------------------------
     def __repr__(self) -> str:
         return (f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device}, "
@@ -375,6 +486,24 @@ class Tensor:
     def debug(self) -> None:
         """Print metadata and values (the debug print of the tensor API)."""
         print(str(self))
+
+
+def _check_block_shape(shape: Shape, dtype: DataType) -> None:
+    """A block-format tensor is a matrix (N, K) of whole blocks per row; ValueError otherwise."""
+    if len(shape) != 2 or shape[1] == 0 or shape[1] % dtype.block_size:
+        raise ValueError(f"a {dtype.name} tensor must be 2-D (N, K) with K a positive multiple of "
+                         f"{dtype.block_size} (whole blocks per row); got shape {shape}")
+
+
+def _dequantize(raw: np.ndarray, dtype: DataType) -> np.ndarray:
+    """Raw blocks uint8 (N, row_bytes) of ``dtype`` as float32 (N, K), by ``gguf.quants``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    k = raw.shape[1] // dtype.block_bytes * dtype.block_size
+    if raw.shape[0] == 0:
+        return np.empty((0, k), np.float32)
+    return dequantize(raw, GGMLQuantizationType(dtype.ggml_type)).astype(np.float32, copy=False).reshape(-1, k)
 
 
 def _view_strides(old_shape: Shape, old_strides: Shape, new_shape: Shape) -> Shape | None:

@@ -46,10 +46,14 @@ _TO_C_DTYPE = {
 
 
 def to_c_dtype(dtype: DataType) -> int:
-    """The ``C_DataType`` value of ``dtype``; TypeError for types the plugin ABI lacks (F8, C16, C32)."""
+    """The ``C_DataType`` value of ``dtype``; TypeError for types the plugin ABI lacks (F8, C16,
+    C32, and the block-quantized formats, which plugins never see)."""
     try:
         return _TO_C_DTYPE[dtype]
     except KeyError:
+        if dtype.is_quantized:
+            raise TypeError(f"data type {dtype.name} is a block-quantized format, which the plugin ABI does not "
+                            "carry: ops on quantized tensors run on the CPU (the kernel fallback)") from None
         raise TypeError(f"data type {dtype.name} has no C_DataType in the plugin ABI") from None
 
 

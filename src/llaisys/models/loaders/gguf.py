@@ -1,8 +1,10 @@
 """Reading GGUF files (llama.cpp's format) with the ``gguf`` package.
 
-Metadata becomes a ModelConfig and tokenizer fields; tensors are dequantized with
-``gguf.quants.dequantize``. Llama-architecture files store the q/k projection rows in the
-order of an interleaved rope; ``unpermute_rows`` restores the halves order our rope uses.
+Metadata becomes a ModelConfig and tokenizer fields. Matrices in the block formats the
+native kernels compute on (``KEPT_QUANTIZED``) can be read as their raw blocks; the others are
+dequantized with ``gguf.quants.dequantize``. Llama-architecture files store the q/k projection
+rows in the order of an interleaved rope; ``unpermute_rows`` restores the halves order our rope
+uses, on float rows and on raw rows alike (blocks run along a row, so whole rows move).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Matrices of these types can stay as stored (llaisys has a DataType and kernels for them).
+KEPT_QUANTIZED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 # "{arch}.<key>" metadata -> ModelConfig field.
 GGUF_CONFIG_KEYS = {
@@ -311,6 +315,17 @@ def _row_reader(t: Any, shape: tuple[int, ...], path: str, fix: Callable[[np.nda
     return read_rows
 
 
+def _raw_row_reader(t: Any, shape: tuple[int, ...], fix: Callable[[np.ndarray], np.ndarray] | None):
+    """A function giving rows [start, stop) of block-quantized matrix ``t`` as stored bytes,
+    uint8 (stop - start, row_bytes)."""
+    rows = t.data.reshape(shape[0], -1).view(np.uint8)  # (rows, row_bytes)
+
+    def read_raw_rows(start: int, stop: int) -> np.ndarray:
+        part = rows[start:stop]
+        return fix(part) if fix is not None else part
+    return read_raw_rows
+
+
 @dataclass
 class GGUFContents:
     """What a GGUF file holds, checked: config, weights by our name, metadata, tensor types."""
@@ -344,8 +359,9 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
             fix, multiple = (lambda a: unpermute_rows(a, a.shape[0] // config.head_dim)), config.head_dim
         read_rows = _row_reader(t, shape, path, fix)
         rows = shape[0] if len(shape) > 1 else 1
+        raw = _raw_row_reader(t, shape, fix) if len(shape) == 2 and t.tensor_type in KEPT_QUANTIZED else None
         sources[name] = WeightSource(path, name, shape, t.tensor_type.name, functools.partial(read_rows, 0, rows),
-                                     read_rows if len(shape) > 1 else None, multiple)
+                                     read_rows if len(shape) > 1 else None, multiple, raw)
     weights = sanitize(map_names(sources, GGUF_NAMES, path), config)
     check_weights(weights, config, GGUF_NAMES, path)
     return GGUFContents(config, weights, meta, dict(types), reader)

@@ -1,0 +1,80 @@
+"""linear and embedding on weights kept as stored: GGUF block formats (Q4_0 ... Q6_K) with any
+float activations, and F16/BF16 weights with F32 activations, through ``kernels.quant.native``.
+
+Activations are float32 (F16/BF16 ones are widened, the output rounded once) and never
+quantized. Each weight's checked ``QuantWeight`` is kept with its tensor (``Tensor.derived``),
+so a call costs a few microseconds of Python on top of the native kernel.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...runtime.dtypes import QUANTIZED_TYPES, DataType
+from ..quant import native
+from ..registry import register_kernel
+from ._common import FLOATS, f32
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
+_FORMAT = {t: t.name for t in QUANTIZED_TYPES} | {DataType.F16: "F16", DataType.BF16: "BF16"}
+
+
+def _prepare(w_t: "Tensor") -> native.QuantWeight | bool:
+    """The weight (N, K) checked once for the native kernels; False when its layout does not
+    suit them (an F16/BF16 view that is not C-contiguous)."""
+    w = w_t.host_array()  # (N, row_bytes) uint8, or (N, K) F16/BF16
+    if not w.flags.c_contiguous:
+        return False
+    return native.prepare(_FORMAT[w_t.dtype], w)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """``a`` (..., C) as float32 (M, C), C-contiguous (a view when it already is)."""
+    a2 = a.reshape(-1, a.shape[-1])
+    if a2.dtype != np.float32 or not a2.flags.c_contiguous:
+        a2 = np.ascontiguousarray(a2, dtype=np.float32)
+    return a2
+
+
+def linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (..., N) = in (..., K) @ weight (N, K)^T + bias (N,) for inputs (in, weight, bias or
+    None), weight block-quantized or F16/BF16 (then in and out F32)."""
+    out_t = outputs[0]
+    x_t, w_t, b_t = inputs
+    qw = w_t.derived("quant", _prepare)
+    x, out = x_t.host_array(), out_t.host_array()  # (..., K), (..., N)
+    bias = None if b_t is None else f32(b_t.host_array())  # (N,)
+    if qw is False:  # a strided F16/BF16 weight: widen it
+        np.matmul(f32(x), w_t.host_array().astype(np.float32).T, out=out)
+        if bias is not None:
+            out += bias
+        return
+    x2 = _rows(x)  # (M, K)
+    direct = out.dtype == np.float32 and out.flags.c_contiguous
+    out2 = out.reshape(-1, out.shape[-1]) if direct else None  # (M, N) view of out, or a new array
+    if direct and np.may_share_memory(out2, x2):  # out aliases in: keep the input intact
+        x2 = x2.copy()
+    y = qw.linear(x2, None if bias is None else np.ascontiguousarray(bias), out2)  # (M, N)
+    if not direct:
+        out[...] = y.reshape(out.shape)  # rounded once, to the output type
+
+
+def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (S, D) = rows index (S,) I64 of a block-quantized weight (V, D), dequantized;
+    ValueError for an index outside [0, V)."""
+    out = outputs[0].host_array()  # (S, D)
+    index = inputs[0].host_array()  # (S,)
+    w_t = inputs[1]
+    n = w_t.shape[0]
+    if index.size and (index.min() < 0 or index.max() >= n):
+        bad = index[(index < 0) | (index >= n)][0]
+        raise ValueError(f"embedding: index {int(bad)} is out of range for a table of {n} rows")
+    out[...] = w_t.derived("quant", _prepare).rows(index)  # (S, D) float32
+
+
+register_kernel("linear", "cpu", dtypes=FLOATS, weight_dtypes=QUANTIZED_TYPES, kernel=linear)
+register_kernel("linear", "cpu", dtypes=(DataType.F32,), weight_dtypes=(DataType.F16, DataType.BF16), kernel=linear)
+register_kernel("embedding", "cpu", dtypes=FLOATS, weight_dtypes=QUANTIZED_TYPES, kernel=embedding)
