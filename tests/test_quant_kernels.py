@@ -235,7 +235,7 @@ def test_native_linear_strided_rows_and_out(weights):
 def test_thread_count_does_not_change_results(name, m):
     """Work is split by rows of W only, so 1 and 2 threads give the same bits."""
     k = k_of(name)
-    raw = make_weights(name, 1000, k, np.random.default_rng(9))  # many chunks
+    raw = make_weights(name, 3000, k, np.random.default_rng(9))  # over 1 MB: M = 1 is split too
     x = np.random.default_rng(10).standard_normal((m, k), dtype=np.float32)
     before = native.threads()
     try:

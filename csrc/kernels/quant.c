@@ -400,8 +400,9 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
             block_sums(x, j.k / QK, xsum);
         }
         j.xsum = xsum;
-        j.rows_per_chunk = chunk_rows(j.n, j.k, tile, (size_t)threads);
-        lq_pool_run(linear_chunk_dot, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, threads);
+        const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
+        j.rows_per_chunk = chunk_rows(j.n, j.k, tile, (size_t)slots);
+        lq_pool_run(linear_chunk_dot, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, slots);
         if (xsum != xsum_small) free(xsum);
         return LQ_OK;
     }

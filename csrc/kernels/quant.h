@@ -27,6 +27,10 @@ enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_
 
 #define LQ_PREFETCH_BYTES 4096 /* how far ahead the M = 1 kernels prefetch weights (measured) */
 
+/* M = 1 with fewer weight bytes than this runs on the calling thread alone: such a matrix
+ * takes tens of microseconds, and a second thread gained nothing on it (measured). */
+#define LQ_SERIAL_BYTES ((size_t)1 << 20)
+
 typedef uint16_t lq_half; /* IEEE binary16 bits */
 
 typedef struct {
