@@ -192,6 +192,20 @@ def test_rms_norm(dtype, shape, layout, rng):
     assert_close(F.rms_norm(x, w, 1e-5), ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (5, 33), (2, 3, 16)])
+def test_add_rms_norm_is_add_then_rms_norm(dtype, shape, rng):
+    a, b = random_tensor(shape, dtype, rng), random_tensor(shape, dtype, rng)
+    w = random_tensor(shape[-1:], dtype, rng)
+    total = to_torch(F.add(a, b))  # the sum rounded to dtype, as the fused op keeps it
+    out, s = F.add_rms_norm(a, b, w, 1e-5)
+    assert_close(s, to_torch(a) + to_torch(b))
+    assert_close(out, TF.rms_norm(total, shape[-1:], to_torch(w), 1e-5))
+    np.testing.assert_array_equal(out.numpy(), F.rms_norm(F.add(a, b), w, 1e-5).numpy())
+    ops.add_rms_norm(out, a, a, b, w, 1e-5)  # the sum written over an input, as a residual add does
+    np.testing.assert_array_equal(a.numpy(), s.numpy())
+
+
 def test_rms_norm_eps_matters_for_tiny_inputs():
     x = Tensor.from_numpy(np.full((1, 4), 1e-3, np.float32))
     w = Tensor.from_numpy(np.ones(4, np.float32))
@@ -436,7 +450,8 @@ def test_missing_kernel_names_the_key_and_lists_the_registered_ones():
 
 
 def test_every_op_has_cpu_kernels_for_the_three_float_types():
-    for name in ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu"):
+    for name in ("add", "add_rms_norm", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope",
+                 "self_attention", "swiglu"):
         keys = {(k[1], k[2], k[3]) for k in registered_kernels(name)}
         for dt in (DataType.F32, DataType.F16, DataType.BF16):
             assert ("cpu", Layout.ANY, dt) in keys, (name, dt)

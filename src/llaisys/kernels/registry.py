@@ -20,6 +20,7 @@ With no kernel anywhere the error lists what is registered for the op.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import threading
@@ -131,21 +132,27 @@ def dispatch(name: str, dtype: DataType, outputs: Sequence["Tensor"], inputs: Se
     """Run op ``name`` on the device of ``outputs[0]``, for activations of ``dtype`` and a
     weight of ``weight_dtype`` (None: ``dtype``). Raises FrozenTensorError when an output is
     frozen, KernelNotFoundError when no kernel (nor the CPU fallback) serves it."""
+    fn = resolve(name, dtype, outputs, weight_dtype)
+    fn(outputs, inputs, attrs)
+
+
+def resolve(name: str, dtype: DataType, outputs: Sequence["Tensor"], weight_dtype: DataType | None = None) -> Kernel:
+    """The callable ``dispatch`` would run for these outputs: the device's kernel, or the CPU
+    kernel wrapped in host copies. It keeps serving calls with outputs on the same device
+    (a recorded ``ops.Plan`` replays it). Raises as ``dispatch`` does."""
     for out in outputs:
         if out.storage.frozen:
             out.check_writable(f"op {name}")
     device = outputs[0].device
     wt = dtype if weight_dtype is None else weight_dtype
-    fn = _kernels.get((name, device.type.name, Layout.ANY, dtype, wt))
-    if fn is not None:
-        fn(outputs, inputs, attrs)
-        return
     key = (name, device.type.name, Layout.ANY, dtype, wt)
+    fn = _kernels.get(key)
+    if fn is not None:
+        return fn
     if not device.is_cpu:
         cpu_fn = _kernels.get((name, "cpu", Layout.ANY, dtype, wt))
         if cpu_fn is not None and fallback_enabled():
-            _run_on_host(cpu_fn, name, device, outputs, inputs, attrs)
-            return
+            return functools.partial(_run_on_host, cpu_fn, name, device)
         if cpu_fn is not None:
             raise KernelNotFoundError(
                 f"no kernel {_fmt(key)} and CPU fallback is "

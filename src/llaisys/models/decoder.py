@@ -1,9 +1,12 @@
 """The Qwen2/Llama decoder, written with ``llaisys.ops`` only.
 
 Per layer: x += o_proj(attention(rope(q), rope(k), v)) over rms_norm(x), then
-x += down(swiglu(gate, up)) over rms_norm(x). Qwen2 and Llama differ only in config (q/k/v
+x += down(swiglu(gate, up)) over rms_norm(x); each residual add runs in one op with the norm
+that follows it (``add_rms_norm``). Qwen2 and Llama differ only in config (q/k/v
 biases, tied embeddings, rope theta). Intermediate results go to preallocated buffers
-(``Workspace``) through the output-first ops, so a decoding step allocates nothing.
+(``Workspace``) through the output-first ops, so a decoding step allocates nothing; a pass's
+op calls are checked once, recorded (``Pass``, an ``ops.Plan``) and replayed by later passes
+of the same size over the same cache.
 Shapes: S tokens in this pass, T = cache length after it, D hidden, H/KH query/kv heads,
 Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
 """
@@ -54,39 +57,76 @@ class Workspace:
         self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
         self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
         self.act = new(s, inter)  # (S, I)
-        self.x_last = self.x.slice(0, s - 1, s)  # (1, D)
-        self.h_last = new(1, d)  # (1, D)
+        self.h_last = self.h.slice(0, s - 1, s)  # (1, D) the last row, finally normalised
         self.logits = new(1, config.vocab_size)  # (1, V)
 
 
-def attention(ws: Workspace, lp: LayerParams, cache: KVCache, layer: int, start: int, end: int,
-              config: ModelConfig, scale: float) -> None:
-    """ws.proj = o_proj(causal attention of rms_norm(ws.x)); appends this pass's K/V to the cache."""
-    ops.rms_norm(ws.h, ws.x, lp.attn_norm, config.rms_norm_eps)  # (S, D)
-    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias)  # (S, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta)  # (S, H+KH, Dh)
-    k_all, v_all = cache.k_layers[layer], cache.v_layers[layer]  # (Tmax, KH, Dh)
-    ops.rearrange(k_all.slice(0, start, end), ws.k)  # (S, KH, Dh) into the cache
-    ops.rearrange(v_all.slice(0, start, end), ws.v_in)  # (S, KH, Dh)
-    ops.self_attention(ws.attn, ws.q, k_all.slice(0, 0, end), v_all.slice(0, 0, end), scale)  # (S, H, Dh)
-    ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias)  # (S, D)
+def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
+              scale: float, plan: ops.Plan) -> None:
+    """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
+    K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read)."""
+    k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
+    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (S, H+KH, Dh)
+    ops.rearrange(k_new, ws.k, plan=plan)  # (S, KH, Dh) into the cache
+    ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
+    ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
+    ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (S, D)
 
 
-def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig) -> None:
-    """ws.proj = down(swiglu(gate, up)) of rms_norm(ws.x)."""
-    ops.rms_norm(ws.h, ws.x, lp.ffn_norm, config.rms_norm_eps)  # (S, D)
-    ops.linear(ws.gate_up, ws.h, lp.gate_up)  # (S, 2I)
-    ops.swiglu(ws.act, ws.gate, ws.up)  # (S, I)
-    ops.linear(ws.proj, ws.act, lp.down)  # (S, D)
+CACHE_CALLS_AT = 2  # attention's calls before its three that touch the cache (see Pass.move)
 
 
-def decoder_layer(ws: Workspace, lp: LayerParams, cache: KVCache, layer: int, start: int, end: int,
-                  config: ModelConfig, scale: float) -> None:
-    """One pre-norm decoder layer applied to ws.x in place."""
-    attention(ws, lp, cache, layer, start, end, config, scale)
-    ops.add(ws.x, ws.x, ws.proj)  # (S, D)
-    mlp(ws, lp, config)
-    ops.add(ws.x, ws.x, ws.proj)  # (S, D)
+def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.proj = down(swiglu(gate, up)) of ws.h, the normalised input."""
+    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
+    ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
+    ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
+
+
+def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, kv: tuple[Tensor, Tensor, Tensor, Tensor],
+                  config: ModelConfig, scale: float, plan: ops.Plan) -> None:
+    """One pre-norm decoder layer applied to ws.x in place. Takes ws.h = rms_norm(ws.x) by
+    the layer's attention norm; leaves it normalised by ``next_norm`` (the next layer's
+    attention norm, or the final norm), each residual add fused with the norm after it."""
+    eps = config.rms_norm_eps
+    attention(ws, lp, kv, config, scale, plan)
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
+    mlp(ws, lp, config, plan)
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)
+
+
+class Pass:
+    """The checked op calls of a pass of S tokens over one cache, recorded once and replayed.
+
+    Everything but the cache rows stays put between passes of one size (the workspace, the
+    weights), so only the three calls per layer that touch the cache are rebound to the
+    rows of each new position (``move``)."""
+
+    def __init__(self, model: "CausalLM", ws: Workspace, cache: KVCache, start: int, end: int):
+        self.ws = ws
+        self.plan = ops.Plan()
+        self.kv_at: list[int] = []  # per layer: index of its first call that touches the cache
+        p, plan = model.params, self.plan
+        ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (S, D)
+        ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (S, D)
+        next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
+        for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
+            self.kv_at.append(len(plan) + CACHE_CALLS_AT)
+            decoder_layer(ws, lp, next_norm, cache.rows(i, start, end), model.config, model._scale, plan)
+        self.span = (start, end)
+
+    def move(self, cache: KVCache, start: int, end: int) -> None:
+        """Point the cache calls at positions ``start:end`` (end - start = S)."""
+        if self.span == (start, end):
+            return
+        plan, q = self.plan, self.ws.q
+        for layer, at in enumerate(self.kv_at):
+            k_new, v_new, k_seen, v_seen = cache.rows(layer, start, end)
+            plan.rebind(at, outputs=(k_new,))
+            plan.rebind(at + 1, outputs=(v_new,))
+            plan.rebind(at + 2, inputs=(q, k_seen, v_seen))
+        self.span = (start, end)
 
 
 class CausalLM:
@@ -163,24 +203,33 @@ class CausalLM:
     def _run_locked(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool) -> np.ndarray | None:
         s = len(ids)
         start, end = cache.length, cache.length + s
-        ws = self._workspace(s)
+        step = self._pass(cache, s, start, end)
+        ws = step.ws
         ws.ids.load(ids)
         ws.pos.load(np.arange(start, end, dtype=np.int64))
-        p = self.params
-        ops.embedding(ws.x, ws.ids, p.embed)  # (S, D)
-        for i, lp in enumerate(p.layers):
-            decoder_layer(ws, lp, cache, i, start, end, self.config, self._scale)
+        step.plan.run()
         cache.length = end
+        p = self.params
         if all_rows:
             out = Tensor.empty((s, self.config.vocab_size), self.dtype, self.device)  # (S, V)
-            ops.rms_norm(ws.h, ws.x, p.norm, self.config.rms_norm_eps)  # (S, D)
-            ops.linear(out, ws.h, p.lm_head)  # (S, V)
+            ops.linear(out, ws.h, p.lm_head)  # (S, V) from the finally normalised rows
             return out.numpy().astype(np.float32, copy=False)
         if not head:
             return None
-        ops.rms_norm(ws.h_last, ws.x_last, p.norm, self.config.rms_norm_eps)  # (1, D)
         ops.linear(ws.logits, ws.h_last, p.lm_head)  # (1, V)
         return ws.logits.numpy().reshape(-1).astype(np.float32, copy=False)  # (V,)
+
+    def _pass(self, cache: KVCache, s: int, start: int, end: int) -> Pass:
+        """The recorded pass of ``s`` tokens over ``cache``, pointed at ``start:end``; the
+        cache keeps the decoding one (S = 1) and the last other size."""
+        step = cache.passes.get(s)
+        if step is None:
+            step = Pass(self, self._workspace(s), cache, start, end)
+            for other in [k for k in cache.passes if k != 1]:
+                del cache.passes[other]
+            cache.passes[s] = step
+        step.move(cache, start, end)
+        return step
 
     def _check_ids(self, token_ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         try:

@@ -31,6 +31,21 @@ class KVCache:
         self.v = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
         self.k_layers = [self.k.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
         self.v_layers = [self.v.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
+        self.passes: dict = {}  # the owner's recorded passes over this cache, by token count (see CausalLM)
+
+    def rows(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Views of ``layer`` for a pass writing positions ``start:end``: keys and values
+        written (end - start, KH, Dh), then keys and values read (end, KH, Dh).
+
+        Built directly (bounds are the caller's: 0 <= start <= end <= max_tokens) because a
+        decoding step asks for them in every layer."""
+        k, v = self.k_layers[layer], self.v_layers[layer]
+        row = k.strides[0] * k.dtype.itemsize  # bytes per position
+        new, seen = (end - start,) + k.shape[1:], (end,) + k.shape[1:]
+        return (Tensor(k.storage, k.offset + start * row, new, k.strides, k.dtype),
+                Tensor(v.storage, v.offset + start * row, new, v.strides, v.dtype),
+                Tensor(k.storage, k.offset, seen, k.strides, k.dtype),
+                Tensor(v.storage, v.offset, seen, v.strides, v.dtype))
 
     def made_by(self, model: Any) -> bool:
         """Whether ``model`` made this cache."""

@@ -1,7 +1,8 @@
 """The public ops. Each takes its output tensor first (as the C ops API does), checks its
 arguments once, then dispatches through the kernel registry. ``llaisys.ops.functional``
-holds the same ops returning new tensors."""
-from .core import add, argmax, embedding, linear, rearrange, rms_norm, rope, self_attention, swiglu
+holds the same ops returning new tensors; ``Plan`` records checked calls to replay."""
+from .core import add, add_rms_norm, argmax, embedding, linear, rearrange, rms_norm, rope, self_attention, swiglu
 from . import functional
+from .plan import Plan
 
-__all__ = ["add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu", "functional"]
+__all__ = ["add", "add_rms_norm", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu", "functional", "Plan"]

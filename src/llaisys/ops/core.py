@@ -1,13 +1,16 @@
-"""The nine ops, output first. Shapes: S = sequence length, T = total (KV) length,
-H = query heads, KH = key/value heads, D = head dim, M = rows, K = in features, N = out features."""
+"""The ops, output first; given ``plan=`` (an ``ops.Plan``), an op checks its arguments and
+records its kernel call there instead of running it. Shapes: S = sequence length, T = total
+(KV) length, H = query heads, KH = key/value heads, D = head dim, M = rows, K = in features, N = out features."""
 from __future__ import annotations
 
-from ..kernels import dispatch
+from ..kernels import find_kernel, resolve
+from ..runtime.dtypes import DataType
 from ..tensor import Tensor
+from .plan import Plan
 from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match, weight_type_fits
 
 
-def add(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def add(c: Tensor, a: Tensor, b: Tensor, *, plan: Plan | None = None) -> Tensor:
     """c = a + b, elementwise; all three of one shape and float dtype (F32, F16, BF16).
     Returns c."""
     tensors_match("add", ("c", "a", "b"), (c, a, b))
@@ -15,11 +18,11 @@ def add(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     shape_is("add", "a", a, c.shape)
     shape_is("add", "b", b, c.shape)
     if 0 not in c.shape:  # nothing to compute for an empty output
-        dispatch("add", c.dtype, (c,), (a, b), {})
+        _launch(plan, "add", c.dtype, (c,), (a, b), {})
     return c
 
 
-def argmax(max_idx: Tensor, max_val: Tensor, vals: Tensor) -> tuple[Tensor, Tensor]:
+def argmax(max_idx: Tensor, max_val: Tensor, vals: Tensor, *, plan: Plan | None = None) -> tuple[Tensor, Tensor]:
     """Index (I64) and value of the maximum over the last dimension of ``vals`` (..., n).
 
     Outputs have shape vals.shape[:-1], or (1,) when vals is 1-D. Ties give the first index.
@@ -33,11 +36,11 @@ def argmax(max_idx: Tensor, max_val: Tensor, vals: Tensor) -> tuple[Tensor, Tens
     shape_is("argmax", "max_idx", max_idx, out_shape)
     shape_is("argmax", "max_val", max_val, out_shape)
     if 0 not in max_idx.shape:
-        dispatch("argmax", vals.dtype, (max_idx, max_val), (vals,), {})
+        _launch(plan, "argmax", vals.dtype, (max_idx, max_val), (vals,), {})
     return max_idx, max_val
 
 
-def embedding(out: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+def embedding(out: Tensor, index: Tensor, weight: Tensor, *, plan: Plan | None = None) -> Tensor:
     """out[i] = weight[index[i]]: index (S,) I64, weight (V, D), out (S, D). Returns out.
 
     weight is of out's float type or block-quantized (its rows are dequantized). Raises
@@ -52,11 +55,11 @@ def embedding(out: Tensor, index: Tensor, weight: Tensor) -> Tensor:
     ndim_is("embedding", "weight", weight, 2, "(V, D) table")
     shape_is("embedding", "out", out, (index.shape[0], weight.shape[1]))
     if 0 not in out.shape:
-        dispatch("embedding", out.dtype, (out,), (index, weight), {}, weight.dtype)
+        _launch(plan, "embedding", out.dtype, (out,), (index, weight), {}, weight.dtype)
     return out
 
 
-def linear(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None = None, *, plan: Plan | None = None) -> Tensor:
     """out = inp @ weight^T + bias: inp (..., K), weight (N, K) (not transposed), bias (N,)
     or None, out (..., N). Returns out.
 
@@ -75,20 +78,20 @@ def linear(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None = None)
     if bias is not None:
         shape_is("linear", "bias", bias, (weight.shape[0],))
     if 0 not in out.shape:
-        dispatch("linear", out.dtype, (out,), (inp, weight, bias), {}, weight.dtype)
+        _launch(plan, "linear", out.dtype, (out,), (inp, weight, bias), {}, weight.dtype)
     return out
 
 
-def rearrange(out: Tensor, inp: Tensor) -> Tensor:
+def rearrange(out: Tensor, inp: Tensor, *, plan: Plan | None = None) -> Tensor:
     """Copy ``inp`` into ``out`` (same shape and dtype, any strides of either). Returns out."""
     tensors_match("rearrange", ("out", "in"), (out, inp))
     shape_is("rearrange", "in", inp, out.shape)
     if 0 not in out.shape:  # nothing to copy
-        dispatch("rearrange", out.dtype, (out,), (inp,), {})
+        _launch(plan, "rearrange", out.dtype, (out,), (inp,), {})
     return out
 
 
-def rms_norm(out: Tensor, inp: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(out: Tensor, inp: Tensor, weight: Tensor, eps: float, *, plan: Plan | None = None) -> Tensor:
     """out = inp / sqrt(mean(inp^2 over the last dim) + eps) * weight: inp, out (..., D),
     weight (D,). Returns out."""
     tensors_match("rms_norm", ("out", "in", "weight"), (out, inp, weight))
@@ -99,11 +102,35 @@ def rms_norm(out: Tensor, inp: Tensor, weight: Tensor, eps: float) -> Tensor:
     shape_is("rms_norm", "weight", weight, inp.shape[-1:])
     eps = number("rms_norm", "eps", eps, ">= 0")
     if 0 not in out.shape:
-        dispatch("rms_norm", out.dtype, (out,), (inp, weight), {"eps": eps})
+        _launch(plan, "rms_norm", out.dtype, (out,), (inp, weight), {"eps": eps})
     return out
 
 
-def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float) -> Tensor:
+def add_rms_norm(out: Tensor, total: Tensor, a: Tensor, b: Tensor, weight: Tensor, eps: float, *,
+                 plan: Plan | None = None) -> tuple[Tensor, Tensor]:
+    """total = a + b, then out = rms_norm(total, weight, eps), in one call (a residual add and
+    the next block's norm): a, b, total, out (..., D), weight (D,). ``total`` may be ``a``.
+    Equal to ``add`` then ``rms_norm``. Returns (out, total)."""
+    tensors_match("add_rms_norm", ("out", "total", "a", "b", "weight"), (out, total, a, b, weight))
+    dtype_in("add_rms_norm", "out", out, FLOAT_TYPES)
+    if out.ndim < 1:
+        raise ValueError("add_rms_norm: out must have at least one dimension; got a scalar")
+    for name, t in (("total", total), ("a", a), ("b", b)):
+        shape_is("add_rms_norm", name, t, out.shape)
+    shape_is("add_rms_norm", "weight", weight, out.shape[-1:])
+    eps = number("add_rms_norm", "eps", eps, ">= 0")
+    if 0 in out.shape:
+        return out, total
+    device = out.device
+    if device.is_cpu or find_kernel("add_rms_norm", device.type.name, out.dtype) is not None:
+        _launch(plan, "add_rms_norm", out.dtype, (out, total), (a, b, weight), {"eps": eps})
+    else:  # a device without the fused kernel runs the two ops, with its own kernels where it has them
+        _launch(plan, "add", out.dtype, (total,), (a, b), {})
+        _launch(plan, "rms_norm", out.dtype, (out,), (total, weight), {"eps": eps})
+    return out, total
+
+
+def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, *, plan: Plan | None = None) -> Tensor:
     """Rotary position embedding on inp (S, H, D) at positions pos_ids (S,) I64.
 
     With a = x[..., :D/2], b = x[..., D/2:] and phi_j = pos / theta^(2j/D):
@@ -120,11 +147,11 @@ def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float) -> Tensor:
         raise ValueError(f"rope: head dim D must be even; got D={inp.shape[2]}")
     theta = number("rope", "theta", theta, "> 0")
     if 0 not in out.shape:
-        dispatch("rope", out.dtype, (out,), (inp, pos_ids), {"theta": theta})
+        _launch(plan, "rope", out.dtype, (out,), (inp, pos_ids), {"theta": theta})
     return out
 
 
-def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, *, plan: Plan | None = None) -> Tensor:
     """Causal attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv), attn_val (S, H, Dv), T >= S.
 
     Query i sits at position T - S + i and sees keys 0..T - S + i; query head h uses KV head
@@ -148,16 +175,26 @@ def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: flo
     shape_is("self_attention", "attn_val", attn_val, (s, h, v.shape[2]))
     scale = number("self_attention", "scale", scale)
     if 0 not in attn_val.shape:
-        dispatch("self_attention", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
+        _launch(plan, "self_attention", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
     return attn_val
 
 
-def swiglu(out: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) -> Tensor:
     """out = up * gate * sigmoid(gate), elementwise; all of one shape. Returns out."""
     tensors_match("swiglu", ("out", "gate", "up"), (out, gate, up))
     dtype_in("swiglu", "out", out, FLOAT_TYPES)
     shape_is("swiglu", "gate", gate, out.shape)
     shape_is("swiglu", "up", up, out.shape)
     if 0 not in out.shape:
-        dispatch("swiglu", out.dtype, (out,), (gate, up), {})
+        _launch(plan, "swiglu", out.dtype, (out,), (gate, up), {})
     return out
+
+
+def _launch(plan: Plan | None, name: str, dtype: DataType, outputs: tuple, inputs: tuple, attrs: dict,
+            weight_dtype: DataType | None = None) -> None:
+    """Run the kernel of op ``name`` now, or append the call to ``plan``."""
+    kernel = resolve(name, dtype, outputs, weight_dtype)
+    if plan is None:
+        kernel(outputs, inputs, attrs)
+    else:
+        plan.append(kernel, outputs, inputs, attrs)

@@ -18,6 +18,12 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     return core.add(_new(a), a, b)
 
 
+def add_rms_norm(a: Tensor, b: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(a + b, weight, eps), a + b) as two new tensors of a's shape and dtype."""
+    tensors_match("add_rms_norm", ("a", "b", "weight"), (a, b, weight))
+    return core.add_rms_norm(_new(a), _new(a), a, b, weight, eps)
+
+
 def argmax(vals: Tensor) -> tuple[Tensor, Tensor]:
     """(index I64, value) of the maximum over the last dimension of vals (..., n): two
     tensors of shape vals.shape[:-1], or (1,) when vals is 1-D."""

@@ -20,6 +20,9 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     s, h, d = q.shape
     t, kh, dv = v.shape
     g = h // kh
+    if s == 1:
+        out[...] = _one_query(q, k, v, attrs["scale"]).reshape(1, h, dv)
+        return
     qg = q.reshape(s, kh, g, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T)
     scores *= attrs["scale"]
@@ -32,3 +35,16 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     scores /= scores.sum(axis=-1, keepdims=True)
     ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
     out[...] = ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)
+
+
+def _one_query(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Attention of one query q (1, H, D) over every key (no mask): (KH, G, Dv), fewer and
+    smaller temporaries than the general path (one decoded token)."""
+    t, kh, dv = v.shape
+    qg = q.reshape(kh, -1, q.shape[2])  # (KH, G, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0))  # (KH, G, T)
+    scores *= scale
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return np.matmul(scores, v.transpose(1, 0, 2))  # (KH, G, Dv)

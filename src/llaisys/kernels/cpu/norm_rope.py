@@ -1,4 +1,4 @@
-"""rms_norm and rope on the CPU."""
+"""rms_norm (alone or after a residual add) and rope on the CPU."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -17,12 +17,28 @@ if TYPE_CHECKING:
 @register_kernel("rms_norm", "cpu", dtypes=FLOATS)
 def rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """out (..., D) = in / sqrt(mean(in^2) + eps) * weight (D,), in F32; attrs: eps."""
-    out = outputs[0].host_array()
-    x = f32(inputs[0].host_array())  # (..., D)
-    w = f32(inputs[1].host_array())  # (D,)
+    _normalize(outputs[0].host_array(), inputs[0].host_array(), inputs[1].host_array(), attrs["eps"])
+
+
+@register_kernel("add_rms_norm", "cpu", dtypes=FLOATS)
+def add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """outputs (out, total), inputs (a, b, weight): total = a + b (rounded to its type), then
+    out = rms_norm(total) as the rms_norm kernel computes it; attrs: eps."""
+    out, total = outputs[0].host_array(), outputs[1].host_array()  # (..., D)
+    a, b = inputs[0].host_array(), inputs[1].host_array()  # (..., D)
+    if total.dtype == np.float32:
+        np.add(a, b, out=total)
+    else:
+        total[...] = f32(a) + f32(b)
+    _normalize(out, total, inputs[2].host_array(), attrs["eps"])
+
+
+def _normalize(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:
+    """out (..., D) = x / sqrt(mean(x^2) + eps) * w (D,), computed in F32."""
+    x, w = f32(x), f32(w)
     ms = np.einsum("...d,...d->...", x, x)[..., None]  # (..., 1)
     ms *= 1.0 / x.shape[-1]
-    ms += attrs["eps"]
+    ms += eps
     y = x / np.sqrt(ms)
     y *= w
     out[...] = y
@@ -34,6 +50,17 @@ def _inv_freq(dim: int, theta: float) -> np.ndarray:
     return theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (D/2,)
 
 
+@functools.lru_cache(maxsize=8)
+def _cos_sin(pos_bytes: bytes, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (S, 1, D/2) float32 of the angles at positions ``pos_bytes`` (S,) I64.
+    Kept for the last few position sets: every layer of a pass rotates at the same ones."""
+    pos = np.frombuffer(pos_bytes, np.int64)  # (S,)
+    angles = pos.astype(np.float64)[:, None] * _inv_freq(dim, theta)  # (S, D/2)
+    cos, sin = np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+    cos.flags.writeable = sin.flags.writeable = False  # shared by every caller
+    return cos, sin
+
+
 @register_kernel("rope", "cpu", dtypes=FLOATS)
 def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """Rotary embedding of in (S, H, D) at pos_ids (S,) I64, halves rotated by pos / theta^(2j/D); attrs: theta."""
@@ -41,9 +68,7 @@ def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: 
     x = f32(inputs[0].host_array())
     pos = inputs[1].host_array()  # (S,)
     half = x.shape[2] // 2
-    angles = pos.astype(np.float64)[:, None] * _inv_freq(x.shape[2], attrs["theta"])  # (S, D/2)
-    cos = np.cos(angles).astype(np.float32)[:, None, :]  # (S, 1, D/2)
-    sin = np.sin(angles).astype(np.float32)[:, None, :]
+    cos, sin = _cos_sin(pos.tobytes(), x.shape[2], attrs["theta"])  # (S, 1, D/2) each
     a, b = x[..., :half], x[..., half:]
     ra = a * cos - b * sin
     rb = b * cos + a * sin

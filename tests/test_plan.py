@@ -1,0 +1,57 @@
+"""ops.Plan: recorded op calls replay as the direct calls did; a model's recorded passes
+(decoding over moving cache rows, several caches, truncation) give the logits of a fresh pass."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llaisys import ops
+from llaisys.tensor import Tensor
+
+
+def _t(a: np.ndarray) -> Tensor:
+    return Tensor.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def test_plan_records_instead_of_running_and_replays():
+    rng = np.random.default_rng(0)
+    a, b, w = rng.standard_normal((4, 8)), rng.standard_normal((4, 8)), rng.standard_normal(8)
+    ta, tb, tw = _t(a), _t(b), _t(w)
+    s, y = Tensor.zeros((4, 8)), Tensor.zeros((4, 8))
+    plan = ops.Plan()
+    ops.add(s, ta, tb, plan=plan)
+    ops.rms_norm(y, s, tw, 1e-6, plan=plan)
+    assert len(plan) == 2 and not s.numpy().any()  # recorded, not run
+    plan.run()
+    ref = ops.functional.rms_norm(ops.functional.add(ta, tb), tw, 1e-6).numpy()
+    np.testing.assert_array_equal(y.numpy(), ref)
+    plan.rebind(0, inputs=(ta, ta))
+    plan.run()
+    np.testing.assert_array_equal(y.numpy(), ops.functional.rms_norm(ops.functional.add(ta, ta), tw, 1e-6).numpy())
+
+
+def test_plan_checks_arguments_when_recording():
+    plan = ops.Plan()
+    with pytest.raises(ValueError, match="add"):
+        ops.add(Tensor.zeros((2, 3)), Tensor.zeros((2, 3)), Tensor.zeros((3, 2)), plan=plan)
+    assert len(plan) == 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    from llaisys.models import load_model
+    return load_model()
+
+
+def test_replayed_decoding_matches_one_pass(model):
+    ids = [1, 504, 3458, 314, 260, 1789, 28, 2, 5, 17]
+    full = model.forward(ids, model.new_cache(), all_logits=True)  # (S, V), one recorded pass
+    a, b = model.new_cache(), model.new_cache()
+    model.forward(ids[:3], a)
+    model.forward(ids[:5], b)
+    for i in range(3, len(ids)):  # two caches take turns: each keeps its own recorded passes
+        np.testing.assert_allclose(model.forward([ids[i]], a), full[i], rtol=1e-4, atol=1e-4)
+        if 5 + i - 3 < len(ids):
+            np.testing.assert_allclose(model.forward([ids[5 + i - 3]], b), full[5 + i - 3], rtol=1e-4, atol=1e-4)
+    a.truncate(4)  # a replay after a truncation writes and reads the rows it should
+    np.testing.assert_allclose(model.forward([ids[4]], a), full[4], rtol=1e-4, atol=1e-4)
