@@ -341,3 +341,27 @@ def test_plugin_kernels_take_the_float_weights_and_the_cpu_the_quantized(mixed_l
     want = load_model(mixed_llama)
     np.testing.assert_allclose(got.forward(ids, got.new_cache(4), all_logits=True),
                                want.forward(ids, want.new_cache(4), all_logits=True), atol=1e-4, rtol=0)
+
+
+# ---- without the native library ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K", "BF16"])
+def test_portable_path_without_the_native_library_matches_torch(name, monkeypatch, caplog):
+    """A build without a C compiler decodes with the NumPy reference: same numbers, a warning."""
+    from llaisys.kernels.quant import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    rng = np.random.default_rng(11)
+    k, n = k_for(name), 37
+    if name == "BF16":
+        w_np = rng.standard_normal((n, k)).astype(DataType.BF16.numpy)
+        w, ref = Tensor.from_numpy(w_np).freeze(), w_np.astype(np.float64)
+    else:
+        raw = quant_bytes(name, n, k, rng)
+        w, ref = Tensor.from_raw(raw, name).freeze(), dequantized(name, raw)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    with caplog.at_level("WARNING", logger="llaisys.kernels.cpu.quantized"):
+        y = F.linear(Tensor.from_numpy(x), w)
+    assert_linear_close(y.numpy(), x, ref, None)
+    if name != "BF16":
+        ids = np.array([2, 0, 36], np.int64)
+        np.testing.assert_array_equal(F.embedding(Tensor.from_numpy(ids), w).numpy(), ref[ids].astype(np.float32))

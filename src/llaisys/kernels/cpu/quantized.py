@@ -3,16 +3,19 @@ float activations, and F16/BF16 weights with F32 activations, through ``kernels.
 
 Activations are float32 (F16/BF16 ones are widened, the output rounded once) and never
 quantized. Each weight's checked ``QuantWeight`` is kept with its tensor (``Tensor.derived``),
-so a call costs a few microseconds of Python on top of the native kernel.
+so a call costs a few microseconds of Python on top of the native kernel. Where the native
+library was not built (no C compiler at install), the NumPy reference decodes the weight a
+tile of rows at a time instead: the same results, far slower, said once in the log.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...runtime.dtypes import QUANTIZED_TYPES, DataType
-from ..quant import native
+from ..quant import native, reference
 from ..registry import register_kernel
 from ._common import FLOATS, f32
 
@@ -20,14 +23,53 @@ if TYPE_CHECKING:
     from ...tensor import Tensor
 
 _FORMAT = {t: t.name for t in QUANTIZED_TYPES} | {DataType.F16: "F16", DataType.BF16: "BF16"}
+_TILE_ELEMENTS = 1 << 20  # float32 elements of weight decoded at a time by the portable path
+
+log = logging.getLogger(__name__)
+_warned: list[bool] = []
 
 
-def _prepare(w_t: "Tensor") -> native.QuantWeight | bool:
+class PortableWeight:
+    """The interface of ``native.QuantWeight`` over the NumPy reference decoder, for a build
+    without the native library: ``linear`` decodes a tile of rows at a time."""
+
+    def __init__(self, fmt: str, raw: np.ndarray):
+        self.fmt, self.raw = fmt, raw  # (N, row_bytes) uint8, or (N, K) F16/BF16
+
+    def _decode(self, raw_rows: np.ndarray) -> np.ndarray:
+        if self.fmt in ("F16", "BF16"):
+            return raw_rows.astype(np.float32)
+        return reference.dequantize(self.fmt, raw_rows)  # (rows, K)
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows ``index`` (S,) of the weight as float32 (S, K)."""
+        return self._decode(self.raw[np.asarray(index, np.int64)])
+
+    def linear(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """x (M, K) float32 @ weight (N, K)^T + bias (N,) into out (M, N) (new when None)."""
+        n = self.raw.shape[0]
+        out = np.empty((x.shape[0], n), np.float32) if out is None else out
+        step = max(1, _TILE_ELEMENTS // max(x.shape[1], 1))
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            np.matmul(x, self._decode(self.raw[start:stop]).T, out=out[:, start:stop])
+        if bias is not None:
+            out += bias
+        return out
+
+
+def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight | bool":
     """The weight (N, K) checked once for the native kernels; False when its layout does not
     suit them (an F16/BF16 view that is not C-contiguous)."""
     w = w_t.host_array()  # (N, row_bytes) uint8, or (N, K) F16/BF16
     if not w.flags.c_contiguous:
         return False
+    if not native.available():
+        if not _warned:
+            _warned.append(True)
+            log.warning("the native kernels (llaisys._native._kernels) are not built: quantized and 16-bit "
+                        "weights run on the slow NumPy path; reinstall llaisys with a C compiler on PATH")
+        return PortableWeight(_FORMAT[w_t.dtype], w)
     return native.prepare(_FORMAT[w_t.dtype], w)
 
 
