@@ -60,6 +60,7 @@ def assert_close(actual: llaisys.Tensor, expected, dtype: DataType | None = None
 import importlib.metadata  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 
 def _smollm2_gguf() -> Path | None:
@@ -272,3 +273,23 @@ def random_hf_model(arch: str, seed: int = 0, **config):
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     return model.eval()
+
+
+# ---- test plugins built from C sources -----------------------------------------------------
+def plugin_libraries(out: Path, builds: dict) -> Iterator[dict[str, Path]]:
+    """Build test plugins into ``out`` two at a time and yield {name: library}; afterwards
+    unload those still loaded. ``builds``: name -> (source, macros) or (source, macros, kwargs
+    of ``build_plugin``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llaisys.plugins import loaded_plugins, unload_plugin
+    from llaisys.plugins.build import build_plugin
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {name: pool.submit(build_plugin, spec[0], out / f"lib{name}.so", spec[1], **(spec[2] if len(spec) > 2 else {}))
+                for name, spec in builds.items()}
+        built = {name: job.result() for name, job in jobs.items()}
+    yield built
+    for plugin in loaded_plugins():
+        if plugin.path.startswith(str(out)):
+            unload_plugin(plugin.name)

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-import llaisys
 from llaisys import DataType, Tensor, ops
 from llaisys.kernels import Layout, dispatch, register_kernel, registered_kernels, unregister_kernels
 from llaisys.ops import functional as F

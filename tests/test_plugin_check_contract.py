@@ -10,7 +10,6 @@ import dataclasses
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +17,11 @@ import pytest
 
 import llaisys
 from llaisys import Tensor
-from llaisys.plugins import PluginAPIError, load_plugin, loaded_plugins, unload_plugin
-from llaisys.plugins.build import build_plugin
+from llaisys.plugins import PluginAPIError, load_plugin
 from llaisys.runtime.interface import AllocatorSizes
 from llaisys.tensor import FrozenTensorError
 from llaisys.tools.plugin_check import FAIL, FALLBACK, SKIP, random_model_run, reserved_for, run_check, write_random_qwen2
+from conftest import plugin_libraries
 
 F = llaisys.ops.functional
 SOURCE = Path(__file__).parent / "plugins" / "contract_devices.c"
@@ -39,14 +38,8 @@ BARE = "contract_bare:0"
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("contract_plugins")
-    with ThreadPoolExecutor(2) as pool:
-        jobs = {name: pool.submit(build_plugin, SOURCE, out / f"lib{name}.so", defines) for name, defines in VARIANTS.items()}
-        built = {name: job.result() for name, job in jobs.items()}
-    yield built
-    for plugin in loaded_plugins():
-        if plugin.path.startswith(str(out)):
-            unload_plugin(plugin.name)
+    yield from plugin_libraries(tmp_path_factory.mktemp("contract_plugins"),
+                                {name: (SOURCE, defines) for name, defines in VARIANTS.items()})
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import resource
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,9 @@ from llaisys.kernels import find_kernel
 from llaisys.plugins import (PluginAPIError, PluginError, PluginOutOfMemoryError, load_plugin, load_plugins_from_env,
                              loaded_plugins, unload_plugin)
 from llaisys.backends.plugin import abi
-from llaisys.plugins.build import build_plugin
 from llaisys.tools.plugin_check import FAIL, FALLBACK, decoder_layer_chain, random_model_run, run_check
 from llaisys.runtime import KernelNotFoundError, OutOfMemoryError, available_backends, device_types
+from conftest import plugin_libraries
 
 SOURCE = Path(__file__).parent / "plugins" / "variants.c"
 VARIANTS = {  # name -> macros
@@ -48,15 +47,8 @@ VARIANTS = {  # name -> macros
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("plugins")
-    with ThreadPoolExecutor(2) as pool:
-        jobs = {name: pool.submit(build_plugin, SOURCE, out / f"lib{name}.so", defines)
-                for name, defines in VARIANTS.items()}
-        built = {name: job.result() for name, job in jobs.items()}
-    yield built
-    for plugin in loaded_plugins():
-        if plugin.path.startswith(str(out)):
-            unload_plugin(plugin.name)
+    yield from plugin_libraries(tmp_path_factory.mktemp("plugins"),
+                                {name: (SOURCE, defines) for name, defines in VARIANTS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +135,7 @@ def test_not_a_library(tmp_path):
 def test_clashing_device_type_is_refused(libs, minimal, tmp_path):
     copy = tmp_path / "libsame_type.so"
     shutil.copy(libs["minimal"], copy)
-    with pytest.raises(PluginError, match=rf"libsame_type\.so: device type 'mini_dev' is already registered by plugin .*libminimal\.so"):
+    with pytest.raises(PluginError, match=r"libsame_type\.so: device type 'mini_dev' is already registered by plugin .*libminimal\.so"):
         load_plugin(copy)
     assert llaisys.runtime.get_backend(minimal.device_type) is minimal.backend  # the first one still serves
     assert load_plugin(libs["minimal"]) is minimal

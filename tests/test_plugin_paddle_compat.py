@@ -10,9 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,10 @@ import pytest
 import llaisys
 from llaisys import Tensor
 from llaisys.backends.plugin import abi
-from llaisys.plugins import load_plugin, loaded_plugins, trace_event_counts, unload_plugin
-from llaisys.plugins.build import build_plugin, include_dir
+from llaisys.plugins import load_plugin, trace_event_counts, unload_plugin
+from llaisys.plugins.build import include_dir
 from llaisys.plugins.loader import DEFAULT_EXIT_TIMEOUT, exit_timeout
+from conftest import plugin_libraries
 
 HERE = Path(__file__).parent / "plugins"
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -39,18 +38,10 @@ IFACE_SIZE, PARAMS_SIZE = ctypes.sizeof(abi.C_DeviceInterface), ctypes.sizeof(ab
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("paddle_habits")
-    with ThreadPoolExecutor(2) as pool:
-        jobs = {name: pool.submit(build_plugin, HERE / src, out / f"lib{name}.so", macros)
-                for name, (src, macros) in C_BUILDS.items()}
-        if CXX:  # linked by the C++ driver for its runtime library
-            jobs["cxx"] = pool.submit(build_plugin, HERE / "paddle_habits.cc", out / "libcxx.so",
-                                      extra_flags=["-std=c++11"], compiler=CXX)
-        built = {name: job.result() for name, job in jobs.items()}
-    yield built
-    for plugin in loaded_plugins():
-        if plugin.path.startswith(str(out)):
-            unload_plugin(plugin.name)
+    builds = {name: (HERE / src, macros) for name, (src, macros) in C_BUILDS.items()}
+    if CXX:  # linked by the C++ driver for its runtime library
+        builds["cxx"] = (HERE / "paddle_habits.cc", [], {"extra_flags": ["-std=c++11"], "compiler": CXX})
+    yield from plugin_libraries(tmp_path_factory.mktemp("paddle_habits"), builds)
 
 
 def assert_adds_on(device: str) -> None:
