@@ -68,14 +68,16 @@ def _natural_dtype(kinds: set[str]) -> DataType:
 
 
 def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | None = None,
-               device: str | None = None, progress: bool = False) -> CausalLM:
+               device: str | None = None, progress: bool = False, half_weights: bool = True) -> CausalLM:
     """Load a model.
 
     source: None for ``default_model_path()``; a folder for a Hugging Face model folder
     (config.json, safetensors, tokenizer.json, tokenizer_config.json, generation_config.json);
     a ``*.gguf`` file for GGUF. dtype: "f32" | "bf16" | "f16" | None (the stored float type;
     quantized GGUF gives f32). device: "cpu", "cpu:0", a plugin device, or None for the current
-    one. progress: show a progress line on stderr while the weights load.
+    one. progress: show a progress line on stderr while the weights load. half_weights: in an
+    f32 model from a folder, keep F16/BF16 matrices (all but the embedding table) as stored, for
+    ``linear`` to widen as it computes; False converts them to f32 too.
     Raises ModelLoadError for malformed or unsupported files, FileNotFoundError for a missing path.
     """
     path = default_model_path() if source is None else Path(source)
@@ -83,7 +85,7 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     dev = as_device(device)
     start = time.perf_counter()
     if path.is_dir():
-        model = _load_folder(path, want, dev, progress)
+        model = _load_folder(path, want, dev, progress, half_weights)
     elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
@@ -94,7 +96,7 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     return model
 
 
-def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -> CausalLM:
+def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True) -> CausalLM:
     from .loaders.safetensors import read_folder
 
     with contextlib.ExitStack() as stack:
@@ -108,7 +110,7 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool) -
         kinds = {w.kind for name, w in weights.items() if len(w.shape) == 2}
         dtype = dtype or _natural_dtype(kinds)
         bar = Progress(folder.name, len(weights), progress)
-        params = build_params(weights, config, dtype, device, bar)
+        params = build_params(weights, config, dtype, device, bar, keep_half=half_weights)
         bar.finish()
     gen_path = folder / "generation_config.json"
     gen = read_json_object(gen_path)

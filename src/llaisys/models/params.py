@@ -2,8 +2,11 @@
 q/k/v stacked into one projection, gate/up into another.
 
 A matrix stored in a block format llaisys computes on (Q4_0 ... Q6_K; ``WeightSource.read_raw_rows``)
-stays as stored, a tensor of that DataType; the rest is converted to the model's dtype. A
-fused matrix stays quantized when its parts share a format, else it is converted whole."""
+stays as stored, a tensor of that DataType. With ``keep_half`` and an F32 model, an F16/BF16
+matrix other than the embedding table (q/k/v, o, gate/up, down, an untied lm_head) stays F16/BF16:
+``linear`` takes such a weight with F32 activations and widens it inside the kernel. The rest is
+converted to the model's dtype. A fused matrix stays as stored when its parts share a type, else
+it is converted whole."""
 from __future__ import annotations
 
 import sys
@@ -71,14 +74,28 @@ BLOCK_BYTES = 1 << 20  # float32 bytes decoded at a time: temporaries stay small
 RAW_BLOCK_BYTES = 16 << 20  # stored bytes copied at a time for a matrix kept quantized
 
 
+HALF_KINDS = ("F16", "BF16")
+
+
 def kept_dtype(src: WeightSource) -> DataType | None:
     """The block-format DataType a weight stays in, or None when it is converted."""
     return DataType[src.kind] if src.read_raw_rows is not None else None
 
 
 class _Builder:
-    def __init__(self, weights: Mapping[str, WeightSource], dtype: DataType, device: Device, progress: Progress):
+    def __init__(self, weights: Mapping[str, WeightSource], dtype: DataType, device: Device, progress: Progress,
+                 keep_half: bool = False):
         self.weights, self.dtype, self.device, self.progress = weights, dtype, device, progress
+        self.keep_half = keep_half and dtype is DataType.F32
+
+    def _float_dtype(self, names: Sequence[str]) -> DataType:
+        """The float type of a converted matrix made of weights ``names``: their shared F16/BF16
+        type when half matrices are kept, else the model's dtype."""
+        kinds = {self.weights[n].kind for n in names}
+        if self.keep_half and len(kinds) == 1 and kinds <= set(HALF_KINDS) and all(
+                len(self.weights[n].shape) == 2 for n in names):
+            return DataType[kinds.pop()]
+        return self.dtype
 
     def _fill(self, dst: Tensor, name: str) -> None:
         """Read weight ``name`` into ``dst`` (its shape), a block of rows at a time when the
@@ -112,10 +129,12 @@ class _Builder:
             (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(src.read_raw_rows(start, stop))
         self.progress.step()
 
-    def one(self, name: str) -> Tensor:
+    def one(self, name: str, half: bool = True) -> Tensor:
+        """Weight ``name`` as a tensor; ``half=False``: never kept F16/BF16 (the embedding table)."""
         src = self.weights[name]
         kept = kept_dtype(src)
-        out = Tensor.empty(src.shape, self.dtype if kept is None else kept, self.device)
+        float_dtype = self._float_dtype([name]) if half else self.dtype
+        out = Tensor.empty(src.shape, float_dtype if kept is None else kept, self.device)
         (self._fill if kept is None else self._fill_raw)(out, name)
         return out.freeze()
 
@@ -128,7 +147,7 @@ class _Builder:
         rows = sum(s[0] for s in shapes)
         kept = {kept_dtype(self.weights[n]) for n in names}
         dtype = kept.pop() if len(kept) == 1 and None not in kept else None
-        out = Tensor.empty((rows, *shapes[0][1:]), self.dtype if dtype is None else dtype, self.device)
+        out = Tensor.empty((rows, *shapes[0][1:]), self._float_dtype(names) if dtype is None else dtype, self.device)
         start = 0
         for name, shape in zip(names, shapes):
             (self._fill if dtype is None else self._fill_raw)(out.slice(0, start, start + shape[0]), name)
@@ -137,9 +156,10 @@ class _Builder:
 
 
 def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype: DataType,
-                 device: Device, progress: Progress) -> DecoderParams:
-    """Read every weight into a tensor of ``dtype`` on ``device``, fusing q/k/v and gate/up."""
-    b = _Builder(weights, dtype, device, progress)
+                 device: Device, progress: Progress, keep_half: bool = False) -> DecoderParams:
+    """Read every weight into a tensor of ``dtype`` on ``device``, fusing q/k/v and gate/up;
+    ``keep_half``: F16/BF16 matrices of an F32 model stay as stored (the embedding table aside)."""
+    b = _Builder(weights, dtype, device, progress, keep_half)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
@@ -153,6 +173,6 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             gate_up=b.stacked([p + "gate", p + "up"]),
             down=b.one(p + "down"),
         ))
-    embed = b.one("embed")
+    embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
     lm_head = embed if config.tie_word_embeddings else b.one("lm_head")
     return DecoderParams(embed=embed, norm=b.one("norm"), lm_head=lm_head, layers=layers)
