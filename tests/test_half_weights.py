@@ -106,7 +106,7 @@ def test_resident_bytes_about_half(case):
 
 def test_bf16_dtype_keeps_everything_bf16(case):
     _, _, folder, _ = case
-    natural = load_model(folder)
+    natural = load_model(folder, dtype="bf16")
     assert natural.dtype is DataType.BF16
     p = natural.params
     assert {t.dtype for t in (p.embed, p.norm, p.lm_head, p.layers[0].qkv, p.layers[0].attn_norm)} == {DataType.BF16}

@@ -141,13 +141,15 @@ def test_bf16_within_stated_bound(case):
 def test_stored_bf16_kept_or_converted(tmp_path):
     hf = _build("qwen2", dict(tie_word_embeddings=True), seed=5).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
-    natural = load_model(tmp_path)
+    natural = load_model(tmp_path, dtype="bf16")
     assert natural.dtype is DataType.BF16
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         stored = len(list(f.keys()))
     assert natural.info()["tensor_types"] == {"BF16": stored}
     widened = load_model(tmp_path, dtype="f32")
     assert widened.dtype is DataType.F32
+    default = load_model(tmp_path)  # on the CPU: f32 activations, the 16-bit matrices as stored
+    assert default.dtype is DataType.F32 and default.params.layers[0].qkv.dtype is DataType.BF16
     ids = _prompt(12, seed=6)
     # the same bf16 weights computed in f32 (reloaded: casting back would keep bf16-rounded rope frequencies)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
