@@ -3,7 +3,7 @@ them as it computes), norms, biases and the embedding table are f32, and the log
 transformers' f32 run of the same bf16-rounded weights."""
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,15 +123,13 @@ def bf16_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bare_device(tmp_path_factory):
-    from llaisys.plugins import load_plugin, unload_plugin
-    from llaisys.plugins.build import build_plugin
+    from conftest import plugin_libraries
+    from llaisys.plugins import load_plugin
 
-    source = os.path.join(os.path.dirname(__file__), "plugins", "contract_devices.c")
-    lib = build_plugin(source, tmp_path_factory.mktemp("half_plugin") / "libhalf_bare.so",
-                       ['DEVICE_TYPE="half_bare"'])
-    plugin = load_plugin(lib)
-    yield "half_bare:0"
-    unload_plugin(plugin.name)
+    source = Path(__file__).parent / "plugins" / "contract_devices.c"
+    for libs in plugin_libraries(tmp_path_factory.mktemp("half_plugin"), {"half_bare": (source, ['DEVICE_TYPE="half_bare"'])}):
+        load_plugin(libs["half_bare"])
+        yield "half_bare:0"
 
 
 @pytest.fixture(scope="module")

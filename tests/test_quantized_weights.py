@@ -10,6 +10,7 @@ the same kernels, so results are identical).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from conftest import TOLERANCE, hf_to_gguf_tensors, random_hf_model, write_gguf
 from llaisys import DataType, Tensor, ops
 from llaisys.models import load_model
 from llaisys.plugins import load_plugin, unload_plugin
-from llaisys.plugins.build import build_plugin, build_reference_plugin
+from llaisys.plugins.build import build_reference_plugin
 
 F = ops.functional
 Q = gguf.GGMLQuantizationType
@@ -288,12 +289,12 @@ def test_bf16_model_keeps_quantized_matrices(mixed_llama):
 
 @pytest.fixture(scope="module")
 def bare_device(tmp_path_factory):
-    source = os.path.join(os.path.dirname(__file__), "plugins", "contract_devices.c")
-    lib = build_plugin(source, tmp_path_factory.mktemp("quant_plugin") / "libquant_bare.so",
-                       ['DEVICE_TYPE="quant_bare"'])
-    plugin = load_plugin(lib)
-    yield "quant_bare:0"
-    unload_plugin(plugin.name)
+    from conftest import plugin_libraries
+
+    source = Path(__file__).parent / "plugins" / "contract_devices.c"
+    for libs in plugin_libraries(tmp_path_factory.mktemp("quant_plugin"), {"quant_bare": (source, ['DEVICE_TYPE="quant_bare"'])}):
+        load_plugin(libs["quant_bare"])
+        yield "quant_bare:0"
 
 
 def test_quantized_tensor_moves_to_a_plugin_device_as_bytes(bare_device):
