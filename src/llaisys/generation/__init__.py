@@ -10,13 +10,15 @@ from .config import GenerationConfig
 from .detokenizer import IncrementalDetokenizer
 from .loop import GenerationStream, PrefillProgress, encode_prompt, generate, has_tokenizer, stream
 from .prompt_cache import PromptCache
-from .results import FinishReason, GenerationResult, StreamEvent, Timings
+from .results import FinishReason, GenerationResult, SampledToken, StreamEvent, Timings
 from .sampler import Sampler, sample_from_logits
 from .stopping import StopStringMatcher
+from .text_stream import TextStream
 
 __all__ = [
     "FinishReason", "GenerationConfig", "GenerationResult", "GenerationStream", "IncrementalDetokenizer",
-    "PrefillProgress", "PromptCache", "Sampler", "StopStringMatcher", "StreamEvent", "Timings", "chat",
+    "PrefillProgress", "PromptCache", "SampledToken", "Sampler", "StopStringMatcher", "StreamEvent", "TextStream",
+    "Timings", "chat",
     "chat_prompt_ids", "check_messages", "encode_prompt", "generate", "has_tokenizer", "sample_from_logits", "stream",
     "stream_chat",
 ]

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+MAX_LOGPROBS = 20  # most top tokens one step may report (OpenAI's limit)
+
 
 def _number(name: str, value: object, *, integer: bool = False) -> None:
     """Raise TypeError unless ``value`` is a real number (an int when ``integer``); bools are refused."""
@@ -22,13 +24,24 @@ def _number(name: str, value: object, *, integer: bool = False) -> None:
 class GenerationConfig:
     """How to pick tokens and when to stop.
 
-    temperature == 0 means greedy decoding (argmax after the repetition penalty); the other
-    sampling knobs are then ignored. top_k == 0, top_p == 1 and min_p == 0 switch those
-    filters off; repetition_penalty == 1 switches the penalty off. ``seed`` makes sampling
-    reproducible: each request draws from its own ``numpy.random.Generator(seed)``.
+    The logits are first penalized, in vLLM's order: ``repetition_penalty`` (CTRL's, on every
+    token of the prompt and the generated text; 1 = off), then OpenAI's ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2], 0 = off): ``logits[t] -= presence_penalty * (count[t] > 0)
+    + frequency_penalty * count[t]``, ``count[t]`` counting token t among the generated tokens
+    only. Then temperature, top_k, top_p and min_p (Hugging Face's order). temperature == 0
+    means greedy decoding (argmax after the penalties); temperature and the filters are then
+    ignored. top_k == 0, top_p == 1 and min_p == 0 switch those filters off. ``seed`` makes
+    sampling reproducible: each request draws from its own ``numpy.random.Generator(seed)``.
+
     Generation stops at any of ``eos_token_ids`` (the model's own are added unless
     ``ignore_eos``), at the first of ``stop`` strings (not emitted), or after
-    ``max_new_tokens`` tokens.
+    ``max_new_tokens`` tokens. Until ``min_tokens`` tokens were generated the eos ids cannot be
+    picked (their logits are -inf, as vLLM's min_tokens does; at most ``max_new_tokens``); stop
+    strings are not held back by it.
+
+    ``logprobs`` None returns no log-probabilities; an int k in [0, 20] returns, at each step,
+    the picked token's logprob and the k most likely tokens' logprobs, of the model's own
+    distribution (log_softmax of the raw logits, before penalties, temperature and filters).
     """
 
     max_new_tokens: int = 256
@@ -37,12 +50,16 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens_to_keep: int = 1
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _number("max_new_tokens", self.max_new_tokens, integer=True)
@@ -64,6 +81,20 @@ class GenerationConfig:
         if self.repetition_penalty <= 0:
             raise ValueError(
                 f"GenerationConfig.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _number(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"GenerationConfig.{name} must be in [-2, 2] (0 = off), got {value}")
+        _number("min_tokens", self.min_tokens, integer=True)
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"GenerationConfig.min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None:
+            _number("logprobs", self.logprobs, integer=True)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"GenerationConfig.logprobs must be None or in [0, {MAX_LOGPROBS}] "
+                                 f"(how many top tokens to report), got {self.logprobs}")
         _number("min_tokens_to_keep", self.min_tokens_to_keep, integer=True)
         if self.min_tokens_to_keep < 1:
             raise ValueError(f"GenerationConfig.min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")

@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from .config import GenerationConfig
-from .detokenizer import IncrementalDetokenizer
 from .prompt_cache import PromptCache
 from .protocol import LanguageModel
 from .results import FinishReason, GenerationResult, StreamEvent, Timings
 from .sampler import Sampler
-from .stopping import StopStringMatcher
+from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +27,6 @@ PrefillProgress = Callable[[int, int], None]
 def has_tokenizer(model: LanguageModel) -> bool:
     """False for a model that takes token ids only (its tokenizer says what is ``missing``)."""
     return getattr(model.tokenizer, "missing", None) is None
-
-
-class _NoText:
-    """The detokenizer of a model without a tokenizer: token ids stream with no text."""
-
-    def push(self, token_id: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
 
 
 def _context_limit(model: LanguageModel) -> int | None:
@@ -135,11 +124,8 @@ class GenerationStream:
     def _run(self) -> Iterator[StreamEvent]:
         cfg, tok = self.config, self.model.tokenizer
         t0 = time.perf_counter()
-        sampler = Sampler(cfg)
         eos = set() if cfg.ignore_eos else {*cfg.eos_token_ids, *self.model.eos_token_ids}
-        detok = (IncrementalDetokenizer(tok, self.prompt_ids, skip_special_tokens=cfg.skip_special_tokens)
-                 if has_tokenizer(self.model) else _NoText())
-        stops = StopStringMatcher(cfg.stop)
+        sampler = Sampler(cfg, stop_token_ids=eos)  # eos cannot be picked before cfg.min_tokens tokens
         context = list(self.prompt_ids)  # every id so far, for the repetition penalty
 
         cached = self.prompt_cache.reuse(self.prompt_ids)
@@ -150,26 +136,17 @@ class GenerationStream:
         t_resume = t_prefill  # when the generator last got control back from its consumer
         room = self.prompt_cache.max_tokens - len(self.prompt_cache.token_ids)
         limit = min(cfg.max_new_tokens, room + 1)  # the last token picked is never run
+        text = TextStream(tok if has_tokenizer(self.model) else None, self.prompt_ids, cfg.stop, eos, limit,
+                          cfg.skip_special_tokens)
         for step in range(limit):
-            token = sampler(logits, context)
+            token = sampler(logits, context, self.token_ids)
             if step == 0:
                 self.timings.ttft_s = time.perf_counter() - t0
             self.token_ids.append(token)
             context.append(token)
             self.timings.generated_tokens = len(self.token_ids)
-            finish: FinishReason | None = None
-            if token in eos:
-                delta = stops.push(detok.flush())
-                finish = "stop"
-            else:
-                delta = stops.push(detok.push(token))
-                if stops.stopped:
-                    finish = "stop"
-                elif step == limit - 1:
-                    delta += stops.push(detok.flush())
-                    finish = "stop" if stops.stopped else "length"
-            if finish is not None and not stops.stopped:
-                delta += stops.flush()
+            delta = text.push(token)
+            finish = text.finish_reason
             self.text += delta
             if finish is not None:
                 self.finish_reason = finish

@@ -1,8 +1,12 @@
-"""Logits processors: pure functions on one logits vector (V,) float32, each returning a new array.
+"""Logits processors: pure functions on one logits vector (V,) float32, each returning a new array
+(or the input itself when it has nothing to do; the input is never written).
 
-They follow the Hugging Face processors of the same names, and ``process_logits`` applies them
-in Hugging Face's order: repetition penalty, temperature, top-k, top-p, min-p. A filtered-out
-token gets ``-inf``.
+The filters follow the Hugging Face processors of the same names; the presence and frequency
+penalties and the min-tokens mask follow OpenAI and vLLM. ``penalize`` applies the penalties
+and the mask with at most one copy, in vLLM's order (repetition, frequency and presence
+penalties); ``process_logits`` then adds temperature, top-k, top-p and min-p (Hugging Face's
+order). A filtered-out token gets ``-inf``. ``logsumexp`` and ``top_logprobs`` give the
+model's own log-probabilities of the raw logits.
 """
 from __future__ import annotations
 
@@ -22,16 +26,92 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
+def _in_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """A mask (U,) of the ``ids`` (U,) that index a vocabulary of ``vocab`` tokens."""
+    return (ids >= 0) & (ids < vocab)
+
+
+def _repetition_penalty_(x: np.ndarray, context_ids: Sequence[int] | np.ndarray, penalty: float) -> None:
+    """``repetition_penalty`` in place on ``x`` (V,)."""
+    ids = np.unique(np.asarray(context_ids, dtype=np.int64))  # (U,)
+    ids = ids[_in_vocab(ids, x.shape[0])]
+    picked = x[ids]  # (U,)
+    x[ids] = np.where(picked < 0, picked * np.float32(penalty), picked / np.float32(penalty))
+
+
+def _presence_frequency_penalty_(x: np.ndarray, generated_ids: Sequence[int] | np.ndarray, presence: float,
+                                 frequency: float) -> None:
+    """``presence_frequency_penalty`` in place on ``x`` (V,)."""
+    ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)  # (U,), (U,)
+    ok = _in_vocab(ids, x.shape[0])
+    ids, counts = ids[ok], counts[ok]
+    # The penalty is formed in float64 and the result rounded to x's dtype once.
+    x[ids] = x[ids] - (presence + frequency * counts)  # (U,)
+
+
+def _mask_(x: np.ndarray, token_ids: np.ndarray) -> None:
+    """Set ``x[token_ids]`` to -inf in place, ids outside ``x`` (V,) ignored."""
+    x[token_ids[_in_vocab(token_ids, x.shape[0])]] = FILTERED
+
+
+def _min_tokens_active(stop_token_ids: Sequence[int] | np.ndarray, num_generated: int, min_tokens: int) -> bool:
+    return num_generated < min_tokens and len(stop_token_ids) > 0
+
+
 def repetition_penalty(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray, penalty: float) -> np.ndarray:
     """Penalize every token id in ``context_ids`` (prompt and generated so far), as CTRL does:
     a positive logit is divided by ``penalty``, a negative one multiplied. Each id counts once."""
     if penalty == 1.0 or len(context_ids) == 0:
         return logits
-    ids = np.unique(np.asarray(context_ids, dtype=np.int64))  # (U,)
-    ids = ids[(ids >= 0) & (ids < logits.shape[0])]
     out = logits.copy()  # (V,)
-    picked = out[ids]  # (U,)
-    out[ids] = np.where(picked < 0, picked * np.float32(penalty), picked / np.float32(penalty))
+    _repetition_penalty_(out, context_ids, penalty)
+    return out
+
+
+def presence_frequency_penalty(logits: np.ndarray, generated_ids: Sequence[int] | np.ndarray, presence: float,
+                               frequency: float) -> np.ndarray:
+    """OpenAI's penalties: ``logits[t] - presence * (count[t] > 0) - frequency * count[t]``, where
+    ``count[t]`` is how often token ``t`` occurs in ``generated_ids`` (the generated tokens only,
+    not the prompt, as in OpenAI and vLLM). Negative values reward repeats instead."""
+    if (presence == 0.0 and frequency == 0.0) or len(generated_ids) == 0:
+        return logits
+    out = logits.copy()  # (V,)
+    _presence_frequency_penalty_(out, generated_ids, presence, frequency)
+    return out
+
+
+def min_tokens_mask(logits: np.ndarray, stop_token_ids: Sequence[int] | np.ndarray, num_generated: int,
+                    min_tokens: int) -> np.ndarray:
+    """Logits (V,) with ``-inf`` on ``stop_token_ids`` (E,) (EOS and stop token ids) while
+    ``num_generated`` < ``min_tokens``, so that generation cannot end before ``min_tokens`` tokens
+    (vLLM's ``min_tokens``); ids outside the vocabulary are ignored."""
+    if not _min_tokens_active(stop_token_ids, num_generated, min_tokens):
+        return logits
+    out = logits.copy()  # (V,)
+    _mask_(out, np.asarray(stop_token_ids, dtype=np.int64))
+    return out
+
+
+def penalize(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray = (),
+             generated_ids: Sequence[int] | np.ndarray = (), *, repetition: float = 1.0, presence: float = 0.0,
+             frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
+             min_tokens: int = 0) -> np.ndarray:
+    """``repetition_penalty`` over ``context_ids`` (prompt + generated), then
+    ``presence_frequency_penalty`` over ``generated_ids`` (generated only), then ``min_tokens_mask``
+    with ``len(generated_ids)`` tokens generated: logits (V,) in, logits (V,) out. Makes at most one
+    copy of ``logits`` and returns ``logits`` itself when nothing applies."""
+    rep = repetition != 1.0 and len(context_ids) > 0
+    pf = (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0
+    mask = _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens)
+    if not (rep or pf or mask):
+        return logits
+    out = logits.copy()  # (V,)
+    if rep:
+        _repetition_penalty_(out, context_ids, repetition)
+    if pf:
+        _presence_frequency_penalty_(out, generated_ids, presence, frequency)
+    if mask:
+        _mask_(out, np.asarray(stop_token_ids, dtype=np.int64))
     return out
 
 
@@ -93,10 +173,45 @@ def min_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarr
 
 def process_logits(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray, *, penalty: float = 1.0,
                    temp: float = 1.0, k: int = 0, p: float = 1.0, min_prob: float = 0.0,
-                   min_tokens_to_keep: int = 1) -> np.ndarray:
-    """All processors in Hugging Face's order; returns the filtered logits (V,) float32."""
-    x = repetition_penalty(logits, context_ids, penalty)
-    x = temperature(x, temp)
+                   min_tokens_to_keep: int = 1, generated_ids: Sequence[int] | np.ndarray = (),
+                   presence: float = 0.0, frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
+                   min_tokens: int = 0) -> np.ndarray:
+    """``penalize`` (repetition, presence and frequency penalties, min-tokens mask), then temperature,
+    top-k, top-p, min-p (Hugging Face's order); returns the filtered logits (V,) float32."""
+    x = penalize(logits, context_ids, generated_ids, repetition=penalty, presence=presence, frequency=frequency,
+                 stop_token_ids=stop_token_ids, min_tokens=min_tokens)  # (V,)
+    if x is not logits and temp != 1.0:
+        x /= np.float32(temp)  # our own copy: divided in place, as temperature() would
+    else:
+        x = temperature(x, temp)
     x = top_k(x, k, min_tokens_to_keep)
     x = top_p(x, p, min_tokens_to_keep)
     return min_p(x, min_prob, min_tokens_to_keep)
+
+
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) of logits (V,), computed in float64; ``-inf`` entries add nothing.
+
+    ``logits[t] - logsumexp(logits)`` is log_softmax(logits)[t]. Raises ValueError when the
+    largest logit is not finite (no distribution)."""
+    top = float(logits.max())
+    if not np.isfinite(top):
+        raise ValueError(f"logits must have a finite maximum to give logprobs, got {top}")
+    x = logits.astype(np.float64)  # (V,)
+    x -= top
+    np.exp(x, out=x)
+    return top + float(np.log(x.sum()))
+
+
+def top_logprobs(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of logits (V,) as ``(token_id, logprob)``, logprob =
+    ``logits[t] - lse`` in float64 (``lse = logsumexp(logits)``), by descending logprob, ties by
+    lower token id; ``min(k, V)`` pairs, [] for k == 0."""
+    n = logits.shape[0]
+    k = min(k, n)
+    if k <= 0:
+        return []
+    kth = np.partition(logits, n - k)[n - k]  # the k-th largest logit
+    ids = np.flatnonzero(logits >= kth)  # (m,) ascending, m >= k when the k-th value ties
+    ids = ids[np.argsort(-logits[ids], kind="stable")[:k]]  # (k,) descending, ties by lower id
+    return [(int(t), float(logits[t]) - lse) for t in ids]

@@ -1,4 +1,4 @@
-"""What generation hands back: stream events, the final result and its timings."""
+"""What generation hands back: sampled tokens, stream events, the final result and its timings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,6 +38,21 @@ class Timings:
             "decode_s": self.decode_s, "total_s": self.total_s,
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
         }
+
+
+@dataclass(slots=True, frozen=True)
+class SampledToken:
+    """One token picked by ``Sampler.sample``.
+
+    ``logprob`` is the token's log-probability under the model's own distribution (log_softmax
+    of the raw logits, before penalties, temperature and filters; computed in float64) and
+    ``top_logprobs`` the ``config.logprobs`` most likely tokens as ``(token_id, logprob)``, by
+    descending logprob, ties by lower id. Both are None when ``config.logprobs`` is None.
+    """
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True, frozen=True)
