@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=positive_int, default=128, metavar="N", help="tokens to generate (default 128)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="measured runs (default 3)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured runs first (default 1)")
+    p.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
+                   help="run N sequences of the workload at once through the serving engine and report "
+                        "aggregate figures (default 1: one sequence, no engine)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_model_options(p)
     p.set_defaults(func=run)
@@ -66,6 +69,48 @@ def run_once(model: Any, ids: list[int], gen_tokens: int) -> Timings:
     return result.timings
 
 
+def distinct_prompts(ids: list[int], n: int, vocab_size: int) -> list[list[int]]:
+    """``n`` prompts of len(ids) tokens that differ from their second token on (so no prefix is
+    shared and each is prefilled in full); the first is ``ids`` itself."""
+    out = [list(ids)]
+    for i in range(1, n):
+        shifted = ids[:1] + [(t + 31 * i) % vocab_size for t in ids[1:]]
+        out.append(shifted)
+    return out
+
+
+def run_concurrent(model: Any, prompts: list[list[int]], gen_tokens: int) -> dict[str, float]:
+    """All ``prompts`` at once through a fresh LLMEngine, ``gen_tokens`` greedy tokens each
+    (end-of-sequence ignored). Prefill rate: prompt tokens over the time until every sequence
+    had its first token; decode rate: tokens picked by steps after that, over their time."""
+    from ..engine import LLMEngine
+
+    engine = LLMEngine(model, max_seqs=max(len(prompts), 1))
+    config = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(None, p, config)
+    started: set[str] = set()
+    ttfts: list[float] = []
+    decode_tokens, decode_s, all_started = 0, 0.0, None
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if all_started is not None:
+            decode_tokens += sum(len(o.token_ids) for o in outputs)
+            decode_s += now - t
+        for o in outputs:
+            if o.request_id not in started:
+                started.add(o.request_id)
+                ttfts.append(now - t0)
+        if all_started is None and len(started) == len(prompts):
+            all_started = now
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"ttft_s": statistics.median(ttfts), "prefill_tok_s": prompt_tokens / ((all_started or now) - t0),
+            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0}
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB (ru_maxrss)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -91,13 +136,23 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--prompt-tokens + --gen-tokens = {args.prompt_tokens + args.gen_tokens} exceeds the "
                          f"model's context of {limit}")
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
-    for _ in range(max(args.warmup, 0)):
-        run_once(model, ids, args.gen_tokens)
-    runs = [run_once(model, ids, args.gen_tokens) for _ in range(args.repeats)]
+    concurrency = getattr(args, "concurrency", 1)
+    if concurrency > 1:
+        prompts = distinct_prompts(ids, concurrency, model.config.vocab_size)
+        for _ in range(max(args.warmup, 0)):
+            run_concurrent(model, prompts, args.gen_tokens)
+        results = [run_concurrent(model, prompts, args.gen_tokens) for _ in range(args.repeats)]
+        figures = {key: statistics.median(r[key] for r in results) for key in ("prefill_tok_s", "decode_tok_s")}
+        figures["ttft_ms"] = statistics.median(r["ttft_s"] for r in results) * 1000
+    else:
+        for _ in range(max(args.warmup, 0)):
+            run_once(model, ids, args.gen_tokens)
+        figures = summarize([run_once(model, ids, args.gen_tokens) for _ in range(args.repeats)])
     return {
         "engine": "llaisys", "model": str(model.source), "dtype": str(getattr(model.dtype, "name", model.dtype)),
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-        "repeats": args.repeats, "load_s": load_s, **summarize(runs), "peak_rss_mb": peak_rss_mb(),
+        "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -106,7 +161,9 @@ def format_table(figures: dict[str, Any]) -> str:
     return "\n".join([
         f"model          {figures['model']} ({figures['dtype']})",
         f"workload       {figures['prompt_tokens']} prompt tokens, {figures['gen_tokens']} generated, "
-        f"median of {figures['repeats']}",
+        f"median of {figures['repeats']}"
+        + (f", {figures['concurrency']} sequences at once (aggregate rates)" if figures.get("concurrency", 1) > 1
+           else ""),
         f"threads        {figures['threads'] or 'as the environment says'}",
         f"load time      {figures['load_s']:.2f} s",
         f"time to first  {figures['ttft_ms']:.1f} ms",

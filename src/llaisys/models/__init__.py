@@ -2,6 +2,8 @@
 
 ``load_model()`` picks the format from the path; ``default_model_path()`` finds the bundled
 SmolLM2 GGUF. A loaded ``CausalLM`` runs token ids through the decoder with a ``KVCache``.
+What differs between architectures lives in one module each under ``architectures``, found by
+the config's ``model_type`` (GGUF: ``general.architecture``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The model configuration shared by both file formats, with Hugging Face field names."""
+"""The model configuration shared by both file formats, with Hugging Face field names.
+
+What differs between architectures (Qwen2's fixed q/k/v biases, Llama's ``attention_bias``)
+comes from the architecture's module, found by name in ``models.architectures``.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -10,14 +14,12 @@ from typing import Any, Mapping
 
 from .errors import ModelLoadError, read_json
 
-ARCHITECTURES = ("llama", "qwen2")
-
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Hyper-parameters of a Qwen2/Llama decoder. Field names follow ``config.json``."""
+    """Hyper-parameters of a decoder. Field names follow ``config.json``."""
 
-    architecture: str  # "llama" | "qwen2" (config.json: model_type)
+    architecture: str  # a registered architecture's name, "llama" | "qwen2" | ... (config.json: model_type)
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # I, the MLP width
@@ -55,10 +57,9 @@ class ModelConfig:
 
     def validate(self, source: str) -> "ModelConfig":
         """Check the values describe a model we can run; raises ModelLoadError naming ``source``."""
-        if self.architecture not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {self.architecture!r}; expected one of {', '.join(ARCHITECTURES)}"
-            )
+        from . import architectures  # here: the architecture modules import this one
+
+        architectures.get(self.architecture, source)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -138,14 +139,13 @@ def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
 
 
 def config_from_hf(raw: Any, source: str) -> ModelConfig:
-    """The config of a Hugging Face ``config.json`` already parsed into ``raw``."""
+    """The config of a Hugging Face ``config.json`` already parsed into ``raw``: the fields
+    every architecture shares, then those its ``model_type``'s architecture sets."""
+    from . import architectures  # here: the architecture modules import this one
+
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    arch = raw.get("model_type")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"{source}: unsupported model_type {arch!r}; expected one of {', '.join(ARCHITECTURES)}"
-        )
+    arch = architectures.get(raw.get("model_type"), source, key="model_type")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                if k not in raw]
     if missing:
@@ -158,14 +158,10 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
     if json_flag(raw, "use_sliding_window", False, source):
         raise ModelLoadError(f"{source}: use_sliding_window=true is not supported; expected full attention")
     values = dict(raw)
-    values["architecture"] = arch
+    values["architecture"] = arch.name
     values["rope_theta"] = _rope_theta(raw, source)
-    if arch == "qwen2":  # Qwen2 always has q/k/v biases and none on the output projection
-        values["attention_bias"], values["attention_out_bias"] = True, False
-    else:
-        bias = json_flag(raw, "attention_bias", False, source)
-        values["attention_bias"], values["attention_out_bias"] = bias, bias
     values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
+    values.update(arch.hf_config(raw, source))
     for key in ("num_key_value_heads", "head_dim"):
         if values.get(key) is None:
             values[key] = 0

@@ -1,4 +1,5 @@
-"""The Qwen2/Llama decoder, written with ``llaisys.ops`` only.
+"""The decoder of Qwen2/Llama-family models, written with ``llaisys.ops`` only; each layer is
+the one its architecture module names (``models.architectures``, ``models.layers``).
 
 Per layer: x += o_proj(attention(rope(q), rope(k), v)) over rms_norm(x), then
 x += down(swiglu(gate, up)) over rms_norm(x); each residual add runs in one op with the norm
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -25,75 +26,28 @@ from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .paged_cache import PagedKVCache, TokenBatch
+from . import architectures
+from .layers import CACHE_CALLS_AT, Workspace, attention, paged_attention
 from .params import DecoderParams, LayerParams
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 256  # longer inputs run in chunks: less masked attention work, bounded score memory
 MAX_DEFAULT_CACHE = 4096
+BATCH_PASSES_KEPT = 32  # recorded batched passes kept per paged cache (by N, B, R)
+BATCH_WORKSPACES_KEPT = 8  # work buffers kept per paged cache (by N)
 
 
-class Workspace:
-    """Buffers for one pass of S tokens, reused by every layer and every pass of that size."""
-
-    def __init__(self, config: ModelConfig, s: int, dtype: DataType, device: Device):
-        d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
-        h, kh = config.num_attention_heads, config.num_key_value_heads
-        dq, dkv = h * dh, kh * dh
-        new = lambda *shape: Tensor.empty(shape, dtype, device)  # noqa: E731
-        self.ids = Tensor.empty((s,), DataType.I64, device)  # (S,)
-        self.pos = Tensor.empty((s,), DataType.I64, device)  # (S,)
-        self.x = new(s, d)  # (S, D) the residual stream
-        self.h = new(s, d)  # (S, D) normalised input of a block
-        self.qkv = new(s, dq + 2 * dkv)  # (S, Dq + 2*Dkv)
-        self.qk_in = self.qkv.slice(1, 0, dq + dkv).view(s, h + kh, dh)  # (S, H+KH, Dh) strided view
-        self.v_in = self.qkv.slice(1, dq + dkv, dq + 2 * dkv).view(s, kh, dh)  # (S, KH, Dh)
-        self.qk = new(s, h + kh, dh)  # (S, H+KH, Dh) q and k heads after rope (one rope call for both)
-        self.q = self.qk.slice(1, 0, h)  # (S, H, Dh)
-        self.k = self.qk.slice(1, h, h + kh)  # (S, KH, Dh)
-        self.attn = new(s, h, dh)  # (S, H, Dh)
-        self.attn_flat = self.attn.view(s, dq)  # (S, Dq)
-        self.proj = new(s, d)  # (S, D) output of a block before the residual add
-        self.gate_up = new(s, 2 * inter)  # (S, 2I)
-        self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
-        self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
-        self.act = new(s, inter)  # (S, I)
-        self.h_last = self.h.slice(0, s - 1, s)  # (1, D) the last row, finally normalised
-        self.logits = new(1, config.vocab_size)  # (1, V)
-
-
-def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
-              scale: float, plan: ops.Plan) -> None:
-    """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
-    K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read)."""
-    k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
-    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (S, H+KH, Dh)
-    ops.rearrange(k_new, ws.k, plan=plan)  # (S, KH, Dh) into the cache
-    ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
-    ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
-    ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (S, D)
-
-
-CACHE_CALLS_AT = 2  # attention's calls before its three that touch the cache (see Pass.move)
-
-
-def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
-    """ws.proj = down(swiglu(gate, up)) of ws.h, the normalised input."""
-    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
-    ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
-    ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
-
-
-def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, kv: tuple[Tensor, Tensor, Tensor, Tensor],
-                  config: ModelConfig, scale: float, plan: ops.Plan) -> None:
-    """One pre-norm decoder layer applied to ws.x in place. Takes ws.h = rms_norm(ws.x) by
-    the layer's attention norm; leaves it normalised by ``next_norm`` (the next layer's
-    attention norm, or the final norm), each residual add fused with the norm after it."""
-    eps = config.rms_norm_eps
-    attention(ws, lp, kv, config, scale, plan)
-    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
-    mlp(ws, lp, config, plan)
-    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)
+def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
+                  attend: Callable[[int, LayerParams], None]) -> None:
+    """Record embedding, every layer (``attend(i, lp)`` records layer i's attention block) and
+    the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
+    p, layer = model.params, model.architecture.decoder_layer
+    ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (S, D)
+    ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (S, D)
+    next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
+    for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
+        layer(ws, lp, next_norm, lambda: attend(i, lp), model.config, plan)
 
 
 class Pass:
@@ -107,13 +61,13 @@ class Pass:
         self.ws = ws
         self.plan = ops.Plan()
         self.kv_at: list[int] = []  # per layer: index of its first call that touches the cache
-        p, plan = model.params, self.plan
-        ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (S, D)
-        ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (S, D)
-        next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
-        for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
+        plan = self.plan
+
+        def attend(i: int, lp: LayerParams) -> None:
             self.kv_at.append(len(plan) + CACHE_CALLS_AT)
-            decoder_layer(ws, lp, next_norm, cache.rows(i, start, end), model.config, model._scale, plan)
+            attention(ws, lp, cache.rows(i, start, end), model.config, model._scale, plan)
+
+        record_layers(model, ws, plan, attend)
         self.span = (start, end)
 
     def move(self, cache: KVCache, start: int, end: int) -> None:
@@ -129,6 +83,47 @@ class Pass:
         self.span = (start, end)
 
 
+class BatchIndex:
+    """Device index tensors of a batched pass over a paged cache (see ``TokenBatch``): N
+    tokens, B sequences, block tables MB wide, R rows of logits."""
+
+    def __init__(self, n: int, b: int, mb: int, r: int, device: Device):
+        new = lambda *shape: Tensor.empty(shape, DataType.I64, device)  # noqa: E731
+        self.slots = new(n)  # (N,)
+        self.block_tables = new(b, mb)  # (B, MB)
+        self.query_starts = new(b + 1)  # (B+1,)
+        self.context_lens = new(b)  # (B,)
+        self.logit_rows = new(r)  # (R,)
+
+    def load(self, batch: TokenBatch) -> None:
+        self.slots.load(batch.slots)
+        self.block_tables.load(batch.block_tables)
+        self.query_starts.load(batch.query_starts)
+        self.context_lens.load(batch.context_lens)
+        self.logit_rows.load(batch.logit_rows)
+
+
+class BatchPass:
+    """The recorded op calls of a batched pass of one shape (N, B, R) over a paged cache, the
+    head included: the rows whose logits are wanted are gathered, normalised, then projected."""
+
+    def __init__(self, model: "CausalLM", ws: Workspace, cache: PagedKVCache, n: int, b: int, r: int):
+        self.ws = ws
+        self.idx = BatchIndex(n, b, cache.max_blocks, r, model.device)
+        self.plan = plan = ops.Plan()
+        self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
+        self.logits = Tensor.empty((r, model.config.vocab_size), model.dtype, model.device)  # (R, V)
+
+        def attend(i: int, lp: LayerParams) -> None:
+            paged_attention(ws, lp, (cache.k_layers[i], cache.v_layers[i]), self.idx, model.config, model._scale,
+                            plan)
+
+        record_layers(model, ws, plan, attend)
+        if r:
+            ops.embedding(self.h_rows, self.idx.logit_rows, ws.h, plan=plan)  # (R, D): gather the rows
+            ops.linear(self.logits, self.h_rows, model.params.lm_head, plan=plan)  # (R, V)
+
+
 class CausalLM:
     """A loaded Qwen2/Llama model: config, weights on a device, tokenizer."""
 
@@ -136,6 +131,7 @@ class CausalLM:
                  device: Device, source: str, generation_defaults: dict | None = None,
                  eos_token_ids: Sequence[int] = (), file_info: dict[str, Any] | None = None):
         self.config = config
+        self.architecture = architectures.get(config.architecture)  # its layer, names and fix-ups
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -167,6 +163,19 @@ class CausalLM:
                 oldest = next(k for k in self._workspaces if k != 1)
                 del self._workspaces[oldest]
         return ws
+
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
+        ``forward_batch`` (block tables as wide as the context length needs)."""
+        c = self.config
+        max_blocks = min(-(-c.max_position_embeddings // block_size), num_blocks) if block_size > 0 else 1
+        return PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                            self.dtype, self.device, max_blocks, owner=self)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in a cache of this model (all layers)."""
+        c = self.config
+        return PagedKVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, token_ids: "Sequence[int] | np.ndarray", cache: KVCache, all_logits: bool = False) -> np.ndarray:
@@ -230,6 +239,57 @@ class CausalLM:
             cache.passes[s] = step
         step.move(cache, start, end)
         return step
+
+    def forward_batch(self, batch: TokenBatch, cache: PagedKVCache) -> np.ndarray:
+        """Run a flat batch of tokens from many sequences (``TokenBatch``) in one pass over the
+        paged ``cache``: each token's K/V go to its slot, each sequence attends to its own
+        keys. Returns float32 host logits (R, V) of ``batch.logit_rows``, in that order.
+
+        Raises ValueError for out-of-vocabulary ids, a cache of another model, or index
+        arrays that do not fit the cache. Serialized by the model's lock, like ``forward``.
+        """
+        if not isinstance(cache, PagedKVCache) or not cache.made_by(self):
+            raise ValueError(f"cache {cache!r} was not made for this model; use model.new_paged_cache()")
+        self._check_ids(batch.token_ids)
+        n, b, r = batch.num_tokens, batch.num_seqs, int(batch.logit_rows.shape[0])
+        if batch.block_tables.shape != (b, cache.max_blocks):
+            raise ValueError(f"forward_batch: block_tables has shape {batch.block_tables.shape}; expected "
+                             f"({b}, {cache.max_blocks}) for {b} sequences and this cache")
+        if batch.positions.shape != (n,) or batch.slots.shape != (n,) or batch.query_starts.shape != (b + 1,):
+            raise ValueError(f"forward_batch: positions {batch.positions.shape}, slots {batch.slots.shape} and "
+                             f"query_starts {batch.query_starts.shape} must be ({n},), ({n},) and ({b + 1},)")
+        if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
+            raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
+        with self._lock:
+            step = cache.passes.get((n, b, r))
+            if step is None:
+                step = BatchPass(self, self._batch_workspace(cache, n), cache, n, b, r)
+                cache.passes[(n, b, r)] = step
+                while len(cache.passes) > BATCH_PASSES_KEPT:
+                    cache.passes.popitem(last=False)
+            else:
+                cache.passes.move_to_end((n, b, r))
+            step.ws.ids.load(batch.token_ids)
+            step.ws.pos.load(batch.positions)
+            step.idx.load(batch)
+            step.plan.run()
+            return step.logits.numpy().astype(np.float32, copy=False)  # (R, V)
+
+    def _batch_workspace(self, cache: PagedKVCache, n: int) -> Workspace:
+        """The workspace for passes of ``n`` tokens over ``cache`` (shared by its passes of
+        every B and R with that N; the least recently made beyond a few are dropped)."""
+        spaces = cache.workspaces
+        ws = spaces.get(n)
+        if ws is None:
+            ws = spaces[n] = Workspace(self.config, n, self.dtype, self.device)
+            while len(spaces) > BATCH_WORKSPACES_KEPT:
+                oldest = next(iter(spaces))
+                spaces.pop(oldest)
+                for key in [k for k in cache.passes if k[0] == oldest]:
+                    del cache.passes[key]
+        else:
+            spaces.move_to_end(n)
+        return ws
 
     def _check_ids(self, token_ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         try:

@@ -1,5 +1,8 @@
-"""Weight names: one table per file format mapping file names to ours, the shapes a config
+"""Weight names: name tables mapping a file format's names to ours, the shapes a config
 implies, strict checking, and the one fix-up step (``sanitize``).
+
+Each architecture (``models.architectures``) names its table per format; ``HF_NAMES`` and
+``GGUF_NAMES`` are the Llama-family tables that Llama and Qwen2 both use.
 
 Our names: ``embed`` (V, D), ``norm`` (D,), ``lm_head`` (V, D) and per layer ``layers.{i}.X``
 with X in attn_norm (D,), q (H*Dh, D), k (KH*Dh, D), v (KH*Dh, D), q_bias/k_bias/v_bias,
@@ -158,15 +161,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def map_names(file_tensors: Mapping[str, WeightSource], table: NameTable, source: str) -> dict[str, WeightSource]:
-    """Rename a file's tensors to ours; a name the table does not know is an error naming it."""
+def map_names(file_tensors: Mapping[str, WeightSource], table: NameTable, source: str,
+              arch: str) -> dict[str, WeightSource]:
+    """Rename a file's tensors to ours; a name the table does not know is an error naming it
+    (and ``arch``, the architecture whose table it is)."""
     out: dict[str, WeightSource] = {}
     for name, src in file_tensors.items():
         ours = table.to_ours(name)
         if ours is None:
             if table.ignored.match(name):
                 continue
-            raise ModelLoadError(f"{src.file}: unexpected tensor {name!r}; it is not part of a Qwen2/Llama decoder")
+            raise ModelLoadError(f"{src.file}: unexpected tensor {name!r}; it is not part of a {arch} decoder")
         if ours in out:  # unreachable for canonical names; kept so no tensor silently replaces another
             raise ModelLoadError(f"{src.file}: tensors {out[ours].file_name!r} and {name!r} are the same weight")
         out[ours] = src

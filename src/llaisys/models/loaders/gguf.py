@@ -2,9 +2,11 @@
 
 Metadata becomes a ModelConfig and tokenizer fields. Matrices in the block formats the
 native kernels compute on (``KEPT_QUANTIZED``) can be read as their raw blocks; the others are
-dequantized with ``gguf.quants.dequantize``. Llama-architecture files store the q/k projection
-rows in the order of an interleaved rope; ``unpermute_rows`` restores the halves order our rope
-uses, on float rows and on raw rows alike (blocks run along a row, so whole rows move).
+dequantized with ``gguf.quants.dequantize``. What differs between architectures comes from the
+file's ``general.architecture`` in ``models.architectures``: the config fields it sets, its
+tensor names, and a fix for the rows of some tensors (Llama's q/k rows are stored in the order
+of an interleaved rope), applied to float rows and raw rows alike (blocks run along a row, so
+whole rows move).
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from ..config import ARCHITECTURES, ModelConfig, is_token_id
+from .. import architectures
+from ..config import ModelConfig, is_token_id
 from ..errors import ModelLoadError
-from ..weights import GGUF_NAMES, WeightSource, check_weights, map_names, sanitize
+from ..weights import WeightSource, check_weights, map_names, sanitize
 
 log = logging.getLogger(__name__)
 
@@ -231,20 +234,11 @@ def metadata(reader: GGUFReader, source: str | None = None) -> dict[str, Any]:
     return out
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: per head, GGUF interleaves the two rope halves row
-    by row (x0, y0, x1, y1, ...); ours keeps them as halves (x0, x1, ..., y0, y1, ...).
-
-    w: (n_heads * Dh, ...) rows of one projection (weight or bias). Returns the same shape.
-    """
-    dh = w.shape[0] // n_heads
-    return w.reshape(n_heads, dh // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # (n_heads*Dh, ...)
-
-
 def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
+    """The config from the ``{arch}.*`` keys every architecture shares, then the fields the
+    file's architecture sets."""
+    architecture = architectures.get(meta.get("general.architecture"), path)
+    arch = architecture.name
     missing = [f"{arch}.{k}" for k in REQUIRED_KEYS if f"{arch}.{k}" not in meta]
     if missing:
         raise ModelLoadError(f"{path}: missing metadata key(s) {', '.join(missing)}")
@@ -260,15 +254,11 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none'")
     if "vocab_size" not in values:
         values["vocab_size"] = _vocab_size(meta, tensors)
-    values["tie_word_embeddings"] = "output.weight" not in tensors
-    if arch == "qwen2":
-        values["attention_bias"], values["attention_out_bias"] = True, False
-    else:
-        values["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        values["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    values["tie_word_embeddings"] = architecture.gguf_names.to_file("lm_head") not in tensors
     values["bos_token_id"] = _token_id(meta, "tokenizer.ggml.bos_token_id", path)
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     values["eos_token_id"] = [i for k in eos_keys if (i := _token_id(meta, k, path)) is not None]
+    values.update(architecture.gguf_config(meta, tensors.keys(), path))
     config = ModelConfig.from_dict(values).validate(path)
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != config.head_dim:
@@ -344,6 +334,8 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
     meta = metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, tensors, path)
+    arch = architectures.get(config.architecture)
+    table = arch.gguf_names
     types = collections.Counter(t.tensor_type.name for t in reader.tensors)
     sources: dict[str, WeightSource] = {}
     for name, t in tensors.items():
@@ -353,15 +345,13 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}"
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
-        fix, multiple = None, 1
-        if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
-            # the permutation stays within each head's rows, so whole heads can be read at a time
-            fix, multiple = (lambda a: unpermute_rows(a, a.shape[0] // config.head_dim)), config.head_dim
+        ours = table.to_ours(name)  # None: map_names reports it below
+        fix, multiple = (arch.gguf_row_fix(ours, config) if ours is not None else None) or (None, 1)
         read_rows = _row_reader(t, shape, path, fix)
         rows = shape[0] if len(shape) > 1 else 1
         raw = _raw_row_reader(t, shape, fix) if len(shape) == 2 and t.tensor_type in KEPT_QUANTIZED else None
         sources[name] = WeightSource(path, name, shape, t.tensor_type.name, functools.partial(read_rows, 0, rows),
                                      read_rows if len(shape) > 1 else None, multiple, raw)
-    weights = sanitize(map_names(sources, GGUF_NAMES, path), config)
-    check_weights(weights, config, GGUF_NAMES, path)
+    weights = sanitize(map_names(sources, table, path, config.architecture), config)
+    check_weights(weights, config, table, path)
     return GGUFContents(config, weights, meta, dict(types), reader)

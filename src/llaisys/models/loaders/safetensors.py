@@ -1,4 +1,5 @@
-"""Reading Hugging Face model folders: ``config.json`` and single or sharded safetensors."""
+"""Reading Hugging Face model folders: ``config.json`` and single or sharded safetensors, the
+tensors named by the table of the config's architecture (``models.architectures``)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,9 +8,10 @@ from pathlib import Path, PurePath
 
 from safetensors import SafetensorError, safe_open
 
+from .. import architectures
 from ..config import ModelConfig, read_hf_config
 from ..errors import ModelLoadError, read_json_object
-from ..weights import HF_NAMES, WeightSource, check_weights, map_names, sanitize
+from ..weights import WeightSource, check_weights, map_names, sanitize
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16")
 INDEX_NAME = "model.safetensors.index.json"
@@ -107,6 +109,7 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
             sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None)
             where[name] = path
     label = str(folder)
-    weights = sanitize(map_names(sources, HF_NAMES, label), config)
-    check_weights(weights, config, HF_NAMES, label)
+    table = architectures.get(config.architecture).hf_names
+    weights = sanitize(map_names(sources, table, label, config.architecture), config)
+    check_weights(weights, config, table, label)
     return config, weights

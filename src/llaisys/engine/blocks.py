@@ -1,0 +1,192 @@
+"""The KV block manager: which blocks of the paged KV pool each sequence holds, and which full
+blocks are kept for reuse by later sequences with the same prefix (prefix caching).
+
+Plain Python, no tensors: the pool's memory lives in the model's ``PagedKVCache``; this module
+hands out block ids. A full block is named by a hash chained over every token before its end
+(``block_hash``), so equal hashes mean equal prefixes, not merely equal blocks. A block is shared
+by reference count; when its last user releases it, it joins the free queue but keeps its hash,
+so a later sequence with that prefix takes it back instead of computing it again, until the
+block is handed out for new content (least recently released first).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of a full block holding ``token_ids`` after the prefix named by ``parent``
+    (None for the first block): a 16-byte BLAKE2b digest of the parent's hash and the ids."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """``num_blocks`` block ids with reference counts, a free queue in release order, and the
+    hash -> block map of full blocks whose contents are known."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[BlockHash | None] = [None] * num_blocks
+        self.by_hash: dict[BlockHash, int] = {}
+        # Free blocks, least recently released first; cached ones keep their hash until taken.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (cached-but-unused ones included)."""
+        return len(self.free)
+
+    def take_new(self) -> int:
+        """A free block for new content (the least recently released); its old hash is forgotten."""
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of[block]
+        if old is not None:
+            self.hash_of[block] = None
+            if self.by_hash.get(old) == block:
+                del self.by_hash[old]
+        self.ref_count[block] = 1
+        return block
+
+    def take_cached(self, h: BlockHash) -> int | None:
+        """The block holding the prefix ``h``, with one more reference, or None."""
+        block = self.by_hash.get(h)
+        if block is None:
+            return None
+        if self.ref_count[block] == 0:
+            del self.free[block]
+        self.ref_count[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        """Drop one reference; a block nobody uses joins the end of the free queue."""
+        self.ref_count[block] -= 1
+        if self.ref_count[block] < 0:
+            raise AssertionError(f"block {block} released more often than taken")
+        if self.ref_count[block] == 0:
+            self.free[block] = None
+
+    def remember(self, block: int, h: BlockHash) -> None:
+        """Record that ``block`` holds the prefix ``h`` (its keys and values are written).
+        When another block already holds that prefix, the first one stays the one found."""
+        if self.hash_of[block] is None and h not in self.by_hash:
+            self.hash_of[block] = h
+            self.by_hash[h] = block
+
+
+class KVBlockManager:
+    """Block tables of sequences (by id) over one ``BlockPool`` of ``block_size``-token blocks.
+
+    ``prefix_queries`` and ``prefix_hits`` count prompt tokens looked up in the prefix cache and
+    tokens found there (vLLM's metrics of those names)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.tables: dict[object, list[int]] = {}
+        self.hashes: dict[object, list[BlockHash]] = {}  # chained hashes of each sequence's full blocks
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (0..1); cached blocks nobody holds count as free."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: object) -> list[int]:
+        """The block ids of ``seq_id`` in order (empty for an unknown sequence)."""
+        return self.tables.get(seq_id, [])
+
+    def _hashes(self, seq_id: object, token_ids: Sequence[int], full_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the first ``full_blocks`` blocks of ``token_ids``, computing
+        only those not known yet."""
+        known = self.hashes.setdefault(seq_id, [])
+        bs = self.block_size
+        for i in range(len(known), full_blocks):
+            known.append(block_hash(known[-1] if known else None, token_ids[i * bs:(i + 1) * bs]))
+        return known
+
+    def match_prefix(self, seq_id: object, token_ids: Sequence[int]) -> int:
+        """Give a sequence with no blocks yet the cached blocks of its longest cached prefix;
+        return how many of its tokens they hold (whole blocks, and at least one token of
+        ``token_ids`` always left to compute, since its logits pick the next token). The
+        counters are left to ``count_lookup``, called once the sequence is admitted."""
+        if self.tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        table = self.tables.setdefault(seq_id, [])
+        if not self.prefix_caching:
+            return 0
+        usable = (len(token_ids) - 1) // self.block_size
+        for h in self._hashes(seq_id, token_ids, usable):
+            block = self.pool.take_cached(h)
+            if block is None:
+                break
+            table.append(block)
+        return len(table) * self.block_size
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """Add one admitted sequence's prefix lookup to the counters (tokens looked up, found)."""
+        if self.prefix_caching:
+            self.prefix_queries += queried
+            self.prefix_hits += hit
+
+    def can_grow(self, seq_id: object, num_tokens: int) -> bool:
+        """Whether ``seq_id`` can be given blocks for ``num_tokens`` tokens in all."""
+        return self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())) <= self.pool.num_free
+
+    def grow(self, seq_id: object, num_tokens: int) -> bool:
+        """Make ``seq_id`` hold blocks for ``num_tokens`` tokens in all; False (and no change)
+        when the pool has too few free blocks."""
+        table = self.tables.setdefault(seq_id, [])
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > self.pool.num_free:
+            return False
+        for _ in range(need):
+            table.append(self.pool.take_new())
+        return True
+
+    def commit(self, seq_id: object, token_ids: Sequence[int], num_computed: int) -> None:
+        """Record that the keys and values of the first ``num_computed`` of ``token_ids`` are
+        written: the full blocks among them become findable by their prefix hash."""
+        if not self.prefix_caching:
+            return
+        table = self.tables.get(seq_id, ())
+        full = min(num_computed // self.block_size, len(table))
+        for block, h in zip(table[:full], self._hashes(seq_id, token_ids, full)):
+            self.pool.remember(block, h)
+
+    def free(self, seq_id: object) -> None:
+        """Release every block of ``seq_id`` (last block first, so a prefix's head outlives its
+        tail in the cache) and forget the sequence."""
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self.pool.release(block)
+        self.hashes.pop(seq_id, None)
+
+    def held_references(self) -> int:
+        """Total references held on blocks (0 once every sequence is freed)."""
+        return sum(self.pool.ref_count)

@@ -1,0 +1,202 @@
+"""The serving engine: many requests decoded together, one forward pass per step.
+
+    engine = LLMEngine(model)
+    engine.add_request("a", "Once upon a time", GenerationConfig(max_new_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.text_delta)
+
+Each ``step`` asks the scheduler for a batch (decode tokens of running requests, prefill chunks
+of new ones), runs it through ``model.forward_batch`` over the paged KV cache so every weight
+is read once for all of them, then lets each request that reached its end pick its next token
+with its own sampler. Not thread-safe: ``EngineThread`` runs it behind a queue.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
+from ..models.paged_cache import TokenBatch
+from .blocks import KVBlockManager
+from .request import Request, RequestOutput
+from .scheduler import Scheduler
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # reserved, not touched: pages are committed as blocks are used
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and gauges for metrics: requests running and waiting, KV pool usage (0..1),
+    prefix-cache lookups (tokens queried and hit), tokens processed, preemptions, steps."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    steps: int
+
+
+class LLMEngine:
+    """Continuous batching over one model.
+
+    kv_cache_tokens / kv_cache_bytes: size of the paged KV pool (default 1 GiB, at least one
+    full-context sequence); block_size: tokens per block; max_batched_tokens: tokens per step;
+    max_seqs: sequences running at once; prefix_caching: reuse full blocks of equal prefixes.
+    """
+
+    def __init__(self, model, *, kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
+                 block_size: int = 16, max_batched_tokens: int = 512, max_seqs: int = 64,
+                 prefix_caching: bool = True) -> None:
+        if kv_cache_tokens is not None and kv_cache_bytes is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_bytes, not both")
+        for name, value in (("block_size", block_size), ("max_batched_tokens", max_batched_tokens),
+                            ("max_seqs", max_seqs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LLMEngine: {name} must be a positive integer, got {value!r}")
+        self.model = model
+        self.context_length = int(model.config.max_position_embeddings)
+        per_token = model.kv_bytes_per_token()
+        if kv_cache_tokens is None:
+            budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
+            if not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"kv_cache_bytes must be a positive integer, got {budget!r}")
+            kv_cache_tokens = budget // per_token
+            if kv_cache_bytes is None:
+                kv_cache_tokens = max(kv_cache_tokens, self.context_length)
+        if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
+            raise ValueError(f"the KV cache must hold at least one block of {block_size} tokens; "
+                             f"got {kv_cache_tokens!r} tokens ({per_token} bytes each)")
+        num_blocks = kv_cache_tokens // block_size
+        self.cache = model.new_paged_cache(num_blocks, block_size)
+        self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_seqs)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._eos = set(model.eos_token_ids)
+        self._tokenizer = model.tokenizer if has_tokenizer(model) else None
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: "str | Sequence[int] | np.ndarray",
+                    config: GenerationConfig | None = None) -> str:
+        """Queue a request (text, encoded with the tokenizer's special tokens, or token ids);
+        returns its id (a new one when ``request_id`` is None). Raises ValueError for a bad or
+        duplicate id, a prompt that fills the model's context, or one that could never fit in
+        the KV pool, and for stop strings on a model without a tokenizer."""
+        config = config or GenerationConfig()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        ids = encode_prompt(self.model, prompt)
+        if len(ids) >= self.context_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context holds {self.context_length}, "
+                             "leaving no room to generate")
+        if config.stop and self._tokenizer is None:
+            raise ValueError("stop strings need text, and this model has no tokenizer; stop at token ids instead")
+        max_tokens = min(config.max_new_tokens, self.context_length - len(ids) + 1)
+        eos = set() if config.ignore_eos else {*config.eos_token_ids, *self._eos}
+        request = Request(request_id, ids, config, max_tokens, self._tokenizer, eos)
+        self.scheduler.add(request.seq)  # raises when it alone could never fit
+        self.requests[request_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks; returns its last output (reason "abort"),
+        or None when it is not in the engine (finished already, or unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request.seq)
+        return request.abort()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is running or waiting."""
+        return bool(self.requests)
+
+    # ---- stepping ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that picked a token."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        self.steps += 1
+        now = time.perf_counter()
+        chunks = []
+        for c in step.chunks:
+            seq = c.seq
+            request = self.requests[seq.seq_id]
+            if not request.times.first_scheduled:
+                request.times.first_scheduled = now
+            chunks.append((seq.token_ids[c.start:c.start + c.length], c.start, self.blocks.block_table(seq.seq_id),
+                           c.samples))
+            if c.start < len(seq.prompt_ids):  # prompt tokens (recomputed ones too) count as prompt work
+                self.prompt_tokens += min(c.length, len(seq.prompt_ids) - c.start)
+        batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
+        logits = self.model.forward_batch(batch, self.cache)  # (R, V)
+        self.scheduler.commit(step)
+        outputs = []
+        row = 0
+        for c in step.chunks:
+            if not c.samples:
+                continue
+            request = self.requests[c.seq.seq_id]
+            out = request.take(logits[row])
+            row += 1
+            self.generation_tokens += 1
+            if out.finished:
+                self.scheduler.finish(request.seq)
+                del self.requests[request.request_id]
+            outputs.append(out)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and gauges now."""
+        running, waiting = self.scheduler.counts()
+        return EngineStats(running, waiting, self.blocks.usage, self.blocks.prefix_queries, self.blocks.prefix_hits,
+                           self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions, self.steps)
+
+    # ---- offline -----------------------------------------------------------------------
+    def generate(self, prompts: "Iterable[str | Sequence[int]]",
+                 config: "GenerationConfig | Sequence[GenerationConfig] | None" = None) -> list[GenerationResult]:
+        """Run every prompt to the end, together; return their results in prompt order.
+        ``config`` is one for all, or one per prompt."""
+        prompts = list(prompts)
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"{len(configs)} configs for {len(prompts)} prompts")
+        start = time.perf_counter()
+        ids = [self.add_request(None, p, c) for p, c in zip(prompts, configs)]
+        text = {i: "" for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id in text:
+                    text[out.request_id] += out.text_delta
+                    tokens[out.request_id] += out.token_ids
+                    if out.finished:
+                        done[out.request_id] = out
+        results = []
+        for i in ids:
+            out = done[i]
+            t = out.times
+            timings = Timings(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                              generated_tokens=out.completion_tokens, ttft_s=t.ttft_s,
+                              prefill_s=t.ttft_s, decode_s=max(t.last_token - t.first_token, 0.0),
+                              total_s=max(t.finished - start, 0.0))
+            results.append(GenerationResult(text[i], tokens[i], out.finish_reason, out.prompt_tokens, timings))
+        return results

@@ -1,0 +1,186 @@
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
+
+Plain Python over token counts and block ids; no tensors, no model. Each step has a budget of
+tokens (``max_batched_tokens``). Running sequences come first, oldest first: a decoding one
+takes one token, one still prefilling takes the next chunk of its prompt. Waiting sequences
+are then admitted first come, first served while budget, sequence slots and blocks last; a
+long prompt is prefilled over several steps in chunks. When the pool cannot give a running
+sequence its next block, the most recently admitted running sequence is preempted: its blocks
+are freed and it goes back to the head of the queue to be recomputed later (its prompt and
+the tokens it generated so far), so no request fails for lack of memory unless it alone could
+never fit, which ``add`` refuses at once.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from .blocks import KVBlockManager
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens: the prompt, the tokens generated so far, and how many of all of
+    them have their keys and values in the pool (``num_computed``). The next step runs tokens
+    ``num_computed:num_tokens``; when that reaches the end, the step's last logits pick the
+    next token."""
+
+    seq_id: object
+    prompt_ids: list[int]
+    max_tokens: int  # tokens the sequence may generate at most
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache when last admitted
+    status: Status = Status.WAITING
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then generated ids."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether more than one token is left to run (a prompt, or a recomputation)."""
+        return self.num_tokens - self.num_computed > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens ``start:start + length`` of ``seq`` run in this step; ``samples`` when they reach
+    the sequence's end (the step's last logits for it pick a token)."""
+
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, length: int) -> "Chunk":
+        """The next ``length`` tokens of ``seq`` to compute."""
+        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
+
+
+@dataclass(slots=True)
+class Step:
+    """What one engine step runs: chunks in batch order, and the sequences preempted for it."""
+
+    chunks: list[Chunk]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    """First-come-first-served continuous batching with chunked prefill and preemption by
+    recomputation, over a ``KVBlockManager``."""
+
+    def __init__(self, blocks: KVBlockManager, max_batched_tokens: int = 512, max_seqs: int = 64) -> None:
+        if max_batched_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"max_batched_tokens and max_seqs must be >= 1, got {max_batched_tokens}, {max_seqs}")
+        self.blocks = blocks
+        self.max_batched_tokens = max_batched_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``. Raises ValueError when its prompt plus ``max_tokens`` could not fit in
+        the whole pool even alone (it would wait forever)."""
+        need = len(seq.prompt_ids) + seq.max_tokens - 1  # the last token picked is never run
+        if self.blocks.blocks_for(need) > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {seq.seq_id!r} needs up to {need} tokens of KV cache ({len(seq.prompt_ids)} prompt + "
+                f"{seq.max_tokens} to generate), more than the whole pool holds "
+                f"({self.blocks.capacity_tokens} tokens); lower max_tokens or give the engine a larger KV cache")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out (finished or aborted) and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.blocks.free(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling --------------------------------------------------------------------
+    def schedule(self) -> Step:
+        """Pick the next step's chunks (running sequences, then admissions)."""
+        budget = self.max_batched_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.grow(seq.seq_id, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it preempted itself: nothing after it is running any more
+            chunks.append(Chunk.of(seq, n))
+            budget -= n
+            i += 1
+        if not preempted:  # memory is short while anything had to give way: admit nobody
+            while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+                seq = self.waiting[0]
+                cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
+                n = min(seq.num_tokens - cached, budget)
+                if not self.blocks.grow(seq.seq_id, cached + n):
+                    self.blocks.free(seq.seq_id)  # hold nothing while waiting: the blocks may be needed first
+                    break
+                self.blocks.count_lookup(seq.num_tokens, cached)
+                seq.num_cached = seq.num_computed = cached
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                chunks.append(Chunk.of(seq, n))
+                budget -= n
+        return Step(chunks, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first to be recomputed."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def commit(self, step: Step) -> None:
+        """Record that ``step`` ran: each chunk's keys and values are written (full blocks
+        become findable by later sequences with the same prefix). Call before appending the
+        tokens the step picked."""
+        for chunk in step.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.length
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return len(self.running), len(self.waiting)

@@ -1,0 +1,210 @@
+"""The engine loop in its own thread, fed through a queue, so callers on other threads (an HTTP
+server's, a CLI's) submit requests and read their outputs while steps keep running.
+
+Every touch of the engine happens on the loop's thread: ``submit`` and ``abort`` post a
+command and wait for the loop to run it between two steps (at most one step's time), so a
+bad request is refused to its caller at once with the engine's own error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from ..generation import GenerationConfig
+from .engine import LLMEngine
+from .request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop has stopped (shut down, or failed: the message says why)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order. Iterate to block for each one; the last has
+    ``finished`` set. ``close()`` aborts the request (its blocks are freed within one step)."""
+
+    def __init__(self, loop: "EngineThread", request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = False
+
+    def push(self, item: "RequestOutput | BaseException") -> None:
+        """Called by the engine thread with each output (or the error that ended the loop)."""
+        self._queue.put(item)
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self.finished:
+            raise StopIteration
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request if it is still going."""
+        if not self.finished:
+            self.finished = True
+            self._loop.abort(self.request_id)
+
+
+class AsyncRequestStream(RequestStream):
+    """A RequestStream for asyncio: ``async for out in stream`` on the event loop it was made on."""
+
+    def __init__(self, loop: "EngineThread", request_id: str) -> None:
+        super().__init__(loop, request_id)
+        self._event_loop = asyncio.get_running_loop()
+        self._aqueue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, item: "RequestOutput | BaseException") -> None:
+        self._event_loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+
+    def __aiter__(self) -> "AsyncRequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._aqueue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class EngineThread:
+    """Runs ``engine.step()`` in a daemon thread while requests are in; sleeps when idle."""
+
+    def __init__(self, engine: LLMEngine, name: str = "llaisys-engine") -> None:
+        self.engine = engine
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # e.g. metrics, on the engine thread
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- called from any thread --------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine thread between steps; its result or error in the Future."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopping or self.error is not None:
+                future.set_exception(EngineStopped(self._why()))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def submit(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
+               request_id: str | None = None, stream_type: type[RequestStream] = RequestStream) -> RequestStream:
+        """Add a request; returns its stream. Raises what ``LLMEngine.add_request`` raises."""
+        def add() -> RequestStream:
+            rid = self.engine.add_request(request_id, prompt, config)
+            self._streams[rid] = stream
+            stream.request_id = rid
+            return stream
+
+        stream = stream_type(self, request_id or "")
+        return self.call(add).result()
+
+    async def submit_async(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
+                           request_id: str | None = None) -> AsyncRequestStream:
+        """``submit`` for asyncio code: returns an AsyncRequestStream without blocking the event loop."""
+        stream = AsyncRequestStream(self, request_id or "")
+
+        def add() -> AsyncRequestStream:
+            rid = self.engine.add_request(request_id, prompt, config)
+            self._streams[rid] = stream
+            stream.request_id = rid
+            return stream
+
+        return await asyncio.wrap_future(self.call(add))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no wait); its stream gets a last output with reason "abort"."""
+        def drop() -> None:
+            out = self.engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if out is not None and stream is not None:
+                stream.push(out)
+
+        self.call(drop)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop: running requests end with reason "abort"; waits up to ``timeout`` s."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _why(self) -> str:
+        return f"the engine failed: {self.error!r}" if self.error is not None else "the engine has stopped"
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._commands and not self._stopping and not self.engine.has_unfinished():
+                        self._wake.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stopping = self._stopping
+                for fn, future in commands:
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+                        future.set_exception(exc)
+                if stopping:
+                    break
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.push(out)
+                            if out.finished:
+                                del self._streams[out.request_id]
+                    if self.on_step is not None:
+                        self.on_step(outputs)
+        except BaseException as exc:  # noqa: BLE001  (a failed step ends every request with the reason)
+            log.exception("the engine loop failed")
+            self.error = exc
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            pending = list(self._commands)
+            self._commands.clear()
+        for _, future in pending:
+            future.set_exception(EngineStopped(self._why()))
+        for rid, stream in list(self._streams.items()):
+            if self.error is not None:
+                stream.push(EngineStopped(self._why()))
+            else:
+                out = self.engine.abort(rid)
+                stream.push(out if out is not None else EngineStopped(self._why()))
+        self._streams.clear()

@@ -1,0 +1,143 @@
+"""The paged KV cache on the CPU in NumPy: the readable reference of the native kernels
+(``paged_native``), and the kernels of F16/BF16 attention.
+
+The pool of one layer holds NB blocks of BS token slots: k_cache (NB, BS, KH, D), v_cache
+(NB, BS, KH, Dv). A flat batch of N query tokens comes from B sequences, each sequence's
+tokens contiguous: sequence b owns rows query_starts[b]:query_starts[b + 1], has
+context_lens[b] keys, and its key at position p lies in block block_tables[b, p // BS], slot
+p % BS. The index checks (and their messages, shared with the native kernels) are here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...runtime.dtypes import DataType
+from ..registry import register_kernel
+from ._common import f32
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
+# What went wrong in the index tensors, as the native kernels report it (paged_attention.c).
+START0, ORDER, END, SHORT, LONG, BLOCK, SLOT, PAST_N = -1, -2, -3, -4, -5, -6, -8, -10
+
+
+def slot_error(i: int, slot: int, nb: int, bs: int) -> ValueError:
+    """The error for slots[i] = slot outside a pool of nb blocks of bs slots."""
+    return ValueError(f"kv_cache_write: slots[{i}] = {slot} is outside [0, {nb * bs}): the cache holds "
+                      f"NB * BS = {nb} * {bs} token slots")
+
+
+def sequence_error(code: int, where: int, value: int, inputs: tuple) -> ValueError:
+    """The error for index-check ``code`` about sequence (or table entry) ``where`` holding
+    ``value``; ``inputs`` are paged_attention's (for the shapes and q_len)."""
+    q, k_cache, _, block_tables, query_starts, _ = inputs
+    n, (nb, bs), (b_count, mb) = q.shape[0], k_cache.shape[:2], block_tables.shape
+    op = "paged_attention"
+    if code == START0:
+        return ValueError(f"{op}: query_starts[0] is {value}; expected 0")
+    if code == ORDER:
+        return ValueError(f"{op}: query_starts must be nondecreasing, but query_starts[{where + 1}] = {value} is "
+                          f"less than query_starts[{where}]")
+    if code in (END, PAST_N):
+        return ValueError(f"{op}: query_starts[{where}] is {value}; query_starts must end at N = {n} (the rows of q) "
+                          f"and never exceed it")
+    if code == SHORT:
+        qs = query_starts.host_array()
+        return ValueError(f"{op}: context_lens[{where}] = {value} is less than the {int(qs[where + 1] - qs[where])} "
+                          f"queries of sequence {where}; it counts the keys after this step, its new tokens included")
+    if code == LONG:
+        return ValueError(f"{op}: context_lens[{where}] = {value} exceeds the MB * BS = {mb} * {bs} = {mb * bs} keys "
+                          f"a row of block_tables can address")
+    if code == BLOCK:
+        b, i = divmod(where, mb)
+        return ValueError(f"{op}: block_tables[{b}, {i}] = {value} is outside [0, {nb}) (the blocks of k_cache), "
+                          f"yet sequence {b} of {b_count} reads keys from it")
+    return ValueError(f"{op}: index check failed with status {code}")
+
+
+def check_slots(slots: np.ndarray, nb: int, bs: int) -> None:
+    """ValueError unless every slot (N,) lies in [0, nb * bs)."""
+    bad = (slots < 0) | (slots >= nb * bs)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise slot_error(i, int(slots[i]), nb, bs)
+
+
+def check_sequences(inputs: tuple, qs: np.ndarray, cl: np.ndarray, bt: np.ndarray) -> None:
+    """ValueError unless query_starts qs (B+1,) runs from 0 to N without going down, each
+    context_lens[b] lies in [q_len, MB * BS], and the blocks a sequence reads are in [0, NB)."""
+    n, (nb, bs), mb = inputs[0].shape[0], inputs[1].shape[:2], bt.shape[1]
+    if qs[0] != 0:
+        raise sequence_error(START0, 0, int(qs[0]), inputs)
+    q_len = np.diff(qs)  # (B,)
+    for code, bad in ((ORDER, q_len < 0), (SHORT, cl < q_len), (LONG, cl > mb * bs)):
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise sequence_error(code, b, int(qs[b + 1] if code == ORDER else cl[b]), inputs)
+    if qs[-1] != n:
+        raise sequence_error(END, len(qs) - 1, int(qs[-1]), inputs)
+    needed = (np.arange(mb)[None, :] < -(-cl // bs)[:, None]) & (q_len > 0)[:, None]  # (B, MB)
+    bad = needed & ((bt < 0) | (bt >= nb))
+    if bad.any():
+        where = int(np.argmax(bad))
+        raise sequence_error(BLOCK, where, int(bt.reshape(-1)[where]), inputs)
+
+
+def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """k_cache[s // BS, s % BS] = k[i] and v_cache likewise for each slot s = slots[i]:
+    outputs (k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv)), inputs (k (N, KH, D),
+    v (N, KH, Dv), slots (N,) I64), then, under the CPU fallback, the caches' current
+    contents (copied into the outputs first). ValueError for a slot outside [0, NB * BS)."""
+    k_cache, v_cache = outputs[0].host_array(), outputs[1].host_array()
+    k, v, slots = (t.host_array() for t in inputs[:3])
+    nb, bs = k_cache.shape[:2]
+    check_slots(slots, nb, bs)
+    if len(inputs) > 3:
+        k_cache[...], v_cache[...] = inputs[3].host_array(), inputs[4].host_array()
+    block, offset = np.divmod(slots, bs)  # (N,), (N,)
+    k_cache[block, offset] = k
+    v_cache[block, offset] = v
+
+
+def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """Causal grouped-query attention of q (N, H, D) over the paged cache into out (N, H, Dv),
+    one sequence at a time: inputs (q, k_cache, v_cache, block_tables (B, MB), query_starts
+    (B+1,), context_lens (B,)); attrs: scale. ValueError for inconsistent index tensors."""
+    out = outputs[0].host_array()  # (N, H, Dv)
+    q = inputs[0].host_array()  # (N, H, D)
+    k_cache, v_cache = inputs[1].host_array(), inputs[2].host_array()  # (NB, BS, KH, D), (NB, BS, KH, Dv)
+    bt, qs, cl = (t.host_array() for t in inputs[3:])  # (B, MB), (B+1,), (B,)
+    check_sequences(inputs, qs, cl, bt)
+    _, bs, kh, d = k_cache.shape
+    for b in range(len(cl)):
+        q0, q1, t = int(qs[b]), int(qs[b + 1]), int(cl[b])
+        if q1 == q0:
+            continue
+        blocks = bt[b, : -(-t // bs)]  # the blocks holding keys 0..t-1
+        k = f32(k_cache[blocks].reshape(-1, kh, d)[:t])  # (T, KH, D)
+        v = f32(v_cache[blocks].reshape(-1, kh, v_cache.shape[3])[:t])  # (T, KH, Dv)
+        out[q0:q1] = _causal_attention(f32(q[q0:q1]), k, v, attrs["scale"])
+
+
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """q (S, H, D) at positions T-S .. T-1 over k (T, KH, D), v (T, KH, Dv): (S, H, Dv) float32."""
+    s, h, d = q.shape
+    t, kh, dv = v.shape
+    qg = q.reshape(s, kh, h // kh, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T)
+    scores *= scale
+    future = np.arange(t)[None, :] > (np.arange(s)[:, None] + (t - s))  # (S, T)
+    np.copyto(scores, -np.inf, where=future)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
+    return ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)
+
+
+# F32 attention and every kv_cache_write go through paged_native, which runs these where the
+# native library is missing or a layout does not suit it.
+register_kernel("paged_attention", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention)

@@ -1,0 +1,210 @@
+"""The paged KV cache through the native kernels (``csrc/kernels/paged_attention.c``), with
+the NumPy kernels of ``paged`` where they do not apply.
+
+``kv_cache_write`` (any float type) copies rows with memcpy; ``paged_attention`` (F32) splits
+the work over (query token, KV head) tasks on the library's thread pool and is batch
+invariant: a row's result is computed by the same float32 operations whatever else is in the
+call. Where the library was not built, or a float tensor's last dimension is strided, the
+NumPy kernels run instead (same results to float32 rounding, not bit for bit).
+
+A decoding step calls these twice per layer, so the ctypes argument block of a call is built
+once and kept with the output tensor (``Tensor.derived``), reused while the same tensors come
+back (as a replayed ``ops.Plan`` passes them): a call then costs a couple of microseconds on
+top of the C code. The block holds its tensors (so its pointers stay valid) until a call with
+other tensors replaces it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ... import _native
+from ...runtime.dtypes import DataType
+from ..registry import register_kernel
+from . import paged
+from ._common import FLOATS
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
+log = logging.getLogger(__name__)
+
+_I64 = ctypes.c_int64
+
+
+class _AttentionArgs(ctypes.Structure):
+    """``lp_attention_args`` of paged_attention.c: pointers, then strides in elements."""
+
+    _fields_ = [("out", ctypes.c_void_p), ("out_s0", _I64), ("out_s1", _I64),
+                ("q", ctypes.c_void_p), ("q_s0", _I64), ("q_s1", _I64),
+                ("k_cache", ctypes.c_void_p), ("k_s0", _I64), ("k_s1", _I64), ("k_s2", _I64),
+                ("v_cache", ctypes.c_void_p), ("v_s0", _I64), ("v_s1", _I64), ("v_s2", _I64),
+                ("block_tables", ctypes.c_void_p), ("bt_s0", _I64), ("bt_s1", _I64),
+                ("query_starts", ctypes.c_void_p), ("qs_s0", _I64),
+                ("context_lens", ctypes.c_void_p), ("cl_s0", _I64),
+                ("n", _I64), ("h", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
+                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2)]
+
+
+class _WriteArgs(ctypes.Structure):
+    """``lp_write_args`` of paged_attention.c: strides in elements of ``itemsize`` bytes."""
+
+    _fields_ = [("k_cache", ctypes.c_void_p), ("kc_s0", _I64), ("kc_s1", _I64), ("kc_s2", _I64),
+                ("v_cache", ctypes.c_void_p), ("vc_s0", _I64), ("vc_s1", _I64), ("vc_s2", _I64),
+                ("k", ctypes.c_void_p), ("k_s0", _I64), ("k_s1", _I64),
+                ("v", ctypes.c_void_p), ("v_s0", _I64), ("v_s1", _I64),
+                ("slots", ctypes.c_void_p), ("sl_s0", _I64),
+                ("n", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
+                ("itemsize", _I64), ("bad", _I64 * 2)]
+
+
+_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
+_lib_lock = threading.Lock()
+
+
+def _library() -> "ctypes.CDLL | bool":
+    """The native library with the paged signatures declared, or False when it is not built."""
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                lib = _native.load("kernels")
+                if lib is None:
+                    log.warning("the native kernels (llaisys._native._kernels) are not built: paged attention runs "
+                                "on the slower NumPy path; reinstall llaisys with a C compiler on PATH")
+                else:
+                    for name in ("llaisys_paged_attention", "llaisys_paged_kv_write"):
+                        fn = getattr(lib, name)
+                        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
+                    lib.llaisys_paged_simd.argtypes, lib.llaisys_paged_simd.restype = [ctypes.c_int], ctypes.c_int
+                _lib = lib if lib is not None else False
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native library is built."""
+    return bool(_library())
+
+
+def set_simd(level: int) -> int:
+    """Use the portable path (0) or AVX2 (1, where the CPU has it) for attention; -1 only asks.
+    Returns 1 when AVX2 is in use. Both give the same bits (for tests and benchmarks)."""
+    return _library().llaisys_paged_simd(level)
+
+
+def _row_dense(*tensors: Tensor) -> bool:
+    """Whether each tensor's last dimension is contiguous (what the native kernels need)."""
+    return all(t.strides[-1] == 1 or t.shape[-1] == 1 for t in tensors)
+
+
+def _make_attention_args(out: Tensor, inputs: tuple, scale: float) -> _AttentionArgs | None:
+    q, kc, vc, bt, qs, cl = inputs
+    if out.dtype is not DataType.F32 or not _row_dense(out, q, kc, vc) or not _library():
+        return None
+    n, h, d = q.shape
+    nb, bs, kh, dv = vc.shape
+    return _AttentionArgs(
+        out.data_ptr, out.strides[0], out.strides[1], q.data_ptr, q.strides[0], q.strides[1],
+        kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3], bt.data_ptr, *bt.strides,
+        qs.data_ptr, qs.strides[0], cl.data_ptr, cl.strides[0],
+        n, h, kh, d, dv, nb, bs, bt.shape[0], bt.shape[1], scale)
+
+
+def _attention_args(out: Tensor, inputs: tuple, scale: float) -> "list":
+    """[q, k_cache, v_cache, block_tables, query_starts, context_lens, scale, args, address]
+    for this call, kept with ``out`` while the same tensors come back; args None when the
+    native kernel does not apply."""
+    entry = out.derived("paged_attention", _empty_entry)
+    q, kc, vc, bt, qs, cl = inputs
+    if (entry[0] is not q or entry[1] is not kc or entry[2] is not vc or entry[3] is not bt or entry[4] is not qs
+            or entry[5] is not cl or entry[6] != scale):
+        args = _make_attention_args(out, inputs, scale)
+        entry[:] = [q, kc, vc, bt, qs, cl, scale, args, None if args is None else ctypes.addressof(args)]
+    return entry
+
+
+def _empty_entry(_: Tensor) -> list:
+    return [None] * 9
+
+
+def _run_attention(entry: list, inputs: tuple) -> None:
+    status = _lib.llaisys_paged_attention(entry[8])
+    if status:
+        bad = entry[7].bad
+        raise paged.sequence_error(status, bad[0], bad[1], inputs)
+
+
+def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``paged_attention`` kernel: native where it applies, else ``paged.paged_attention``."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"])
+    if entry[7] is None:
+        paged.paged_attention(outputs, inputs, attrs)
+    else:
+        _run_attention(entry, inputs)
+
+
+def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                           attrs: dict[str, Any]) -> None:
+    """``paged_attention`` on the native kernel only (tests, benchmarks); RuntimeError when the
+    library is missing, the type is not F32 or a float tensor's last dimension is strided."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"])
+    if entry[7] is None:
+        raise RuntimeError("the native paged_attention needs the native library, F32 tensors and contiguous last "
+                           "dimensions")
+    _run_attention(entry, inputs)
+
+
+def _make_write_args(outputs: tuple, inputs: tuple) -> _WriteArgs | None:
+    kc, vc = outputs
+    k, v, slots = inputs
+    if not _row_dense(kc, vc, k, v) or not _library():
+        return None
+    nb, bs, kh, d = kc.shape
+    return _WriteArgs(kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3], k.data_ptr, *k.strides[:2],
+                      v.data_ptr, *v.strides[:2], slots.data_ptr, slots.strides[0],
+                      k.shape[0], kh, d, vc.shape[3], nb, bs, kc.dtype.itemsize)
+
+
+def _write_args(outputs: tuple, inputs: tuple) -> list:
+    """[v_cache, k, v, slots, args, address], kept with k_cache (as ``_attention_args``)."""
+    entry = outputs[0].derived("kv_cache_write", _empty_entry)
+    k, v, slots = inputs
+    if entry[0] is not outputs[1] or entry[1] is not k or entry[2] is not v or entry[3] is not slots:
+        args = _make_write_args(outputs, inputs)
+        entry[:6] = [outputs[1], k, v, slots, args, None if args is None else ctypes.addressof(args)]
+    return entry
+
+
+def _run_write(entry: list, outputs: tuple) -> None:
+    if _lib.llaisys_paged_kv_write(entry[5]):
+        bad, (nb, bs) = entry[4].bad, outputs[0].shape[:2]
+        raise paged.slot_error(bad[0], bad[1], nb, bs)
+
+
+def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The ``kv_cache_write`` kernel: native where it applies, else ``paged.kv_cache_write``
+    (and always under the CPU fallback, which passes the caches' contents as inputs too)."""
+    if len(inputs) > 3:
+        paged.kv_cache_write(outputs, inputs, attrs)
+        return
+    entry = _write_args(outputs, inputs)
+    if entry[4] is None:
+        paged.kv_cache_write(outputs, inputs, attrs)
+    else:
+        _run_write(entry, outputs)
+
+
+def native_kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                          attrs: dict[str, Any]) -> None:
+    """``kv_cache_write`` on the native kernel only (tests, benchmarks); RuntimeError when the
+    library is missing or a float tensor's last dimension is strided."""
+    entry = _write_args(outputs, inputs)
+    if entry[4] is None:
+        raise RuntimeError("the native kv_cache_write needs the native library and contiguous last dimensions")
+    _run_write(entry, outputs)
+
+
+register_kernel("paged_attention", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
+register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)

@@ -1,0 +1,32 @@
+"""Qwen2: always biases on q/k/v, never on the output projection; GGUF files store every
+tensor in Hugging Face order (llama.cpp runs Qwen2 with the halves rope), so none is fixed."""
+from __future__ import annotations
+
+from typing import Any, Collection, Mapping
+
+from ..layers import decoder_layer
+from ..weights import GGUF_NAMES, HF_NAMES
+from . import Architecture, no_row_fix, register
+
+BIASES = {"attention_bias": True, "attention_out_bias": False}
+
+
+def hf_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """q/k/v biases and no output bias, whatever ``config.json`` says (it has no such flag)."""
+    return dict(BIASES)
+
+
+def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:
+    """The same biases as ``hf_config``."""
+    return dict(BIASES)
+
+
+QWEN2 = register(Architecture(
+    name="qwen2",
+    hf_config=hf_config,
+    gguf_config=gguf_config,
+    hf_names=HF_NAMES,
+    gguf_names=GGUF_NAMES,
+    gguf_row_fix=no_row_fix,
+    decoder_layer=decoder_layer,
+))

@@ -1,0 +1,99 @@
+"""The layers of the Qwen2/Llama decoder, written with ``llaisys.ops`` only, over the buffers
+of a ``Workspace``; an architecture module (``models.architectures``) names the layer it uses.
+
+Shapes: S tokens in the pass, T = cache length after it, D hidden, H/KH query/kv heads,
+Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from .. import ops
+from ..runtime.device import Device
+from ..runtime.dtypes import DataType
+from ..tensor import Tensor
+from .config import ModelConfig
+from .params import LayerParams
+
+if TYPE_CHECKING:
+    from .decoder import BatchIndex
+
+
+class Workspace:
+    """Buffers for one pass of S tokens, reused by every layer and every pass of that size."""
+
+    def __init__(self, config: ModelConfig, s: int, dtype: DataType, device: Device):
+        d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
+        h, kh = config.num_attention_heads, config.num_key_value_heads
+        dq, dkv = h * dh, kh * dh
+        new = lambda *shape: Tensor.empty(shape, dtype, device)  # noqa: E731
+        self.ids = Tensor.empty((s,), DataType.I64, device)  # (S,)
+        self.pos = Tensor.empty((s,), DataType.I64, device)  # (S,)
+        self.x = new(s, d)  # (S, D) the residual stream
+        self.h = new(s, d)  # (S, D) normalised input of a block
+        self.qkv = new(s, dq + 2 * dkv)  # (S, Dq + 2*Dkv)
+        self.qk_in = self.qkv.slice(1, 0, dq + dkv).view(s, h + kh, dh)  # (S, H+KH, Dh) strided view
+        self.v_in = self.qkv.slice(1, dq + dkv, dq + 2 * dkv).view(s, kh, dh)  # (S, KH, Dh)
+        self.qk = new(s, h + kh, dh)  # (S, H+KH, Dh) q and k heads after rope (one rope call for both)
+        self.q = self.qk.slice(1, 0, h)  # (S, H, Dh)
+        self.k = self.qk.slice(1, h, h + kh)  # (S, KH, Dh)
+        self.attn = new(s, h, dh)  # (S, H, Dh)
+        self.attn_flat = self.attn.view(s, dq)  # (S, Dq)
+        self.proj = new(s, d)  # (S, D) output of a block before the residual add
+        self.gate_up = new(s, 2 * inter)  # (S, 2I)
+        self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
+        self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
+        self.act = new(s, inter)  # (S, I)
+        self.h_last = self.h.slice(0, s - 1, s)  # (1, D) the last row, finally normalised
+        self.logits = new(1, config.vocab_size)  # (1, V)
+
+
+def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
+              scale: float, plan: ops.Plan) -> None:
+    """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
+    K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read)."""
+    k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
+    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (S, H+KH, Dh)
+    ops.rearrange(k_new, ws.k, plan=plan)  # (S, KH, Dh) into the cache
+    ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
+    ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
+    ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (S, D)
+
+
+CACHE_CALLS_AT = 2  # attention's calls before its three that touch the cache (see Pass.move)
+
+
+def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.proj = down(swiglu(gate, up)) of ws.h, the normalised input."""
+    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
+    ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
+    ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
+
+
+def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor], idx: "BatchIndex",
+                    config: ModelConfig, scale: float, plan: ops.Plan) -> None:
+    """ws.proj = o_proj(attention of ws.h, rows of many sequences) over the paged cache
+    ``pool`` = (K blocks, V blocks) (NB, BS, KH, Dh) of this layer; writes this pass's K/V to
+    their slots first, then each sequence attends to its own keys through its block table."""
+    k_pool, v_pool = pool
+    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (N, Dq + 2*Dkv)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (N, H+KH, Dh)
+    ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan)
+    ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
+                        scale, plan=plan)  # (N, H, Dh)
+    ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (N, D)
+
+
+def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
+                  config: ModelConfig, plan: ops.Plan) -> None:
+    """One pre-norm decoder layer applied to ws.x in place. Takes ws.h = rms_norm(ws.x) by
+    the layer's attention norm; ``attend()`` puts the attention block's output in ws.proj
+    (``attention`` over one sequence's cache, or ``paged_attention`` over many); leaves ws.h
+    normalised by ``next_norm`` (the next layer's attention norm, or the final norm), each
+    residual add fused with the norm after it."""
+    eps = config.rms_norm_eps
+    attend()
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
+    mlp(ws, lp, config, plan)
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)

@@ -1,0 +1,119 @@
+"""The paged KV cache of a serving engine: per layer, a pool of fixed-size blocks of key and
+value slots in the model's device memory, shared by many sequences through block tables.
+
+Which blocks a sequence holds is the engine's business (``llaisys.engine.blocks``); a
+``TokenBatch`` carries the result to the model as index arrays: the slot each new token's keys
+and values go to, and each sequence's block table for attention.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..runtime.device import Device
+from ..runtime.dtypes import DataType
+from ..tensor import Tensor
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """A flat batch of N tokens from B sequences for one forward pass (host int64 arrays).
+
+    Sequence b's tokens are rows ``query_starts[b]:query_starts[b+1]``, in position order.
+    token_ids (N,), positions (N,): each token and its position in its sequence.
+    slots (N,): where each token's K/V go, ``block * block_size + offset``.
+    block_tables (B, MB): sequence b's blocks in order (unused entries -1).
+    query_starts (B+1,): row offsets; context_lens (B,): keys each sequence has after the pass.
+    logit_rows (R,): the rows whose logits are returned, in the order wanted.
+    """
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    query_starts: np.ndarray
+    context_lens: np.ndarray
+    logit_rows: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @classmethod
+    def build(cls, chunks: "list[tuple[list[int], int, list[int], bool]]", block_size: int,
+              max_blocks: int) -> "TokenBatch":
+        """A batch from ``chunks``, one per sequence: (token ids to run, position of the first,
+        block table, whether its last row's logits are wanted)."""
+        n = sum(len(ids) for ids, _, _, _ in chunks)
+        ids = np.empty(n, np.int64)
+        positions = np.empty(n, np.int64)
+        tables = np.full((len(chunks), max_blocks), -1, np.int64)
+        starts = np.zeros(len(chunks) + 1, np.int64)
+        lens = np.empty(len(chunks), np.int64)
+        rows = []
+        at = 0
+        for b, (chunk_ids, start, table, wants_logits) in enumerate(chunks):
+            k = len(chunk_ids)
+            ids[at:at + k] = chunk_ids
+            positions[at:at + k] = np.arange(start, start + k)
+            tables[b, :len(table)] = table
+            at += k
+            starts[b + 1] = at
+            lens[b] = start + k
+            if wants_logits:
+                rows.append(at - 1)
+        seq_of_row = np.repeat(np.arange(len(chunks)), np.diff(starts))  # (N,)
+        slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        return cls(ids, positions, slots, tables, starts, lens, np.asarray(rows, np.int64))
+
+
+class PagedKVCache:
+    """Keys and values in ``num_blocks`` blocks of ``block_size`` token slots for each of the
+    model's layers: k and v of shape (L, NB, BS, KH, Dh). ``max_blocks`` is the width of a
+    block table (blocks of the longest sequence the model takes)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: DataType, device: Device, max_blocks: int, owner: Any = None):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_blocks", max_blocks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive integer, got {value!r}")
+        self.num_blocks, self.block_size, self.max_blocks = num_blocks, block_size, max_blocks
+        self.spec = (num_layers, kv_heads, head_dim, dtype, device)
+        self._owner = weakref.ref(owner) if owner is not None else None
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = Tensor.empty(shape, dtype, device)  # (L, NB, BS, KH, Dh); slots are written before read
+        self.v = Tensor.empty(shape, dtype, device)
+        self.k_layers = [self.k.slice(0, i, i + 1).view(*shape[1:]) for i in range(num_layers)]
+        self.v_layers = [self.v.slice(0, i, i + 1).view(*shape[1:]) for i in range(num_layers)]
+        self.passes: OrderedDict = OrderedDict()  # the owner's recorded passes, by batch shape
+        self.workspaces: OrderedDict = OrderedDict()  # the owner's work buffers, by token count
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: DataType) -> int:
+        """Bytes of keys and values one token takes in all layers."""
+        return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def made_by(self, model: Any) -> bool:
+        """Whether ``model`` made this cache."""
+        return self._owner is not None and self._owner() is model
+
+    def __repr__(self) -> str:
+        layers, kh, dh, dtype, device = self.spec
+        return (f"PagedKVCache(blocks={self.num_blocks}x{self.block_size}, layers={layers}, kv_heads={kh}, "
+                f"head_dim={dh}, dtype={dtype.name}, device={device}, {self.nbytes / 2**20:.0f} MiB)")

@@ -1,0 +1,100 @@
+"""The paged KV-cache ops of a serving engine (continuous batching), output first like the
+others and taking ``plan=``.
+
+One layer's cache is a pool of NB blocks of BS token slots: k_cache (NB, BS, KH, D), v_cache
+(NB, BS, KH, Dv). A step runs a flat batch of N query tokens from B sequences, each
+sequence's tokens contiguous and the sequences in order; sequence b owns rows
+query_starts[b]:query_starts[b + 1] and reads its keys through row b of block_tables. The
+values of the index tensors are checked by the kernels (they live on the device).
+"""
+from __future__ import annotations
+
+from ..kernels import find_kernel
+from ..tensor import Tensor
+from .plan import Plan
+from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match
+from .core import _launch
+
+
+def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, *,
+                   plan: Plan | None = None) -> tuple[Tensor, Tensor]:
+    """Store this step's keys and values in the block pool, in place: for each token i,
+    k_cache[s // BS, s % BS] = k[i] and v_cache[s // BS, s % BS] = v[i], s = slots[i].
+
+    k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv) of one float type (F32, F16, BF16);
+    k (N, KH, D), v (N, KH, Dv) of that type, any strides (slices of a fused qkv buffer);
+    slots (N,) I64, flat slot indices block * BS + offset. The kernel raises ValueError for a
+    slot outside [0, NB * BS), before writing anything. Returns (k_cache, v_cache).
+    """
+    op = "kv_cache_write"
+    tensors_match(op, ("k_cache", "v_cache", "k", "v", "slots"), (k_cache, v_cache, k, v, slots), dtypes=4)
+    dtype_in(op, "k_cache", k_cache, FLOAT_TYPES)
+    dtype_in(op, "slots", slots, INDEX_TYPES)
+    ndim_is(op, "k_cache", k_cache, 4, "(NB, BS, KH, D) block pool")
+    ndim_is(op, "v_cache", v_cache, 4, "(NB, BS, KH, Dv) block pool")
+    ndim_is(op, "slots", slots, 1, "(N,) slot indices")
+    nb, bs, kh, d = k_cache.shape
+    if v_cache.shape[:3] != (nb, bs, kh):
+        raise ValueError(f"{op}: v_cache has shape {v_cache.shape}; expected ({nb}, {bs}, {kh}, Dv) to match "
+                         f"k_cache {k_cache.shape}")
+    n = slots.shape[0]
+    shape_is(op, "k", k, (n, kh, d))
+    shape_is(op, "v", v, (n, kh, v_cache.shape[3]))
+    if n:
+        inputs = (k, v, slots)
+        device = k_cache.device
+        if not device.is_cpu and find_kernel(op, device.type.name, k_cache.dtype) is None:
+            # The CPU fallback gives a kernel uninitialised host copies of dense outputs (ops
+            # write them whole); the caches go in as inputs too, so unwritten slots survive.
+            inputs += (k_cache, v_cache)
+        _launch(plan, op, k_cache.dtype, (k_cache, v_cache), inputs, {})
+    return k_cache, v_cache
+
+
+def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    query_starts: Tensor, context_lens: Tensor, scale: float, *,
+                    plan: Plan | None = None) -> Tensor:
+    """Causal grouped-query attention of a flat batch of queries over the paged KV cache.
+
+    q (N, H, D) (any strides), out (N, H, Dv), k_cache (NB, BS, KH, D), v_cache
+    (NB, BS, KH, Dv), all of one float type, H a multiple of KH (query head h uses KV head
+    h // (H / KH)). block_tables (B, MB), query_starts (B+1,), context_lens (B,), all I64.
+    Sequence b has q_len = query_starts[b+1] - query_starts[b] queries and context_lens[b]
+    keys (this step's included: kv_cache_write them first); its query j sits at position
+    context_lens[b] - q_len + j and sees keys 0..that position, key p being
+    k_cache[block_tables[b, p // BS], p % BS] (table entries past what it needs are ignored).
+    out = softmax(q k^T * scale + mask) v. The kernel raises ValueError unless query_starts
+    runs from 0 to N without going down and q_len <= context_lens[b] <= MB * BS. The F32 CPU
+    kernel is batch invariant: a row's result does not depend on the rest of the batch.
+    Returns out.
+    """
+    op = "paged_attention"
+    tensors_match(op, ("out", "q", "k_cache", "v_cache", "block_tables", "query_starts", "context_lens"),
+                  (out, q, k_cache, v_cache, block_tables, query_starts, context_lens), dtypes=4)
+    dtype_in(op, "q", q, FLOAT_TYPES)
+    for name, t in (("block_tables", block_tables), ("query_starts", query_starts), ("context_lens", context_lens)):
+        dtype_in(op, name, t, INDEX_TYPES)
+    ndim_is(op, "q", q, 3, "(N, H, D)")
+    ndim_is(op, "k_cache", k_cache, 4, "(NB, BS, KH, D) block pool")
+    ndim_is(op, "v_cache", v_cache, 4, "(NB, BS, KH, Dv) block pool")
+    ndim_is(op, "block_tables", block_tables, 2, "(B, MB) block ids")
+    n, h, d = q.shape
+    nb, bs, kh, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"{op}: k_cache has head dim {dk} (shape {k_cache.shape}) but q has {d} (shape {q.shape})")
+    if v_cache.shape[:3] != (nb, bs, kh):
+        raise ValueError(f"{op}: v_cache has shape {v_cache.shape}; expected ({nb}, {bs}, {kh}, Dv) to match "
+                         f"k_cache {k_cache.shape}")
+    if kh == 0 or h % kh:
+        raise ValueError(f"{op}: q has {h} heads, not a multiple of the {kh} key/value heads of k_cache")
+    if bs == 0:
+        raise ValueError(f"{op}: k_cache has shape {k_cache.shape}; blocks of BS = 0 slots hold no keys")
+    shape_is(op, "out", out, (n, h, v_cache.shape[3]))
+    b = block_tables.shape[0]
+    shape_is(op, "query_starts", query_starts, (b + 1,))
+    shape_is(op, "context_lens", context_lens, (b,))
+    scale = number(op, "scale", scale)
+    if 0 not in out.shape:
+        _launch(plan, op, q.dtype, (out,), (q, k_cache, v_cache, block_tables, query_starts, context_lens),
+                {"scale": scale})
+    return out
