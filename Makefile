@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-test run test bench loc plugins
+.PHONY: install install-test run serve test bench loc plugins
 
 install:
 	$(PIP) -e .
@@ -10,9 +10,13 @@ install:
 
 install-test: install
 	$(PIP) -e ".[test]"
+	sh tools/install_browser.sh
 
 run: install
 	$(PYTHON) -m llaisys.cli.main generate "Write a haiku about the sea." --max-new-tokens 48
+
+serve: install
+	$(PYTHON) -m llaisys.cli.main serve
 
 test: install-test
 	$(PYTHON) -m pytest -q

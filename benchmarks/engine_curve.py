@@ -26,7 +26,7 @@ def measure(model, n: int, prompt_tokens: int, steps: int) -> dict[str, float]:
     from llaisys.generation import GenerationConfig
 
     engine = LLMEngine(model, max_seqs=max(n, 1))
-    config = GenerationConfig(max_new_tokens=steps + 4, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=1 << 20, ignore_eos=True)  # capped by the context: none ends early
     for p in distinct_prompts(prompt_ids(model.tokenizer, prompt_tokens), n, model.config.vocab_size):
         engine.add_request(None, p, config)
     while any(s.prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:

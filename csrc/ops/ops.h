@@ -1,0 +1,85 @@
+/* The small float32 kernels of a decoder layer: rms_norm (alone or after a residual add), rope,
+ * swiglu and causal grouped-query self-attention.
+ *
+ * Each is the C form of its NumPy kernel in src/llaisys/kernels/cpu/ (the readable reference it
+ * is tested against). Every row of a result (a token, or a token's head) is computed by one
+ * fixed sequence of float operations that depends only on that row's inputs, never on how many
+ * rows the call has: batch invariance. The SIMD levels compile the same C code for wider
+ * vectors (ops_body.h), attention's inner loops as intrinsics that repeat its operations in
+ * its order; there is no FMA, so every level gives the same bits.
+ *
+ * Arguments come in a struct built once per call site by the Python binding
+ * (kernels/cpu/native_ops.py mirrors each as a ctypes Structure); the pointers that change
+ * from call to call (weights, rope tables, the K/V rows of a layer) are passed beside it.
+ * Strides are in elements; the last dimension of every tensor is contiguous.
+ */
+#ifndef LLAISYS_OPS_H
+#define LLAISYS_OPS_H
+
+#include <stdint.h>
+
+#define LO_EXPORT __attribute__((visibility("default")))
+
+enum { LO_OK = 0, LO_ERR_SHAPE = -1, LO_ERR_MEMORY = -2 };
+
+/* rms_norm of `rows` rows of d: out = x / sqrt(mean(x^2) + eps) * w, with x = a, or
+ * x = total = a + b (stored in total) when b is given. */
+typedef struct {
+    float *out;
+    int64_t out_s;
+    float *total;       /* NULL when b is NULL */
+    int64_t total_s;
+    const float *a;
+    int64_t a_s;
+    const float *b;     /* NULL: plain rms_norm of a */
+    int64_t b_s;
+    int64_t rows, d;
+    double eps;
+} lo_norm_args;
+
+/* out = up * gate / (1 + exp(-gate)) over `rows` rows of n. */
+typedef struct {
+    float *out;
+    int64_t out_s;
+    const float *gate;
+    int64_t gate_s;
+    const float *up;
+    int64_t up_s;
+    int64_t rows, n;
+} lo_swiglu_args;
+
+/* Rotary embedding of x (S, H, D) into out; the tables cos, sin (S, D/2) come with the call. */
+typedef struct {
+    float *out;
+    int64_t out_s0, out_s1;
+    const float *x;
+    int64_t x_s0, x_s1;
+    int64_t s, h, d;
+} lo_rope_args;
+
+/* Causal GQA: q (S, H, D), k (T, KH, D), v (T, KH, Dv) -> out (S, H, Dv); query i sits at
+ * position T - S + i. k, v and T come with the call (a layer's cache rows). */
+typedef struct {
+    float *out;
+    int64_t out_s0, out_s1;
+    const float *q;
+    int64_t q_s0, q_s1;
+    int64_t k_s0, k_s1, v_s0, v_s1;
+    int64_t s, h, d, kh, dv;
+    double scale;
+} lo_attention_args;
+
+/* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */
+typedef struct {
+    const char *name;
+    void (*norm)(const lo_norm_args *a, const float *w);
+    void (*swiglu)(const lo_swiglu_args *a);
+    void (*rope)(const lo_rope_args *a, const float *cos, const float *sin);
+    void (*attention)(const lo_attention_args *a, const float *k, const float *v, int64_t t, float *scratch);
+} lo_kernels;
+
+extern const lo_kernels lo_kernels_scalar;
+const lo_kernels *lo_kernels_avx2(void);   /* NULL unless this CPU (and build) has the level */
+const lo_kernels *lo_kernels_avx512(void);
+
+#endif

@@ -1,0 +1,61 @@
+"""``llaisys serve``: the OpenAI-compatible HTTP server (see docs/server.md).
+
+The server starts listening at once and loads the model in the background: GET /health
+answers 503 until it is ready, then 200. SIGINT/SIGTERM stop it gracefully.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .common import add_model_options, load_from_args, positive_int
+
+API_KEY_VAR = "LLAISYS_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` sub-command."""
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+                                          "/v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, "
+                                          "/version, and a chat page at /.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on the API routes (default: ${API_KEY_VAR}, else none)")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins browsers may call the API from (CORS), e.g. http://localhost:3000 or '*' "
+                        "(default: none, CORS off)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own (needed for a model without one)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: the model file's name)")
+    p.add_argument("--max-seqs", type=positive_int, default=64, metavar="N",
+                   help="requests running at once (default 64); more wait in a queue")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens the KV cache holds for all requests together (default: 1 GiB worth, at least one "
+                        "full context)")
+    p.add_argument("--db", default=None, metavar="PATH", help="SQLite file for the chat page's conversations")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")
+    add_model_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 1 if the model failed to load."""
+    from ..server import ServerOptions, create_app, serve
+
+    options = ServerOptions(model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+                            api_key=args.api_key or os.environ.get(API_KEY_VAR) or None,
+                            allowed_origins=tuple(args.allowed_origins), chat_template=args.chat_template,
+                            served_model_name=args.served_model_name, max_seqs=args.max_seqs,
+                            kv_cache_tokens=args.kv_cache_tokens, db_path=args.db,
+                            shutdown_timeout_s=args.shutdown_timeout)
+    app = create_app(options, loader=lambda: load_from_args(args))
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"llaisys serve: loading {args.model or 'the bundled SmolLM2-135M'} as "
+          f"{app.state.service.model_name!r}; API at http://{host}:{args.port}/v1 "
+          "(/health answers 503 until the model is ready)", file=sys.stderr)
+    return serve(app, options)

@@ -1,0 +1,361 @@
+"""rms_norm, add_rms_norm, rope, swiglu and self_attention for F32 on the CPU through the native
+library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels.
+
+The NumPy kernels (``norm_rope``, ``elementwise``, ``attention``) stay the readable reference
+and run instead where the library was not built, for F16/BF16, and for layouts the native code
+does not take: a tensor whose last dimension is strided, rows that do not share one stride, or
+an output that overlaps an input other than by being the very same view. Each row of a result
+is computed the same way whatever the number of rows (batch invariance; see ``csrc/ops/ops.h``);
+rope uses the NumPy kernel's own cos/sin tables, so it gives the same bits.
+
+A decoding step makes about five of these calls per layer, each on a few kilobytes, so the
+Python around a call is most of its cost: the ctypes argument block of a call is built once
+and kept with the output tensor (``Tensor.derived``), reused while the same tensors come back
+(as a replayed ``ops.Plan`` passes them); what changes from call to call at one output (the
+norm weight, the rope positions' table, a layer's K/V rows) is passed beside it.
+``LLAISYS_NATIVE_OPS=0`` leaves the NumPy kernels registered.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ... import _native
+from ...runtime.dtypes import DataType
+from ..registry import register_kernel
+from . import attention, elementwise, norm_rope
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
+log = logging.getLogger(__name__)
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+SIMD_LEVELS = ("scalar", "avx2", "avx512")
+
+
+class _NormArgs(ctypes.Structure):
+    """``lo_norm_args`` of csrc/ops/ops.h."""
+
+    _fields_ = [("out", _PTR), ("out_s", _I64), ("total", _PTR), ("total_s", _I64), ("a", _PTR), ("a_s", _I64),
+                ("b", _PTR), ("b_s", _I64), ("rows", _I64), ("d", _I64), ("eps", ctypes.c_double)]
+
+
+class _SwigluArgs(ctypes.Structure):
+    """``lo_swiglu_args``."""
+
+    _fields_ = [("out", _PTR), ("out_s", _I64), ("gate", _PTR), ("gate_s", _I64), ("up", _PTR), ("up_s", _I64),
+                ("rows", _I64), ("n", _I64)]
+
+
+class _RopeArgs(ctypes.Structure):
+    """``lo_rope_args``."""
+
+    _fields_ = [("out", _PTR), ("out_s0", _I64), ("out_s1", _I64), ("x", _PTR), ("x_s0", _I64), ("x_s1", _I64),
+                ("s", _I64), ("h", _I64), ("d", _I64)]
+
+
+class _AttentionArgs(ctypes.Structure):
+    """``lo_attention_args``."""
+
+    _fields_ = [("out", _PTR), ("out_s0", _I64), ("out_s1", _I64), ("q", _PTR), ("q_s0", _I64), ("q_s1", _I64),
+                ("k_s0", _I64), ("k_s1", _I64), ("v_s0", _I64), ("v_s1", _I64),
+                ("s", _I64), ("h", _I64), ("d", _I64), ("kh", _I64), ("dv", _I64), ("scale", ctypes.c_double)]
+
+
+_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
+_lib_lock = threading.Lock()
+
+
+def _library() -> "ctypes.CDLL | bool":
+    """The native library with its signatures declared, or False when it is not built."""
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                lib = _native.load("ops")
+                if lib is None:
+                    log.warning("the native ops (llaisys._native._ops) are not built: rms_norm, rope, swiglu and "
+                                "self_attention run on the slower NumPy kernels; reinstall llaisys with a C compiler")
+                else:
+                    signatures = {
+                        "llaisys_ops_rms_norm": [_PTR, _PTR],
+                        "llaisys_ops_swiglu": [_PTR],
+                        "llaisys_ops_rope": [_PTR, _PTR, _PTR],
+                        "llaisys_ops_self_attention": [_PTR, _PTR, _PTR, _I64],
+                        "llaisys_ops_simd_available": [],
+                        "llaisys_ops_set_simd_level": [ctypes.c_char_p],
+                    }
+                    for name, args in signatures.items():
+                        fn = getattr(lib, name)
+                        fn.argtypes, fn.restype = args, ctypes.c_int
+                    lib.llaisys_ops_simd_level.argtypes, lib.llaisys_ops_simd_level.restype = [], ctypes.c_char_p
+                _lib = lib if lib is not None else False
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native library is built."""
+    return bool(_library())
+
+
+def simd_level() -> str:
+    """The SIMD level in use ("scalar", "avx2" or "avx512"); every level gives the same bits."""
+    return _library().llaisys_ops_simd_level().decode()
+
+
+def simd_levels() -> list[str]:
+    """The SIMD levels this CPU runs."""
+    mask = _library().llaisys_ops_simd_available()
+    return [name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1]
+
+
+def set_simd_level(name: str) -> None:
+    """Use SIMD level ``name`` from now on (tests, benchmarks); ValueError when this CPU lacks it."""
+    if _library().llaisys_ops_set_simd_level(name.encode()) != 0:
+        raise ValueError(f"SIMD level {name!r} does not run on this CPU; it runs {', '.join(simd_levels())}")
+
+
+def _failed(op: str, status: int) -> None:
+    """A nonzero status: the arguments were checked here and by the op, so a bug, not bad input."""
+    raise RuntimeError(f"llaisys_ops_{op} failed with status {status}")
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def _rows(t: Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of ``t`` seen as rows of its last dimension, or None when its last
+    dimension is strided or its leading dimensions do not fold into one stride."""
+    shape, strides = t.shape, t.strides
+    if shape[-1] != 1 and strides[-1] != 1:
+        return None
+    rows, stride = 1, shape[-1]
+    for n, s in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if n == 1:
+            continue
+        if rows == 1:
+            stride = s
+        elif s != stride * rows:
+            return None
+        rows *= n
+    return rows, stride
+
+
+def _heads(t: Tensor) -> tuple[int, int] | None:
+    """The two leading strides of a 3-D ``t`` whose last dimension is contiguous, else None."""
+    if t.shape[2] != 1 and t.strides[2] != 1:
+        return None
+    return t.strides[0], t.strides[1]
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes [start, end) of storage that ``t``'s elements occupy."""
+    lo = hi = t.offset
+    for n, s in zip(t.shape, t.strides):
+        if n > 1:
+            step = (n - 1) * s * t.dtype.itemsize
+            lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return lo, hi + t.dtype.itemsize
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (a.storage is b.storage and a.offset == b.offset and a.shape == b.shape and a.strides == b.strides)
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` share bytes of one storage."""
+    if a.storage is not b.storage:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _writes_safely(outputs: tuple, others: tuple, same_view_ok: bool = True) -> bool:
+    """Whether each output overlaps no other tensor, or (``same_view_ok``: kernels that read an
+    element before writing it) only as the very same view."""
+    for i, o in enumerate(outputs):
+        for t in outputs[i + 1:] + others:
+            if t is not None and _overlap(o, t) and not (same_view_ok and _same_view(o, t)):
+                return False
+    return True
+
+
+def _entry(_: Tensor) -> list:
+    return [None] * 8
+
+
+def _ptr(t: Tensor) -> int:
+    return t.storage.ptr + t.offset
+
+
+# ---- rms_norm, add_rms_norm ---------------------------------------------------------------------
+def _norm_args(out: Tensor, total: Tensor | None, a: Tensor, b: Tensor | None, eps: float) -> _NormArgs | None:
+    outputs, inputs = ((out,), (a,)) if total is None else ((out, total), (a, b))
+    geometry = [_rows(t) for t in outputs + inputs]
+    if None in geometry or not _writes_safely(outputs, inputs) or not _library():
+        return None
+    (rows, out_s), a_s = geometry[0], geometry[len(outputs)][1]
+    args = _NormArgs(out=_ptr(out), out_s=out_s, a=_ptr(a), a_s=a_s, rows=rows, d=out.shape[-1], eps=eps)
+    if total is not None:
+        args.total, args.total_s = _ptr(total), geometry[1][1]
+        args.b, args.b_s = _ptr(b), geometry[3][1]
+    return args
+
+
+def _weight_ok(w: Tensor, outputs: tuple) -> bool:
+    """Whether the native kernel may read the norm weight ``w``: contiguous, overlapping no
+    output (checked in full only when the cheap test in the kernels is not conclusive)."""
+    return (w.strides[0] == 1 or w.shape[0] == 1) and not any(_overlap(w, o) for o in outputs)
+
+
+def rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``rms_norm`` kernel: native where it applies, else ``norm_rope.rms_norm``."""
+    out = outputs[0]
+    x, w = inputs
+    eps = attrs["eps"]
+    e = out.derived("native_ops.rms_norm", _entry)  # [x, eps, args, address]
+    if e[0] is not x or e[1] != eps:
+        args = _norm_args(out, None, x, None, eps)
+        e[:4] = [x, eps, args, None if args is None else ctypes.addressof(args)]
+    if e[3] is None or ((w.storage is out.storage or w.strides[0] != 1) and not _weight_ok(w, outputs)):
+        norm_rope.rms_norm(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_rms_norm(e[3], w.storage.ptr + w.offset)
+    if status:
+        _failed("rms_norm", status)
+
+
+def add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``add_rms_norm`` kernel: native where it applies, else ``norm_rope.add_rms_norm``."""
+    out, total = outputs
+    a, b, w = inputs
+    eps = attrs["eps"]
+    e = out.derived("native_ops.add_rms_norm", _entry)  # [total, a, b, eps, args, address]
+    if e[0] is not total or e[1] is not a or e[2] is not b or e[3] != eps:
+        args = _norm_args(out, total, a, b, eps)
+        e[:6] = [total, a, b, eps, args, None if args is None else ctypes.addressof(args)]
+    if e[5] is None or ((w.storage is out.storage or w.storage is total.storage or w.strides[0] != 1)
+                        and not _weight_ok(w, outputs)):
+        norm_rope.add_rms_norm(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_rms_norm(e[5], w.storage.ptr + w.offset)
+    if status:
+        _failed("rms_norm", status)
+
+
+# ---- swiglu -------------------------------------------------------------------------------------
+def _swiglu_args(out: Tensor, gate: Tensor, up: Tensor) -> _SwigluArgs | None:
+    geometry = [_rows(t) for t in (out, gate, up)]
+    if None in geometry or not _writes_safely((out,), (gate, up)) or not _library():
+        return None
+    (rows, out_s), (_, gate_s), (_, up_s) = geometry
+    return _SwigluArgs(_ptr(out), out_s, _ptr(gate), gate_s, _ptr(up), up_s, rows, out.shape[-1])
+
+
+def swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``swiglu`` kernel: native where it applies, else ``elementwise.swiglu``."""
+    out = outputs[0]
+    gate, up = inputs
+    e = out.derived("native_ops.swiglu", _entry)  # [gate, up, args, address]
+    if e[0] is not gate or e[1] is not up:
+        args = _swiglu_args(out, gate, up)
+        e[:4] = [gate, up, args, None if args is None else ctypes.addressof(args)]
+    if e[3] is None:
+        elementwise.swiglu(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_swiglu(e[3])
+    if status:
+        _failed("swiglu", status)
+
+
+# ---- rope ---------------------------------------------------------------------------------------
+_TABLES_KEPT = 16
+_tables: dict[tuple[bytes, int, float], tuple] = {}  # (positions, D, theta) -> (cos, sin, cos ptr, sin ptr)
+
+
+def _table(key: tuple[bytes, int, float]) -> tuple:
+    """The NumPy kernel's cos and sin (S, 1, D/2) for ``key``, with their addresses; every layer
+    of a pass rotates at the same positions, so the last few sets are kept."""
+    cos, sin = norm_rope._cos_sin(*key)  # C-contiguous float32
+    table = (cos, sin, cos.ctypes.data, sin.ctypes.data)
+    if len(_tables) >= _TABLES_KEPT:
+        _tables.clear()
+    _tables[key] = table
+    return table
+
+
+def _rope_args(out: Tensor, x: Tensor) -> _RopeArgs | None:
+    heads = (_heads(out), _heads(x))
+    if None in heads or not _writes_safely((out,), (x,)) or not _library():
+        return None
+    s, h, d = x.shape
+    return _RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d)
+
+
+def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``rope`` kernel: native where it applies, else ``norm_rope.rope``."""
+    out = outputs[0]
+    x, pos = inputs
+    e = out.derived("native_ops.rope", _entry)  # [x, args, address]
+    if e[0] is not x:
+        args = _rope_args(out, x)
+        e[:3] = [x, args, None if args is None else ctypes.addressof(args)]
+    if e[2] is None:
+        norm_rope.rope(outputs, inputs, attrs)
+        return
+    key = (pos.host_array().tobytes(), x.shape[2], attrs["theta"])
+    table = _tables.get(key) or _table(key)
+    status = _lib.llaisys_ops_rope(e[2], table[2], table[3])
+    if status:
+        _failed("rope", status)
+
+
+# ---- self_attention -----------------------------------------------------------------------------
+def _attention_args(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> _AttentionArgs | None:
+    heads = [_heads(t) for t in (out, q, k, v)]
+    if None in heads or not _writes_safely((out,), (q,)) or not _library():
+        return None
+    s, h, d = q.shape
+    return _AttentionArgs(_ptr(out), *heads[0], _ptr(q), *heads[1], *heads[2], *heads[3],
+                          s, h, d, k.shape[1], v.shape[2], scale)
+
+
+def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``self_attention`` kernel: native where it applies, else ``attention.self_attention``.
+
+    The cached arguments hold q and out; k and v (a layer's cache rows, new views each step)
+    are passed per call, checked against the cached strides and head count."""
+    out = outputs[0]
+    q, k, v = inputs
+    scale = attrs["scale"]
+    e = out.derived("native_ops.self_attention", _entry)  # [q, scale, k strides, v strides, KH, args, address]
+    if e[0] is not q or e[1] != scale or e[2] != k.strides or e[3] != v.strides or e[4] != k.shape[1]:
+        args = _attention_args(out, q, k, v, scale)
+        e[:7] = [q, scale, k.strides, v.strides, k.shape[1], args, None if args is None else ctypes.addressof(args)]
+    if e[6] is None or ((k.storage is out.storage or v.storage is out.storage) and not
+                        _writes_safely((out,), (k, v), same_view_ok=False)):
+        attention.self_attention(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_self_attention(e[6], k.storage.ptr + k.offset, v.storage.ptr + v.offset, k.shape[0])
+    if status:
+        _failed("self_attention", status)
+
+
+KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "swiglu": swiglu,
+           "self_attention": self_attention}
+NUMPY_KERNELS = {"rms_norm": norm_rope.rms_norm, "add_rms_norm": norm_rope.add_rms_norm, "rope": norm_rope.rope,
+                 "swiglu": elementwise.swiglu, "self_attention": attention.self_attention}
+
+
+def register(native: bool = True) -> None:
+    """Register the native kernels (or, ``native=False``, the NumPy ones again) for F32 on the CPU.
+    A plan recorded before keeps the kernels it recorded."""
+    for name in KERNELS:
+        kernel = KERNELS[name] if native else NUMPY_KERNELS[name]
+        register_kernel(name, "cpu", dtypes=(DataType.F32,), kernel=kernel, replace=True)
+
+
+if os.environ.get("LLAISYS_NATIVE_OPS", "1").lower() not in ("0", "false", "no", "off"):
+    register()

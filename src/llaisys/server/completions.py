@@ -1,0 +1,322 @@
+"""/v1/chat/completions and /v1/completions: from a checked request to engine requests (one per
+choice), and from their outputs to OpenAI's responses, whole or streamed as server-sent events.
+
+A client that goes away ends its requests: a stream's response watches for the disconnect
+while it sends, and a whole response races the generation against it; either way the
+engine requests are aborted (``ModelService.release``) and their blocks freed within a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..engine import AsyncRequestStream, EngineStopped, RequestOutput
+from ..generation import GenerationConfig, SampledToken
+from .errors import APIError, shutting_down
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .service import ModelService
+
+log = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
+
+
+@dataclass(slots=True)
+class Job:
+    """One choice to generate: its index in the response, its prompt and its config."""
+
+    index: int
+    prompt_ids: list[int]
+    config: GenerationConfig
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)  # all of them (whole responses)
+    pending: list[SampledToken] = field(default_factory=list)  # not yet sent (streams)
+    text_offset: int = 0  # completions: where the next token's text starts
+    last: RequestOutput | None = None
+
+
+def _logprob(value: float | None) -> float:
+    return MIN_LOGPROB if value is None or value < MIN_LOGPROB else float(value)
+
+
+class ChatFormat:
+    """OpenAI's chat completion objects."""
+
+    prefix, object, chunk_object, prompt_what = "chatcmpl", "chat.completion", "chat.completion.chunk", "messages"
+
+    def __init__(self, service: ModelService) -> None:
+        self.service = service
+
+    def logprobs(self, tokens: list[SampledToken], state: ChoiceState) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            text = self.service.token_text(token_id)
+            return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in (t.top_logprobs or [])]} for t in tokens]}
+
+    def first_delta(self, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+
+class CompletionFormat(ChatFormat):
+    """OpenAI's (legacy) completion objects."""
+
+    prefix, object, chunk_object, prompt_what = "cmpl", "text_completion", "text_completion", "prompt"
+
+    def logprobs(self, tokens: list[SampledToken], state: ChoiceState) -> dict[str, Any]:
+        texts, offsets = [], []
+        for t in tokens:
+            text = self.service.token_text(t.token_id)
+            texts.append(text)
+            offsets.append(state.text_offset)
+            state.text_offset += len(text)
+        tops = []
+        for t in tokens:
+            top: dict[str, float] = {}
+            for i, lp in t.top_logprobs or []:
+                top.setdefault(self.service.token_text(i), _logprob(lp))
+            tops.append(top)
+        return {"tokens": texts, "token_logprobs": [_logprob(t.logprob) for t in tokens], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def first_delta(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    choice = delta
+
+
+# ---- entry points ---------------------------------------------------------------------------
+async def chat_completion(service: ModelService, req: ChatCompletionRequest, request: Request) -> Response:
+    """Answer POST /v1/chat/completions."""
+    service.require_ready()
+    service.check_model(req.model)
+    ids = service.chat_ids(req.messages)
+    requested, field_name = req.token_limit
+    max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
+    jobs = [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
+    return await _respond(service, ChatFormat(service), req, jobs, request)
+
+
+async def completion(service: ModelService, req: CompletionRequest, request: Request) -> Response:
+    """Answer POST /v1/completions (one prompt or several, n choices each)."""
+    service.require_ready()
+    service.check_model(req.model)
+    jobs = []
+    for p, prompt in enumerate(req.prompts):
+        ids = service.prompt_ids(prompt)
+        requested, field_name = req.token_limit
+        max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
+        jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
+                 for i in range(req.n)]
+    return await _respond(service, CompletionFormat(service), req, jobs, request)
+
+
+async def _respond(service: ModelService, fmt: ChatFormat, req: SamplingRequest, jobs: list[Job],
+                   request: Request) -> Response:
+    response_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+    streams: list[AsyncRequestStream] = []
+    try:
+        for job in jobs:  # admitted before the response starts, so a refusal is a plain 400
+            streams.append(await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config))
+    except BaseException:
+        service.release(streams)
+        raise
+    run = Run(service, fmt, req, jobs, streams, response_id)
+    if req.stream:
+        return EventStreamResponse(run.events(), on_close=lambda: service.release(streams))
+    try:
+        body = await until_disconnected(request.receive, run.whole())
+    finally:
+        service.release(streams)
+    if body is None:  # the client left: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(body)
+
+
+# ---- one response ---------------------------------------------------------------------------
+class Run:
+    """The outputs of one response's engine requests, turned into its body or its events."""
+
+    def __init__(self, service: ModelService, fmt: ChatFormat, req: SamplingRequest, jobs: list[Job],
+                 streams: list[AsyncRequestStream], response_id: str) -> None:
+        self.service, self.fmt, self.req, self.jobs, self.streams = service, fmt, req, jobs, streams
+        self.id = response_id
+        self.created = int(time.time())
+        self.want_logprobs = jobs[0].config.logprobs is not None
+        self.states = [ChoiceState() for _ in jobs]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice, output) pairs as they come, until every choice finished. Raises APIError
+        when the server ends the requests (shutdown) or the engine fails."""
+        try:
+            async for i, out in merge(self.streams):
+                if out.finish_reason == "abort":
+                    raise shutting_down()
+                self.states[i].last = out
+                yield i, out
+        except EngineStopped:
+            raise APIError(503, self.service.failure(), code="engine_unavailable") from None
+
+    def usage(self) -> dict[str, Any]:
+        n = self.req.n
+        prompt = sum(len(job.prompt_ids) for job in self.jobs if job.index % n == 0)
+        cached = sum(s.last.cached_tokens for job, s in zip(self.jobs, self.states) if job.index % n == 0 and s.last)
+        completion = sum(s.last.completion_tokens for s in self.states if s.last)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.service.model_name,
+                "choices": choices}
+
+    async def whole(self) -> dict[str, Any]:
+        """The non-streamed response body."""
+        async for i, out in self.outputs():
+            state = self.states[i]
+            state.text.append(out.text_delta)
+            if out.logprobs:
+                state.logprobs += out.logprobs
+        choices = []
+        for job, state in zip(self.jobs, self.states):
+            lp = self.fmt.logprobs(state.logprobs, state) if self.want_logprobs else None
+            reason = state.last.finish_reason if state.last else None
+            choices.append(self.fmt.choice(job.index, "".join(state.text), lp, reason))
+        return {**self._envelope(self.fmt.object, choices), "usage": self.usage()}
+
+    def _event(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
+        body = self._envelope(self.fmt.chunk_object, choices)
+        if self.req.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        """The server-sent events of a streamed response, ending with ``data: [DONE]``. Text a
+        possible stop string holds back is sent once it cannot be one; logprobs go with the
+        text of their tokens."""
+        try:
+            for job in self.jobs:
+                first = self.fmt.first_delta(job.index)
+                if first is not None:
+                    yield self._event([first])
+            async for i, out in self.outputs():
+                state = self.states[i]
+                if out.logprobs:
+                    state.pending += out.logprobs
+                if not out.text_delta and not out.finished:
+                    continue
+                lp = None
+                if self.want_logprobs:
+                    lp, state.pending = self.fmt.logprobs(state.pending, state), []
+                yield self._event([self.fmt.delta(self.jobs[i].index, out.text_delta, lp, out.finish_reason)])
+            if self.req.include_usage:
+                yield self._event([], self.usage())
+        except APIError as err:
+            yield err.sse()
+        yield "data: [DONE]\n\n"
+
+
+async def merge(streams: Sequence[AsyncRequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncRequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001  (handed to the reader)
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+            left -= item.finished
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnected(receive: Receive, work: Any) -> Any:
+    """Run the coroutine ``work``; its result, or None if the client disconnected first
+    (``work`` is then cancelled)."""
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+    if task in done:
+        return task.result()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent event stream that stops as soon as the client disconnects (whatever the
+    server's ASGI version) and then calls ``on_close`` once, however it ended."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({sending, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sending, listening):
+                task.cancel()
+            await asyncio.gather(sending, listening, return_exceptions=True)
+            with suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+        if sending.done() and not sending.cancelled() and sending.exception() is not None:
+            exc = sending.exception()
+            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+                raise exc

@@ -1,0 +1,235 @@
+"""Request bodies of the API as pydantic models, checked strictly.
+
+As in OpenAI's API, a value of the wrong type is an error (no "0.5" for a number, no 1 for a
+boolean) and fields the server does not know are ignored. Ranges are OpenAI's (vLLM's for
+the fields it adds: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids). Responses are plain dicts built in ``llaisys.server.completions``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..generation.config import MAX_LOGPROBS  # top tokens per step: 20, as OpenAI
+
+MAX_N = 128  # choices per request, as OpenAI
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class Strict(BaseModel):
+    """A request model: wrong types are errors, unknown fields are dropped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+def _check_content(value: Any) -> Any:
+    """A message's content: a str, None, or a list of text parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"must be a string or a list of text parts, got {type(value).__name__}")
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if isinstance(kind, str) else f"{type(part).__name__} {part!r:.40}"
+            raise ValueError(f"part {j} is {what}; only text parts {{'type': 'text', 'text': '...'}} are "
+                             "supported (this model takes text only)")
+    return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    """One message. "developer" is OpenAI's newer name for "system" and is treated as one."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        return _check_content(value)
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (a string or a list of text parts)")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The dict a chat template renders."""
+        content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class SamplingRequest(Strict):
+    """The fields /v1/chat/completions and /v1/completions share."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0: off (vLLM)
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value or None
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise ValueError("must be a string or a list of non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by this server")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported by this server")
+        return self
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """The completion token limit asked for and the field that asked."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top tokens per step for GenerationConfig.logprobs (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _check_prompt(value: Any) -> Any:
+    """A prompt: text, token ids, or a list of either (several prompts)."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, str) or is_ids(p) for p in value):
+        return value
+    raise ValueError("must be a string, a list of token ids, or a non-empty list of strings or of token id lists")
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo: not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix: not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n is supported")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """The completion token limit and its field: 16 when not given, as OpenAI and vLLM do."""
+        return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize (vLLM's): a ``prompt`` or chat ``messages`` (rendered with the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[TokenId]

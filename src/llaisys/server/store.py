@@ -1,0 +1,475 @@
+"""Conversations of the chat UI, kept in SQLite.
+
+A conversation has a title, a system prompt, sampling settings and a tree of messages: each
+message names its parent (None for a first message), so editing a past message adds a sibling
+and both branches stay. The conversation's ``active_leaf`` is the last message of the branch on
+screen; ``path`` (root to leaf) is what the model sees.
+
+One connection serves every thread, behind a lock (the UI's requests are small); the database is
+in WAL mode, so another process may read it while the server writes. The file is opened on first
+use, so mounting the UI touches no file until someone uses it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+EXPORT_FORMAT = "llaisys-conversation"
+ROLES = ("user", "assistant")
+MAX_TITLE = 200          # characters
+MAX_CONTENT = 1 << 20    # characters of a message or a system prompt
+MAX_META = 64 << 10      # characters of a message's meta as JSON
+AUTO_TITLE = 60          # characters of the first user message that become an untitled chat's title
+
+# Sampling settings a conversation may keep: name -> (kind, low, high, low inclusive).
+# None for any of them means the server's default.
+SETTINGS: dict[str, tuple[type, float, float, bool]] = {
+    "temperature": (float, 0.0, 2.0, True),
+    "top_p": (float, 0.0, 1.0, False),
+    "max_tokens": (int, 1, 1 << 20, True),
+    "seed": (int, 0, (1 << 63) - 1, True),
+}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id            TEXT PRIMARY KEY,
+    title         TEXT NOT NULL,
+    system_prompt TEXT NOT NULL,
+    settings      TEXT NOT NULL,      -- JSON object, keys of SETTINGS
+    active_leaf   TEXT,               -- id of the last message of the branch on screen
+    created       REAL NOT NULL,      -- seconds since the epoch
+    updated       REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,   -- insertion order: sibling order
+    id              TEXT NOT NULL UNIQUE,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    parent_id       TEXT REFERENCES messages(id) ON DELETE CASCADE,
+    role            TEXT NOT NULL,
+    content         TEXT NOT NULL,
+    created         REAL NOT NULL,
+    meta            TEXT NOT NULL     -- JSON object: tokens/s, finish reason, stopped, ...
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
+CREATE INDEX IF NOT EXISTS conversations_by_update ON conversations(updated);
+"""
+
+
+class NotFoundError(LookupError):
+    """A conversation or message id that the store does not hold."""
+
+
+def default_path() -> Path:
+    """``$XDG_DATA_HOME/llaisys/conversations.sqlite3``, ``~/.local/share/llaisys/...`` when unset."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "llaisys" / "conversations.sqlite3"
+
+
+# ---- validation: each raises ValueError / TypeError naming the field and what was expected ----
+
+def _check_str(name: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > limit:
+        raise ValueError(f"{name} is {len(value)} characters long; at most {limit} are allowed")
+    return value
+
+
+def check_title(value: Any) -> str:
+    """A title: a string of at most MAX_TITLE characters, whitespace stripped ('' = untitled)."""
+    return " ".join(_check_str("title", value, MAX_TITLE).split())
+
+
+def check_system_prompt(value: Any) -> str:
+    """A system prompt: a string of at most MAX_CONTENT characters ('' = none)."""
+    return _check_str("system_prompt", value, MAX_CONTENT)
+
+
+def check_settings(value: Any) -> dict[str, Any]:
+    """Sampling settings: an object with keys of SETTINGS, each a number in its range or null."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"settings must be an object, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key not in SETTINGS:
+            raise ValueError(f"unknown setting {key!r}; expected some of {', '.join(SETTINGS)}")
+        if v is None:
+            continue
+        kind, low, high, low_inclusive = SETTINGS[key]
+        ok_type = isinstance(v, int) if kind is int else isinstance(v, (int, float))
+        if isinstance(v, bool) or not ok_type or (kind is float and not math.isfinite(v)):
+            raise TypeError(f"setting {key} must be {'an integer' if kind is int else 'a number'} or null, got {v!r}")
+        if not (low <= v <= high) or (v == low and not low_inclusive):
+            bracket = "[" if low_inclusive else "("
+            raise ValueError(f"setting {key}={v!r} is out of range {bracket}{low}, {high}]")
+        out[key] = float(v) if kind is float else int(v)
+    return out
+
+
+def check_meta(value: Any) -> dict[str, Any]:
+    """A message's meta: a JSON object of at most MAX_META characters."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"meta must be an object, got {type(value).__name__}")
+    text = json.dumps(value, allow_nan=False)
+    if len(text) > MAX_META:
+        raise ValueError(f"meta is {len(text)} characters of JSON; at most {MAX_META} are allowed")
+    return dict(value)
+
+
+def check_role(value: Any) -> str:
+    """A message role: 'user' or 'assistant' (the system prompt belongs to the conversation)."""
+    if value not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {value!r}")
+    return value
+
+
+def check_content(value: Any) -> str:
+    """A message's text: a string of at most MAX_CONTENT characters."""
+    return _check_str("content", value, MAX_CONTENT)
+
+
+def check_id(name: str, value: Any, nullable: bool = True) -> str | None:
+    """A message or conversation id: a non-empty string (or None where ``nullable``)."""
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 100:
+        raise TypeError(f"{name} must be an id string{' or null' if nullable else ''}, got {value!r}")
+    return value
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _auto_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= AUTO_TITLE else line[: AUTO_TITLE - 1].rstrip() + "\u2026"
+
+
+def _like(text: str) -> str:
+    """``text`` as a LIKE pattern that matches it anywhere (wildcards in it escaped with \\)."""
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _snippet(content: str, query: str, width: int = 80) -> str:
+    at = content.lower().find(query.lower())
+    if at < 0:
+        return content[:width]
+    start = max(0, at - width // 3)
+    text = " ".join(content[start: start + width].split())
+    return ("\u2026" if start else "") + text + ("\u2026" if start + width < len(content) else "")
+
+
+class ConversationStore:
+    """Conversations and their message trees in one SQLite file (``path``; None: default_path()).
+
+    Methods return plain dicts ready for JSON; bad input raises ValueError/TypeError, an unknown
+    id NotFoundError. Safe to call from any thread.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else default_path()
+        self._lock = threading.RLock()
+        self._db: sqlite3.Connection | None = None
+
+    # ---- connection ----
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._db is None:
+            if str(self.path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
+            try:
+                db.row_factory = sqlite3.Row
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise ValueError(f"{self.path} holds conversations of schema version {version}; this "
+                                     f"llaisys reads version {SCHEMA_VERSION} (upgrade llaisys or pick another --db)")
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA foreign_keys=ON")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(_SCHEMA)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            except BaseException:
+                db.close()
+                raise
+            logger.info("conversations in %s", self.path)
+            self._db = db
+        return self._db
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            db = self._connect()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close the database (it opens again on next use)."""
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    # ---- rows to dicts ----
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> dict[str, Any]:
+        return {"id": row["id"], "conversation_id": row["conversation_id"], "parent_id": row["parent_id"],
+                "role": row["role"], "content": row["content"], "created": row["created"],
+                "meta": json.loads(row["meta"])}
+
+    @staticmethod
+    def _summary(row: sqlite3.Row) -> dict[str, Any]:
+        return {"id": row["id"], "title": row["title"], "created": row["created"], "updated": row["updated"]}
+
+    def _conversation_row(self, db: sqlite3.Connection, cid: str) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM conversations WHERE id = ?", (cid,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no conversation {cid!r}")
+        return row
+
+    def _message_row(self, db: sqlite3.Connection, cid: str, mid: str) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM messages WHERE id = ? AND conversation_id = ?", (mid, cid)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no message {mid!r} in conversation {cid!r}")
+        return row
+
+    def _full(self, db: sqlite3.Connection, cid: str) -> dict[str, Any]:
+        row = self._conversation_row(db, cid)
+        messages = [self._message(m) for m in
+                    db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (cid,))]
+        parent = {m["id"]: m["parent_id"] for m in messages}
+        path: list[str] = []
+        node = row["active_leaf"]
+        while node is not None and node in parent and len(path) <= len(parent):
+            path.append(node)
+            node = parent[node]
+        path.reverse()
+        return {**self._summary(row), "system_prompt": row["system_prompt"],
+                "settings": json.loads(row["settings"]), "active_leaf": row["active_leaf"],
+                "messages": messages, "path": path}
+
+    # ---- conversations ----
+
+    def list_conversations(self, q: str = "", limit: int = 500) -> list[dict[str, Any]]:
+        """Summaries (id, title, created, updated), most recently updated first; with ``q``, only
+        those whose title or any message contains it (case-insensitive for ASCII letters), each
+        with a ``snippet`` of the first matching message."""
+        q = _check_str("q", q, 1000).strip()
+        with self._lock:
+            db = self._connect()
+            if not q:
+                rows = db.execute("SELECT * FROM conversations ORDER BY updated DESC, rowid DESC LIMIT ?",
+                                  (limit,)).fetchall()
+                return [self._summary(r) for r in rows]
+            pattern = _like(q)
+            rows = db.execute(
+                "SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS ("
+                " SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ?1 ESCAPE '\\')"
+                " ORDER BY updated DESC, rowid DESC LIMIT ?2", (pattern, limit)).fetchall()
+            out = []
+            for r in rows:
+                hit = db.execute("SELECT content FROM messages WHERE conversation_id = ? AND content LIKE ? "
+                                 "ESCAPE '\\' ORDER BY seq LIMIT 1", (r["id"], pattern)).fetchone()
+                out.append({**self._summary(r), "snippet": _snippet(hit["content"], q) if hit else ""})
+            return out
+
+    def create_conversation(self, title: str = "", system_prompt: str = "",
+                            settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A new empty conversation (an empty title is replaced by the first user message's start)."""
+        title, system_prompt = check_title(title), check_system_prompt(system_prompt)
+        settings = check_settings(settings or {})
+        cid, now = _new_id(), time.time()
+        with self._transaction() as db:
+            db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, NULL, ?, ?)",
+                       (cid, title, system_prompt, json.dumps(settings), now, now))
+            return self._full(db, cid)
+
+    def get_conversation(self, cid: str) -> dict[str, Any]:
+        """The conversation with all its messages (insertion order) and ``path``: the ids from the
+        first message to ``active_leaf``."""
+        with self._lock:
+            return self._full(self._connect(), cid)
+
+    def update_conversation(self, cid: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Change some of title, system_prompt, settings (replaced whole) and active_leaf (a message
+        of this conversation, or None); returns the conversation."""
+        checks = {"title": check_title, "system_prompt": check_system_prompt,
+                  "settings": lambda v: json.dumps(check_settings(v)),
+                  "active_leaf": lambda v: check_id("active_leaf", v)}
+        unknown = set(changes) - set(checks)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}; expected some of {', '.join(checks)}")
+        values = {key: checks[key](v) for key, v in changes.items()}
+        with self._transaction() as db:
+            self._conversation_row(db, cid)
+            if values.get("active_leaf") is not None:
+                self._message_row(db, cid, values["active_leaf"])
+            for key, v in values.items():  # keys are from ``checks``, never user text
+                db.execute(f"UPDATE conversations SET {key} = ? WHERE id = ?", (v, cid))
+            if set(values) - {"active_leaf"}:  # switching branches does not move a chat up the list
+                db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
+            return self._full(db, cid)
+
+    def delete_conversation(self, cid: str) -> None:
+        """Delete the conversation and all its messages."""
+        with self._transaction() as db:
+            self._conversation_row(db, cid)
+            db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+
+    # ---- messages ----
+
+    def add_message(self, cid: str, role: str, content: str, parent_id: str | None = None,
+                    meta: Mapping[str, Any] | None = None, activate: bool = True) -> dict[str, Any]:
+        """Add a message under ``parent_id`` (None: a first message); with ``activate`` it becomes
+        the conversation's active leaf. The first user message of an untitled conversation titles it."""
+        role, content = check_role(role), check_content(content)
+        parent_id = check_id("parent_id", parent_id)
+        meta = check_meta(meta or {})
+        if not isinstance(activate, bool):
+            raise TypeError(f"activate must be true or false, got {activate!r}")
+        mid, now = _new_id(), time.time()
+        with self._transaction() as db:
+            conv = self._conversation_row(db, cid)
+            if parent_id is not None:
+                self._message_row(db, cid, parent_id)
+            db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)", (mid, cid, parent_id, role, content, now, json.dumps(meta)))
+            title = _auto_title(content) if conv["title"] == "" and role == "user" else conv["title"]
+            leaf = mid if activate else conv["active_leaf"]
+            db.execute("UPDATE conversations SET title = ?, active_leaf = ?, updated = ? WHERE id = ?",
+                       (title, leaf, now, cid))
+            return self._message(self._message_row(db, cid, mid))
+
+    def update_message(self, cid: str, mid: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace a message's ``content`` and/or merge ``meta`` into its meta (a key set to None is
+        removed): how a streamed answer is saved as it grows."""
+        unknown = set(changes) - {"content", "meta"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}; expected content and/or meta")
+        content = check_content(changes["content"]) if "content" in changes else None
+        patch = check_meta(changes["meta"]) if "meta" in changes else {}
+        with self._transaction() as db:
+            row = self._message_row(db, cid, mid)
+            meta = json.loads(row["meta"])
+            meta.update(patch)
+            meta = check_meta({k: v for k, v in meta.items() if v is not None})
+            db.execute("UPDATE messages SET content = ?, meta = ? WHERE id = ?",
+                       (row["content"] if content is None else content, json.dumps(meta), mid))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
+            return self._message(self._message_row(db, cid, mid))
+
+    # ---- export / import ----
+
+    def export_conversation(self, cid: str) -> dict[str, Any]:
+        """A self-contained JSON document of the conversation, which import_conversations reads."""
+        conv = self.get_conversation(cid)
+        body = {k: conv[k] for k in ("title", "system_prompt", "settings", "created", "updated", "active_leaf")}
+        body["messages"] = [{k: m[k] for k in ("id", "parent_id", "role", "content", "created", "meta")}
+                            for m in conv["messages"]]
+        return {"format": EXPORT_FORMAT, "version": SCHEMA_VERSION, "exported": time.time(), "conversation": body}
+
+    def import_conversations(self, document: Any) -> list[dict[str, Any]]:
+        """Add the conversation(s) of an exported document (``conversation``: one; ``conversations``:
+        a list) as new conversations with new ids; returns their summaries. All or nothing."""
+        if not isinstance(document, Mapping):
+            raise TypeError(f"an import must be a JSON object, got {type(document).__name__}")
+        if document.get("format", EXPORT_FORMAT) != EXPORT_FORMAT:
+            raise ValueError(f"format must be {EXPORT_FORMAT!r}, got {document.get('format')!r}")
+        if not isinstance(document.get("version", 1), int) or document.get("version", 1) > SCHEMA_VERSION:
+            raise ValueError(f"version {document.get('version')!r} is not one this llaisys reads "
+                             f"(at most {SCHEMA_VERSION})")
+        if "conversation" in document:
+            items = [document["conversation"]]
+        elif isinstance(document.get("conversations"), list):
+            items = document["conversations"]
+        else:
+            raise ValueError("an import needs a 'conversation' object or a 'conversations' list")
+        plans = [self._plan_import(i, item) for i, item in enumerate(items)]
+        ids = []
+        with self._transaction() as db:
+            for conv, messages, leaf in plans:
+                cid, now = _new_id(), time.time()
+                new_id = {m["id"]: _new_id() for m in messages}
+                db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (cid, conv["title"], conv["system_prompt"], json.dumps(conv["settings"]),
+                            new_id.get(leaf), conv["created"], now))
+                for m in messages:
+                    db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
+                               "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               (new_id[m["id"]], cid, new_id.get(m["parent_id"]), m["role"], m["content"],
+                                m["created"], json.dumps(m["meta"])))
+                ids.append(cid)
+            return [self._summary(self._conversation_row(db, cid)) for cid in ids]
+
+    @staticmethod
+    def _plan_import(index: int, item: Any) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+        """Check one exported conversation; returns it, its messages parents first, and its leaf."""
+        where = f"conversations[{index}]"
+        try:
+            if not isinstance(item, Mapping):
+                raise TypeError(f"must be an object, got {type(item).__name__}")
+            now = time.time()
+            created = item.get("created", now)
+            conv = {"title": check_title(item.get("title", "")),
+                    "system_prompt": check_system_prompt(item.get("system_prompt", "")),
+                    "settings": check_settings(item.get("settings") or {}),
+                    "created": float(created) if isinstance(created, (int, float)) and not isinstance(created, bool)
+                    else now}
+            raw = item.get("messages", [])
+            if not isinstance(raw, list):
+                raise TypeError(f"messages must be a list, got {type(raw).__name__}")
+            messages, depth = [], {}
+            for j, m in enumerate(raw):
+                if not isinstance(m, Mapping):
+                    raise TypeError(f"messages[{j}] must be an object, got {type(m).__name__}")
+                mcreated = m.get("created", now)
+                msg = {"id": check_id(f"messages[{j}].id", m.get("id"), nullable=False),
+                       "parent_id": check_id(f"messages[{j}].parent_id", m.get("parent_id")),
+                       "role": check_role(m.get("role")), "content": check_content(m.get("content")),
+                       "meta": check_meta(m.get("meta") or {}),
+                       "created": float(mcreated) if isinstance(mcreated, (int, float))
+                       and not isinstance(mcreated, bool) else now}
+                if msg["id"] in depth:
+                    raise ValueError(f"message id {msg['id']!r} appears twice")
+                depth[msg["id"]] = None
+                messages.append(msg)
+            parent = {m["id"]: m["parent_id"] for m in messages}
+            for m in messages:  # depth of each message; a parent outside the list or a cycle is an error
+                chain, node = [], m["id"]
+                while node is not None and depth[node] is None:
+                    if node in chain:
+                        raise ValueError(f"messages form a cycle through {node!r}")
+                    chain.append(node)
+                    node = parent[node]
+                    if node is not None and node not in parent:
+                        raise ValueError(f"message {chain[-1]!r} names a parent {node!r} that is not in the list")
+                base = -1 if node is None else depth[node]
+                for k, name in enumerate(reversed(chain)):
+                    depth[name] = base + 1 + k
+            leaf = item.get("active_leaf", messages[-1]["id"] if messages else None)
+            if leaf is not None and leaf not in parent:
+                raise ValueError(f"active_leaf {leaf!r} is not one of the messages")
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        order = sorted(range(len(messages)), key=lambda j: (depth[messages[j]["id"]], j))  # parents first
+        return conv, [messages[j] for j in order], leaf

@@ -1,0 +1,386 @@
+"""The chat UI's conversation store (SQLite) and its REST API under /api/conversations.
+
+The API runs through FastAPI's TestClient on a bare app with only ``ui.mount``: no model.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from llaisys.server import store as store_module
+from llaisys.server.store import ConversationStore, NotFoundError
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = ConversationStore(tmp_path / "chat.sqlite3")
+    yield s
+    s.close()
+
+
+def contents(conv: dict[str, Any], ids: list[str]) -> list[str]:
+    by_id = {m["id"]: m for m in conv["messages"]}
+    return [by_id[i]["content"] for i in ids]
+
+
+# ---------------------------------------------------------------- the store
+
+def test_create_list_rename_delete(store: ConversationStore) -> None:
+    a = store.create_conversation(title="  first   chat ", system_prompt="Be brief.", settings={"temperature": 0.5})
+    b = store.create_conversation()
+    assert a["title"] == "first chat" and a["system_prompt"] == "Be brief." and a["settings"] == {"temperature": 0.5}
+    assert a["messages"] == [] and a["path"] == [] and a["active_leaf"] is None
+    assert [c["id"] for c in store.list_conversations()] == [b["id"], a["id"]]  # newest first
+
+    renamed = store.update_conversation(a["id"], {"title": "renamed", "settings": {"seed": 3, "top_p": None}})
+    assert renamed["title"] == "renamed" and renamed["settings"] == {"seed": 3}  # settings are replaced whole
+    assert [c["id"] for c in store.list_conversations()] == [a["id"], b["id"]]  # an update moves it up
+
+    store.delete_conversation(a["id"])
+    assert [c["id"] for c in store.list_conversations()] == [b["id"]]
+    with pytest.raises(NotFoundError):
+        store.get_conversation(a["id"])
+    with pytest.raises(NotFoundError):
+        store.delete_conversation(a["id"])
+
+
+def test_message_tree_branches_and_active_path(store: ConversationStore) -> None:
+    cid = store.create_conversation()["id"]
+    q1 = store.add_message(cid, "user", "What is 2+2?")
+    a1 = store.add_message(cid, "assistant", "4", parent_id=q1["id"], meta={"tokens_per_s": 12.5})
+    q2 = store.add_message(cid, "user", "And 3+3?", parent_id=a1["id"])
+    a2 = store.add_message(cid, "assistant", "6", parent_id=q2["id"])
+    conv = store.get_conversation(cid)
+    assert conv["title"] == "What is 2+2?"  # an untitled chat takes its first user message
+    assert conv["path"] == [q1["id"], a1["id"], q2["id"], a2["id"]] and conv["active_leaf"] == a2["id"]
+    assert conv["messages"][1]["meta"] == {"tokens_per_s": 12.5}
+
+    # editing the second question: a sibling of q2, answered; the old branch stays
+    q2b = store.add_message(cid, "user", "And 5+5?", parent_id=a1["id"])
+    a2b = store.add_message(cid, "assistant", "10", parent_id=q2b["id"])
+    conv = store.get_conversation(cid)
+    assert contents(conv, conv["path"]) == ["What is 2+2?", "4", "And 5+5?", "10"]
+    assert len(conv["messages"]) == 6
+    assert [m["id"] for m in conv["messages"] if m["parent_id"] == a1["id"]] == [q2["id"], q2b["id"]]
+
+    conv = store.update_conversation(cid, {"active_leaf": a2["id"]})  # switch back
+    assert contents(conv, conv["path"]) == ["What is 2+2?", "4", "And 3+3?", "6"]
+    # a new first message is a second root
+    root = store.add_message(cid, "user", "Start over", activate=False)
+    conv = store.get_conversation(cid)
+    assert root["parent_id"] is None and conv["active_leaf"] == a2["id"]
+    assert store.update_conversation(cid, {"active_leaf": None})["path"] == []
+
+    other = store.create_conversation()["id"]
+    with pytest.raises(NotFoundError, match="no message"):
+        store.add_message(other, "user", "x", parent_id=q1["id"])  # a parent from another conversation
+    with pytest.raises(NotFoundError):
+        store.update_conversation(other, {"active_leaf": a2["id"]})
+    with pytest.raises(NotFoundError):
+        store.add_message("nope", "user", "x")
+
+
+def test_streamed_answer_is_saved_in_place(store: ConversationStore) -> None:
+    cid = store.create_conversation()["id"]
+    q = store.add_message(cid, "user", "Tell me a story")
+    a = store.add_message(cid, "assistant", "", parent_id=q["id"], meta={"status": "streaming", "model": "m"})
+    store.update_message(cid, a["id"], {"content": "Once upon"})
+    done = store.update_message(cid, a["id"], {"content": "Once upon a time", "meta": {"status": "stopped",
+                                                                                        "model": None, "tps": 9.0}})
+    assert done["content"] == "Once upon a time" and done["meta"] == {"status": "stopped", "tps": 9.0}
+    assert store.update_message(cid, a["id"], {"meta": {"x": 1}})["content"] == "Once upon a time"
+    with pytest.raises(ValueError, match="unknown field"):
+        store.update_message(cid, a["id"], {"role": "user"})
+    with pytest.raises(NotFoundError):
+        store.update_message(cid, "nope", {"content": ""})
+
+
+def test_search_titles_and_message_text(store: ConversationStore) -> None:
+    a = store.create_conversation(title="Rust lifetimes")["id"]
+    b = store.create_conversation()["id"]
+    store.add_message(b, "user", "How do I sort a list in Python?")
+    store.add_message(b, "assistant", "Use sorted(xs) or xs.sort(); 100% in place for the second.")
+    c = store.create_conversation(title="Other")["id"]
+    store.add_message(c, "user", "nothing to see")
+
+    assert [r["id"] for r in store.list_conversations("rust")] == [a]
+    hits = store.list_conversations("SORTED(")
+    assert [r["id"] for r in hits] == [b] and "sorted(xs)" in hits[0]["snippet"]
+    assert [r["id"] for r in store.list_conversations("100%")] == [b]
+    assert [r["id"] for r in store.list_conversations("%")] == [b]
+    assert store.list_conversations("_") == []  # wildcards are matched literally
+    assert len(store.list_conversations("  ")) == 3
+    assert len(store.list_conversations(limit=2)) == 2
+
+
+def test_export_import_round_trip(store: ConversationStore) -> None:
+    cid = store.create_conversation(title="Trip", system_prompt="sys", settings={"max_tokens": 64})["id"]
+    q = store.add_message(cid, "user", "q")
+    a1 = store.add_message(cid, "assistant", "a1", parent_id=q["id"], meta={"status": "done"})
+    store.add_message(cid, "assistant", "a2", parent_id=q["id"])
+    store.update_conversation(cid, {"active_leaf": a1["id"]})
+    document = json.loads(json.dumps(store.export_conversation(cid)))  # through JSON, as a file would go
+
+    (made,) = store.import_conversations(document)
+    assert made["id"] != cid and made["title"] == "Trip"
+    before, after = store.get_conversation(cid), store.get_conversation(made["id"])
+    for key in ("title", "system_prompt", "settings"):
+        assert after[key] == before[key]
+    assert contents(after, after["path"]) == ["q", "a1"]
+    old = {(m["role"], m["content"], json.dumps(m["meta"])) for m in before["messages"]}
+    assert {(m["role"], m["content"], json.dumps(m["meta"])) for m in after["messages"]} == old
+    assert not {m["id"] for m in before["messages"]} & {m["id"] for m in after["messages"]}
+
+    # several at once; children listed before their parents are fine
+    body = document["conversation"]
+    shuffled = {**body, "messages": body["messages"][::-1]}
+    made = store.import_conversations({"conversations": [shuffled, {"title": "empty"}]})
+    assert [c["title"] for c in made] == ["Trip", "empty"]
+    assert contents(store.get_conversation(made[0]["id"]), store.get_conversation(made[0]["id"])["path"]) == ["q", "a1"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"messages": [{"id": "a", "parent_id": "b", "role": "user", "content": "x"},
+                   {"id": "b", "parent_id": "a", "role": "user", "content": "y"}]}, "cycle"),
+    ({"messages": [{"id": "a", "parent_id": "zz", "role": "user", "content": "x"}]}, "not in the list"),
+    ({"messages": [{"id": "a", "role": "robot", "content": "x"}]}, "role must be"),
+    ({"messages": [{"id": "a", "role": "user", "content": "x"}], "active_leaf": "q"}, "active_leaf"),
+    ({"messages": [{"id": "a", "role": "user", "content": "x"}, {"id": "a", "role": "user", "content": "y"}]},
+     "twice"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "id must be"),
+    ({"messages": "none"}, "messages must be a list"),
+    ({"settings": {"temperature": 9}}, "out of range"),
+    ("text", "must be an object"),
+])
+def test_import_refuses_bad_conversations_whole(store: ConversationStore, bad: Any, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        store.import_conversations({"conversations": [{"title": "fine"}, bad]})
+    assert "conversations[1]" in str(info.value)
+    assert store.list_conversations() == []  # nothing half-imported
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"format": "something-else", "conversation": {}}, "format must be"),
+    ({"version": 99, "conversation": {}}, "version"),
+    ({"nothing": 1}, "needs a 'conversation'"),
+    ([{"conversation": {}}], "must be a JSON object"),
+])
+def test_import_refuses_bad_documents(store: ConversationStore, bad: Any, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        store.import_conversations(bad)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": -0.1}, "out of range"), ({"temperature": "hot"}, "must be a number"),
+    ({"top_p": 0}, "out of range"), ({"top_p": 1.5}, "out of range"), ({"max_tokens": 0}, "out of range"),
+    ({"max_tokens": 2.5}, "must be an integer"), ({"seed": True}, "must be an integer"),
+    ({"seed": -1}, "out of range"), ({"temperature": float("nan")}, "must be a number"),
+    ({"top_k": 3}, "unknown setting"), ([1], "must be an object"),
+])
+def test_settings_are_checked(store: ConversationStore, settings: Any, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        store.create_conversation(settings=settings)
+
+
+def test_persists_across_stores_on_one_file(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "chat.sqlite3"
+    first = ConversationStore(path)
+    cid = first.create_conversation(title="kept")["id"]
+    mid = first.add_message(cid, "user", "hello")["id"]
+    second = ConversationStore(path)  # another process would see the same
+    assert second.get_conversation(cid)["path"] == [mid]
+    first.close()
+    second.close()
+    again = ConversationStore(path)
+    assert again.get_conversation(cid)["title"] == "kept"
+    again.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_refuses_a_newer_schema(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 99")
+    with pytest.raises(ValueError, match="schema version 99"):
+        ConversationStore(path).list_conversations()
+
+
+def test_default_path_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert store_module.default_path() == tmp_path / "llaisys" / "conversations.sqlite3"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert store_module.default_path() == tmp_path / ".local" / "share" / "llaisys" / "conversations.sqlite3"
+    assert ConversationStore().path == store_module.default_path()  # opening is lazy: nothing made yet
+    assert not (tmp_path / ".local").exists()
+
+
+def test_threads_share_a_store(store: ConversationStore) -> None:
+    cid = store.create_conversation()["id"]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(20):
+                m = store.add_message(cid, "user", f"{k}-{i}", activate=False)
+                store.update_message(cid, m["id"], {"meta": {"k": k}})
+                store.list_conversations("1-")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(store.get_conversation(cid)["messages"]) == 80
+
+
+# ---------------------------------------------------------------- the REST API
+
+fastapi = pytest.importorskip("fastapi")
+
+
+def make_client(tmp_path: Path, api_key: str | None = None):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llaisys.server import ui
+
+    app = FastAPI()
+    ui.mount(app, SimpleNamespace(db_path=tmp_path / "api.sqlite3", api_key=api_key))
+    return TestClient(app)
+
+
+@pytest.fixture
+def client(tmp_path: Path):
+    with make_client(tmp_path) as c:
+        yield c
+
+
+def test_api_crud_and_branches(client) -> None:
+    r = client.post("/api/conversations", json={"title": "API", "settings": {"temperature": 0.2}})
+    assert r.status_code == 201
+    cid = r.json()["id"]
+    base = f"/api/conversations/{cid}"
+    q = client.post(f"{base}/messages", json={"role": "user", "content": "hi"})
+    assert q.status_code == 201
+    qid = q.json()["id"]
+    a1 = client.post(f"{base}/messages", json={"role": "assistant", "content": "", "parent_id": qid,
+                                               "meta": {"status": "streaming"}}).json()
+    r = client.patch(f"{base}/messages/{a1['id']}", json={"content": "hello!", "meta": {"status": "done"}})
+    assert r.status_code == 200 and r.json()["content"] == "hello!" and r.json()["meta"] == {"status": "done"}
+    a2 = client.post(f"{base}/messages", json={"role": "assistant", "content": "hey", "parent_id": qid}).json()
+
+    conv = client.get(base).json()
+    assert conv["path"] == [qid, a2["id"]] and len(conv["messages"]) == 3
+    conv = client.patch(base, json={"active_leaf": a1["id"], "title": "Renamed", "system_prompt": "S"}).json()
+    assert conv["path"] == [qid, a1["id"]] and conv["title"] == "Renamed" and conv["system_prompt"] == "S"
+    assert client.get(base).json()["settings"] == {"temperature": 0.2}
+
+    listed = client.get("/api/conversations", params={"q": "HELLO"}).json()["data"]
+    assert [c["id"] for c in listed] == [cid] and listed[0]["snippet"] == "hello!"
+    assert client.get("/api/conversations", params={"q": "absent"}).json()["data"] == []
+
+    assert client.delete(base).status_code == 204
+    assert client.get(base).status_code == 404
+    assert client.get("/api/conversations").json()["data"] == []
+
+
+def test_api_export_import(client) -> None:
+    cid = client.post("/api/conversations", json={"title": "Export me"}).json()["id"]
+    q = client.post(f"/api/conversations/{cid}/messages", json={"role": "user", "content": "x"}).json()
+    client.post(f"/api/conversations/{cid}/messages", json={"role": "assistant", "content": "y", "parent_id": q["id"]})
+    r = client.get(f"/api/conversations/{cid}/export")
+    assert r.status_code == 200 and 'filename="Export-me.json"' in r.headers["content-disposition"]
+    r = client.post("/api/conversations/import", content=r.content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 201
+    (made,) = r.json()["data"]
+    conv = client.get(f"/api/conversations/{made['id']}").json()
+    assert conv["title"] == "Export me" and contents(conv, conv["path"]) == ["x", "y"]
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("POST", "/api/conversations", b"{not json", 400, "not valid JSON"),
+    ("POST", "/api/conversations", b"[1, 2]", 400, "must be a JSON object"),
+    ("POST", "/api/conversations", {"title": 5}, 400, "title must be a string"),
+    ("POST", "/api/conversations", {"colour": "red"}, 400, "unknown field(s) colour"),
+    ("POST", "/api/conversations", {"settings": {"temperature": 3}}, 400, "out of range"),
+    ("POST", "{c}/messages", {"content": "x"}, 400, "missing field(s) role"),
+    ("POST", "{c}/messages", {"role": "system", "content": "x"}, 400, "role must be one of"),
+    ("POST", "{c}/messages", {"role": "user", "content": None}, 400, "content must be a string"),
+    ("POST", "{c}/messages", {"role": "user", "content": "x", "parent_id": "nope"}, 404, "no message"),
+    ("POST", "{c}/messages", {"role": "user", "content": "x", "activate": "yes"}, 400, "activate"),
+    ("POST", "{c}/messages", b"", 400, "needs a JSON object"),
+    ("PATCH", "{c}", {"active_leaf": "nope"}, 404, "no message"),
+    ("PATCH", "{c}", {"id": "x"}, 400, "unknown field(s) id"),
+    ("PATCH", "{c}/messages/nope", {"content": "x"}, 404, "no message"),
+    ("GET", "/api/conversations/nope", None, 404, "no conversation"),
+    ("DELETE", "/api/conversations/nope", None, 404, "no conversation"),
+    ("GET", "/api/conversations/nope/export", None, 404, "no conversation"),
+    ("POST", "/api/conversations/nope/messages", {"role": "user", "content": "x"}, 404, "no conversation"),
+    ("GET", "/api/conversations?limit=lots", None, 400, "limit must be an integer"),
+    ("POST", "/api/conversations/import", {"conversation": {"messages": 3}}, 400, "messages must be a list"),
+])
+def test_api_errors(client, method: str, path: str, body: Any, status: int, message: str) -> None:
+    cid = client.post("/api/conversations").json()["id"]
+    path = path.replace("{c}", f"/api/conversations/{cid}")
+    json_type = {"Content-Type": "application/json"}
+    kwargs = ({"content": body, "headers": json_type} if isinstance(body, bytes) else
+              {"json": body} if body is not None else {})
+    r = client.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_api_wants_json_bodies(client) -> None:
+    # a form or text/plain POST is what another site's page may send without asking (no CORS preflight)
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": kind} if kind else {}
+        r = client.post("/api/conversations", content=b'{"title": "x"}', headers=headers)
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    ok = client.post("/api/conversations", content=b'{"title": "x"}',
+                     headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 201
+    assert client.post("/api/conversations").status_code == 201  # no body: an empty conversation
+    assert [c["title"] for c in client.get("/api/conversations").json()["data"]] == ["", "x"]
+
+
+def test_api_key_guards_the_api_only(tmp_path: Path) -> None:
+    with make_client(tmp_path, api_key="sesame") as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            r = c.get("/api/conversations", headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert "API key" in r.json()["error"]["message"]
+        assert c.post("/api/conversations/import", json=[]).status_code == 401  # before parsing
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/api/conversations", headers={"Authorization": "bearer  sesame"}).status_code == 200
+        ok = {"Authorization": "Bearer sesame"}
+        assert c.post("/api/conversations", headers=ok).status_code == 201
+        assert len(c.get("/api/conversations", headers=ok).json()["data"]) == 1
+        page = c.get("/")  # the page asks for the key itself
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        for name in ("app.js", "markdown.js", "style.css"):
+            assert c.get(f"/ui/{name}").status_code == 200
+
+
+def test_page_uses_only_its_own_files(client) -> None:
+    import re
+
+    html = client.get("/").text
+    refs = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert refs and all(r.startswith("ui/") or r.startswith("data:") for r in refs), refs  # no CDN
+    assert not re.search(r"<script>|\son\w+=", html)  # no inline code (the CSP forbids it)
+    for ref in refs:
+        if ref.startswith("ui/"):
+            assert client.get("/" + ref).status_code == 200, ref
