@@ -1,78 +1,79 @@
-"""Quantized linear (native kernels) next to NumPy float32 matmul on the dequantized weights.
+"""Quantized linear (native kernels) on the SmolLM2-135M shapes, next to the limits of the machine.
 
-Shapes of SmolLM2-135M: K = 576 (hidden) and N = 576 (attention projections), 1536 (an MLP
-projection), 3072 (gate and up fused) and 49152 (output head); M = 1 (decode), 16 (a small
-batch) and 512 (prefill). K-quant rows hold whole 256-element super-blocks, which 576 is not
-(GGUF files of this model keep such tensors in 32-element formats), so K-quants run with K
-rounded up to 768. The NumPy column is the path the model takes today: weights
-dequantized to float32 once at load, one BLAS call per linear.
+Shapes (N x K): 960 x 576 (q/k/v fused), 576 x 576 (attention output), 3072 x 576 (gate and up
+fused), 576 x 1536 (down) in Q4_1, and the 49152 x 576 output head in Q8_0, as the model's GGUF
+file stores them; M = 1 (decoding one sequence), 4 and 16 (batched decoding), 64 and 512
+(prefill). For each: the median time per call and, beside it,
 
-    python3 benchmarks/quant_linear.py [--threads 1,2] [--formats Q4_1,Q8_0,Q4_K] [--repeat 30]
-    python3 benchmarks/quant_linear.py --crossover     # native kernel vs dequantize + BLAS by M
-    python3 benchmarks/quant_linear.py --model         # every linear of one SmolLM2-135M step
+- the bytes limit: weight, X and Y bytes over the machine's streaming read bandwidth (the
+  native kernel reading a 512 MB F32 matrix at M = 1, measured in the same run);
+- the FMA limit: M * N * K multiply-adds at the FMA rate of a large float32 BLAS product
+  (NumPy's sgemm, 1536^3, hot in cache): what the cores sustain in practice;
+- M = k / M = 1: what a batch of k rows costs against one row.
 
-The per-shape table runs each weight hot in cache, which flatters float32 for the small
-matrices (576 x 576 in float32 fits in L2). ``--model`` runs all 211 projections of the real
-SmolLM2-135M GGUF (Q4_1, head Q8_0) one after the other, as a decode step does: 540 MB of
-float32 weights stream from memory, against 80 MB quantized.
+``--baseline LIB`` also times another build of the library (its ``_kernels*.so``), interleaved
+call batch by call batch with this one, as the old front end called it: its own kernels below
+M = 128 and, from 128 rows up, its decoder + NumPy's BLAS (the path it took there). Timings
+are medians; the machine may be shared, so compare columns of one run.
 
-Prints median (and min) times per call, the native speedup over NumPy (medians), the weight
-bytes read per second at M = 1 (next to the memory bandwidth of a large NumPy copy and of the
-native kernel streaming F32 weights, measured in the same run) and the cost of M = 16
-relative to M = 1. The thread count applies to the native pool and to NumPy's BLAS alike.
-Native calls go through ``native.prepare``d weights, as a model would hold them.
+    python3 benchmarks/quant_linear.py [--threads 1,2] [--repeat 15] [--baseline OLD.so]
+    python3 benchmarks/quant_linear.py --model [--baseline OLD.so]  # every linear of a SmolLM2 step
+
+``--model`` runs all 211 projections of the real SmolLM2-135M GGUF (Q4_1, head Q8_0) one after
+the other, as a decode step does, at M = 1 and 16: 80 MB of weights stream from memory.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import time
 from typing import Callable
 
 import numpy as np
 
-K = 576
-NS = (576, 1536, 3072, 49152)
-MS = (1, 16, 512)
+SHAPES = (("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576))
+MS = (1, 4, 16, 64, 512)
+OLD_BLAS_MIN_ROWS = 128  # the old front end's switch to dequantize + BLAS
 
 
-def timings(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """(median, min) wall time of one call of ``fn`` over ``repeat`` timed batches (each about
-    2 ms or one call, whichever is longer)."""
-    for _ in range(2):
-        fn()
+def batch_seconds(fn: Callable[[], object], inner: int) -> float:
+    """Wall time of one call of ``fn``, averaged over ``inner`` back-to-back calls."""
     start = time.perf_counter()
-    fn()
-    inner = max(1, int(2e-3 / max(time.perf_counter() - start, 1e-9)))
-    times = []
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner
+
+
+def interleaved_medians(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median seconds per call of each of ``fns``, timed in alternating batches of about 2 ms
+    (so a slow spell of a shared machine hits them alike)."""
+    for fn in fns:
+        fn()
+        fn()
+    inner = [max(1, int(2e-3 / max(batch_seconds(fn, 1), 1e-9))) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times), min(times)
-
-
-def median_seconds(fn: Callable[[], object], repeat: int) -> float:
-    """Median wall time of one call of ``fn`` (see ``timings``)."""
-    return timings(fn, repeat)[0]
-
-
-def copy_bandwidth(nbytes: int = 512 << 20, repeat: int = 7) -> float:
-    """Bytes moved per second (read + write) by a large NumPy copy, in GB/s."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    return 2 * nbytes / median_seconds(lambda: np.copyto(dst, src), repeat) / 1e9
+        for i, fn in enumerate(fns):
+            times[i].append(batch_seconds(fn, inner[i]))
+    return [statistics.median(t) for t in times]
 
 
 def read_bandwidth(nbytes: int = 512 << 20, repeat: int = 7) -> float:
-    """Bytes read per second by the native kernel over a large F32 matrix at M = 1, in GB/s:
-    the best a weight-streaming kernel can hope for on this machine."""
+    """Bytes read per second by the native kernel streaming a large F32 matrix at M = 1."""
     from llaisys.kernels.quant import native
 
-    w = np.ones((nbytes // (4 * 4096), 4096), np.float32)
+    w = native.prepare("F32", np.ones((nbytes // (4 * 4096), 4096), np.float32))
     x = np.ones((1, 4096), np.float32)
-    return nbytes / median_seconds(lambda: native.linear(x, "F32", w), repeat) / 1e9
+    return nbytes / interleaved_medians([lambda: w.linear(x)], repeat)[0]
+
+
+def fma_rate(size: int = 1536, repeat: int = 7) -> float:
+    """Multiply-adds per second of NumPy's float32 BLAS on a hot size^3 product."""
+    a = np.ones((size, size), np.float32)
+    out = np.empty_like(a)
+    return size ** 3 / interleaved_medians([lambda: np.matmul(a, a, out=out)], repeat)[0]
 
 
 def make_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -89,90 +90,86 @@ def make_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarr
     except NotImplementedError:
         raw = rng.integers(0, 256, (n, spec.row_bytes(k)), dtype=np.uint8)
         blocks = raw.reshape(-1, spec.block_bytes)
-        scale_at = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[fmt]
-        for at in scale_at:
-            blocks[:, at:at + 2] = (rng.uniform(1e-4, 1e-3, (blocks.shape[0], 1))
-                                    .astype(np.float16).view(np.uint8))
+        for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[fmt]:
+            blocks[:, at:at + 2] = rng.uniform(1e-4, 1e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
         return raw
 
 
-def k_for(fmt: str) -> int:
-    """K of the benchmark shapes for ``fmt``: 576, rounded up to whole blocks."""
-    from llaisys.kernels.quant import get_format
+class OldBuild:
+    """Another build of the native library, called as the old front end called it."""
 
-    block = get_format(fmt).block_size
-    return -(-K // block) * block
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(os.path.abspath(path), mode=os.RTLD_LOCAL)
+        ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.lib.llaisys_quant_linear.argtypes = [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr]
+        self.lib.llaisys_quant_dequantize.argtypes = [cint, ptr, i64, i64, ptr]
+        self.lib.llaisys_quant_set_threads.argtypes = [cint]
+
+    def set_threads(self, n: int) -> None:
+        self.lib.llaisys_quant_set_threads(n)
+
+    def linear(self, w, x: np.ndarray, out: np.ndarray, tile: np.ndarray) -> None:
+        """out (M, N) = x (M, K) @ W^T; ``w`` a prepared QuantWeight, ``tile`` a float32
+        scratch of 4 MB for the dequantize + BLAS path."""
+        m, n, k = x.shape[0], w.n, w.k
+        if m < OLD_BLAS_MIN_ROWS:
+            status = self.lib.llaisys_quant_linear(w.fmt.type_id, w.raw.ctypes.data, n, k, x.ctypes.data, k, m,
+                                                   out.ctypes.data, n, None)
+            assert status == 0
+            return
+        rows = max(1, tile.size // k)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            buf = tile[: (stop - start) * k].reshape(stop - start, k)  # (rows, K)
+            self.lib.llaisys_quant_dequantize(w.fmt.type_id, w.raw[start:stop].ctypes.data, stop - start, k,
+                                              buf.ctypes.data)
+            np.matmul(x, buf.T, out=out[:, start:stop])
 
 
-def run(fmt_names: list[str], threads: list[int], repeat: int) -> None:
-    import os
-
+def run(threads: list[int], repeat: int, baseline: str | None) -> None:
     from threadpoolctl import threadpool_limits
 
     from llaisys.kernels.quant import native
 
     rng = np.random.default_rng(0)
+    old = OldBuild(baseline) if baseline else None
+    tile = np.empty(1 << 20, np.float32)
     print(f"SIMD level {native.simd_level()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"memory bandwidth: numpy copy {copy_bandwidth():.1f} GB/s (read + write, one thread)")
-    weights = {(f, n): native.prepare(f, make_weights(f, n, k_for(f), rng)) for f in fmt_names for n in NS}
-    dense = {key: w.dequantize() for key, w in weights.items()}  # (N, K) float32: today's path
+    weights = {(f, n, k): native.prepare(f, make_weights(f, n, k, rng)) for f, n, k in SHAPES}
     for t in threads:
         native.set_threads(t)
+        if old:
+            old.set_threads(t)
         with threadpool_limits(limits=t):
-            print(f"\n== {t} thread(s): ms per call, median (min); native F32 M=1 stream "
-                  f"{read_bandwidth():.1f} GB/s (read) ==")
-            print(f"{'format':6} {'K':>4} {'N':>6} {'M':>4} {'native':>16} {'numpy f32':>16} {'speedup':>8} "
-                  f"{'GB/s':>12} {'M16/M1':>7} {'np M16/M1':>9}")
-            for f in fmt_names:
-                for n in NS:
-                    w, w32 = weights[f, n], dense[f, n]
-                    k = w.k
-                    times = {}
-                    for m in MS:
-                        x = rng.standard_normal((m, k), dtype=np.float32)
-                        out_n = np.empty((m, n), np.float32)
-                        out_d = np.empty((m, n), np.float32)
-                        tn = timings(lambda: w.linear(x, out=out_n), repeat)
-                        td = timings(lambda: np.matmul(x, w32.T, out=out_d), repeat)
-                        times[m] = (tn[0], td[0])
-                        nbytes = w.raw.nbytes
-                        gbs = f"{nbytes / tn[0] / 1e9:5.1f} ({nbytes / tn[1] / 1e9:4.1f})" if m == 1 else ""
-                        ratio = (f"{times[16][0] / times[1][0]:7.2f} {times[16][1] / times[1][1]:9.2f}"
-                                 if m == 16 else "")
-                        print(f"{f:6} {k:4} {n:6} {m:4} {tn[0] * 1e3:8.3f} ({tn[1] * 1e3:6.3f}) "
-                              f"{td[0] * 1e3:8.3f} ({td[1] * 1e3:6.3f}) {td[0] / tn[0]:8.2f} {gbs:>12} {ratio}")
+            bandwidth, fmas = read_bandwidth(), fma_rate()
+            print(f"\n== {t} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s (native F32 stream), "
+                  f"FMA rate {fmas / 1e9:.0f} G multiply-adds/s (BLAS sgemm) ==")
+            head = f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'bytes lim':>9} {'FMA lim':>8}"
+            head += f" {'M/M1':>6}" + (f" {'old ms':>9} {'old/new':>7} {'old M/M1':>8}" if old else "")
+            print(head)
+            for f, n, k in SHAPES:
+                w = weights[f, n, k]
+                first: list[float] = []
+                for m in MS:
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    out_new, out_old = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+                    fns = [lambda: w.linear(x, out=out_new)]
+                    if old:
+                        fns.append(lambda: old.linear(w, x, out_old, tile))
+                    med = interleaved_medians(fns, repeat)
+                    if m == 1:
+                        first = med
+                    nbytes = w.raw.nbytes + 4 * m * (k + n)
+                    line = (f"{f:6} {n:5} x {k:4} {m:4} {med[0] * 1e3:9.3f} {m * n * k / med[0] / 1e9:7.1f} "
+                            f"{nbytes / bandwidth * 1e3:9.3f} {m * n * k / fmas * 1e3:8.3f} {med[0] / first[0]:6.2f}")
+                    if old:
+                        line += f" {med[1] * 1e3:9.3f} {med[1] / med[0]:7.2f} {med[1] / first[1]:8.2f}"
+                    print(line, flush=True)
 
 
-def crossover(fmt_names: list[str], threads: list[int], repeat: int) -> None:
-    """Native small-M kernel against dequantize + BLAS for growing M (picks native.BLAS_MIN_ROWS)."""
-    from threadpoolctl import threadpool_limits
-
-    from llaisys.kernels.quant import native
-
-    rng = np.random.default_rng(0)
-    saved = native.BLAS_MIN_ROWS
-    for t in threads:
-        native.set_threads(t)
-        with threadpool_limits(limits=t):
-            print(f"\n== {t} thread(s): ms per call (min), native kernel / dequantize + BLAS ==")
-            for f in fmt_names:
-                for n in (1536, 49152):
-                    k = k_for(f)
-                    raw = make_weights(f, n, k, rng)
-                    cells = []
-                    for m in (16, 32, 64, 96, 128, 192, 256, 512):
-                        x = rng.standard_normal((m, k), dtype=np.float32)
-                        native.BLAS_MIN_ROWS = 1 << 30
-                        tk = timings(lambda: native.linear(x, f, raw), repeat)[1]
-                        native.BLAS_MIN_ROWS = 1
-                        tb = timings(lambda: native.linear(x, f, raw), repeat)[1]
-                        cells.append(f"M={m}: {tk * 1e3:.2f}/{tb * 1e3:.2f}")
-                    native.BLAS_MIN_ROWS = saved
-                    print(f"{f:5} N={n:6}  " + "  ".join(cells))
-
-
-def model_step(threads: list[int], repeat: int) -> None:
-    """All linears of one SmolLM2-135M forward step (M = 1 and 16) from the real GGUF weights."""
+def model_step(threads: list[int], repeat: int, baseline: str | None) -> None:
+    """All linears of one SmolLM2-135M forward step (M = 1 and 16) from the real GGUF weights,
+    with ``baseline``'s kernels alongside if given."""
     import importlib.metadata
 
     from threadpoolctl import threadpool_limits
@@ -185,40 +182,43 @@ def model_step(threads: list[int], repeat: int) -> None:
     reader = open_gguf(str(path))
     weights = [native.prepare(int(t.tensor_type), np.asarray(t.data)) for t in reader.tensors
                if len(t.shape) == 2]
-    dense = [w.dequantize() for w in weights]  # float32, today's path
-    qbytes, fbytes = sum(w.raw.nbytes for w in weights), sum(d.nbytes for d in dense)
+    qbytes = sum(w.raw.nbytes for w in weights)
     kinds = sorted({w.fmt.name for w in weights})
-    print(f"{path.name}: {len(weights)} matrices ({', '.join(kinds)}), {qbytes / 1e6:.0f} MB encoded, "
-          f"{fbytes / 1e6:.0f} MB as float32")
+    print(f"{path.name}: {len(weights)} matrices ({', '.join(kinds)}), {qbytes / 1e6:.0f} MB encoded")
+    old = OldBuild(baseline) if baseline else None
+    tile = np.empty(1 << 20, np.float32)
     rng = np.random.default_rng(0)
     for t in threads:
         native.set_threads(t)
+        if old:
+            old.set_threads(t)
         with threadpool_limits(limits=t):
             for m in (1, 16):
                 xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {w.k for w in weights}}
-                tn = timings(lambda: [w.linear(xs[w.k]) for w in weights], repeat)
-                td = timings(lambda: [xs[d.shape[1]] @ d.T for d in dense], repeat)
-                print(f"{t} thread(s) M={m:2}: native {tn[0] * 1e3:7.2f} ms ({tn[1] * 1e3:7.2f}), numpy f32 "
-                      f"{td[0] * 1e3:7.2f} ms ({td[1] * 1e3:7.2f}), speedup {td[0] / tn[0]:.2f}; native reads "
-                      f"{qbytes / tn[0] / 1e9:.1f} GB/s, numpy {fbytes / td[0] / 1e9:.1f} GB/s (medians, min)")
+                outs = [np.empty((m, w.n), np.float32) for w in weights]
+                fns = [lambda: [w.linear(xs[w.k], out=o) for w, o in zip(weights, outs)]]
+                if old:
+                    fns.append(lambda: [old.linear(w, xs[w.k], o, tile) for w, o in zip(weights, outs)])
+                med = interleaved_medians(fns, repeat)
+                line = (f"{t} thread(s) M={m:2}: {med[0] * 1e3:7.2f} ms per step, {med[0] / m * 1e3:6.2f} ms per "
+                        f"row; weights read at {qbytes / med[0] / 1e9:.1f} GB/s")
+                if old:
+                    line += f"; old {med[1] * 1e3:7.2f} ms ({med[1] / med[0]:.2f}x)"
+                print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    parser.add_argument("--formats", default="Q4_1,Q8_0,Q4_K", help="comma-separated GGML type names")
-    parser.add_argument("--repeat", type=int, default=21, help="timed batches per case (median reported)")
-    parser.add_argument("--crossover", action="store_true", help="sweep M: native kernel vs dequantize + BLAS")
+    parser.add_argument("--repeat", type=int, default=15, help="timed batches per case (median reported)")
+    parser.add_argument("--baseline", metavar="LIB", help="another build's _kernels .so, timed alongside")
     parser.add_argument("--model", action="store_true", help="all linears of one SmolLM2-135M step (real weights)")
     args = parser.parse_args()
-    fmts = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
     threads = [int(t) for t in args.threads.split(",")]
     if args.model:
-        model_step(threads, args.repeat)
-    elif args.crossover:
-        crossover(fmts, threads, args.repeat)
+        model_step(threads, args.repeat, args.baseline)
     else:
-        run(fmts, threads, args.repeat)
+        run(threads, args.repeat, args.baseline)
 
 
 if __name__ == "__main__":

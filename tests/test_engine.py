@@ -128,6 +128,13 @@ def test_logits_are_bitwise_equal_alone_and_batched(smollm2_model):
                    [(o, 0, [i + 2], True) for i, o in enumerate(others[1:])] + [(ids[half:], half, [5], True)]])
     assert np.array_equal(split_alone, alone)
     assert np.array_equal(batched, alone)
+    # a decode step (one row: M = 1 in every linear) alone and among other sequences' rows
+    step = [7]
+    decode_alone = run([[(ids, 0, [0], False)], [(step, len(ids), [0], True)]])
+    decode_batched = run([[(ids, 0, [0], False)] + [(o, 0, [i + 1], False) for i, o in enumerate(others)],
+                          [(o[-1:], len(o), [i + 1], True) for i, o in enumerate(others)]
+                          + [(step, len(ids), [0], True)]])
+    assert np.array_equal(decode_batched, decode_alone)
 
 
 # ---- prefix caching --------------------------------------------------------------------

@@ -4,10 +4,12 @@
 - reference.dequantize (NumPy) is bit-exact with gguf.quants.dequantize;
 - native.dequantize is bit-exact with the reference at every SIMD level this CPU has;
 - native.linear matches a float64 PyTorch matmul of gguf's dequantized weights at every level,
-  for M in {1, 3, 16, 64} and an odd N (a partial row tile). Tolerance: for each output,
+  for M in {1, 3, 16, 64, 130} and an odd N (a partial row tile). Tolerance: for each output,
   |y - ref| <= 1e-5 * sum_k |x_k * w_k| (+ 1e-6 for the bias): float32 sums in a blocked order
   stay well inside that (f32 epsilon is 1.2e-7), while a decoding slip is off by ~1e-2 or more;
-- 1 and 2 threads give bit-identical outputs; bad inputs raise ValueError.
+- batch invariance, at every level and for every format: a row of Y computed alone (M = 1) has
+  the same bits as that row inside a call of any M (2 ... 300), wherever it sits in X, with 1
+  or 2 threads; 1 and 2 threads give bit-identical outputs; bad inputs raise ValueError.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ def test_rows_for_embedding_lookup(weights):
 
 # ---- linear ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 130])
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_native_linear_matches_torch(name, m, simd, weights):
     raw = weights[name]
@@ -198,20 +200,49 @@ def test_native_linear_matches_torch(name, m, simd, weights):
     assert_linear_close(y, x, w, bias, f"{name} M={m} at {simd}")
 
 
-@needs_native
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "BF16"])
-def test_native_linear_blas_path(name, weights, monkeypatch):
-    """Many rows go through dequantize + BLAS, a tile of weight rows at a time."""
-    monkeypatch.setattr(native, "BLAS_MIN_ROWS", 4)
-    monkeypatch.setattr(native, "_TILE_BYTES", 10 * 4 * k_of(name))  # 10 rows per tile: 4 tiles
-    raw, w = weights[name], gguf_dequantize(name, weights[name])
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((9, w.shape[1]), dtype=np.float32)
+INVARIANCE_M = (2, 3, 5, 16, 17, 64, 130, 300)
+N_INVARIANCE = 150  # two 64-row tiles (the M > 32 path) and a partial one; 9 + 6 rows of 16
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_rows_are_batch_invariant(name, simd):
+    """Row r of Y has the same bits computed alone, inside a call of any M, at any position of
+    X, with 1 or 2 threads: every path (M = 1 in registers, M > 1 from decoded tiles, any
+    block and tile shape, any split over threads) follows one arithmetic per output."""
+    k = k_of(name)
+    rng = np.random.default_rng(21)
+    weight = native.prepare(name, make_weights(name, N_INVARIANCE, k, rng))
+    x = rng.standard_normal((max(INVARIANCE_M) + 7, k), dtype=np.float32)
+    bias = rng.standard_normal(N_INVARIANCE, dtype=np.float32)
+    before = native.threads()
+    try:
+        native.set_threads(1)
+        alone = np.concatenate([weight.linear(x[r:r + 1], bias) for r in range(len(x))])  # (R, N)
+        for threads in (1, 2):
+            native.set_threads(threads)
+            for m in INVARIANCE_M:
+                start = m % 7  # the rows sit at another offset in each call
+                got = weight.linear(x[start:start + m], bias)
+                same = got.view(np.uint32) == alone[start:start + m].view(np.uint32)
+                assert same.all(), (f"{name} at {simd}, M={m}, {threads} thread(s): rows "
+                                    f"{sorted(set(np.nonzero(~same)[0] + start))[:5]} differ from their M = 1 result")
+    finally:
+        native.set_threads(before)
+
+
+def test_portable_path_is_batch_invariant():
+    """Without the native library (kernels.cpu.quantized.PortableWeight) each row is still
+    computed alone: its bits do not depend on M."""
+    from llaisys.kernels.cpu.quantized import PortableWeight
+
+    rng = np.random.default_rng(22)
+    weight = PortableWeight("Q4_1", make_weights("Q4_1", N_ODD, K_DEFAULT, rng))
+    x = rng.standard_normal((9, K_DEFAULT), dtype=np.float32)
     bias = rng.standard_normal(N_ODD, dtype=np.float32)
-    wide_out = np.zeros((9, N_ODD + 5), np.float32)  # out rows further apart than N
-    native.linear(x, name, raw, bias=bias, out=wide_out[:, :N_ODD])
-    assert_linear_close(wide_out[:, :N_ODD], x, w, bias, f"{name} BLAS path")
-    assert not wide_out[:, N_ODD:].any()
+    batch = weight.linear(x, bias)
+    for r in range(len(x)):
+        assert np.array_equal(weight.linear(x[r:r + 1], bias).view(np.uint32), batch[r:r + 1].view(np.uint32))
+    assert_linear_close(batch, x, gguf_dequantize("Q4_1", weight.raw), bias, "portable path")
 
 
 @needs_native

@@ -5,9 +5,9 @@
  *
  * M = 1 (decoding one token): each row of W is dotted with x straight from its blocks.
  * M > 1: a tile of rows of W is decoded once into a float buffer, then multiplied with all M
- * rows of X, so the weight bytes are read once whatever M is. Work is split over rows of W
- * only (never over K), so every output element is summed the same way whatever the thread
- * count.
+ * rows of X in register blocks, so the weight bytes are read once whatever M is. Both paths
+ * follow one arithmetic per output element (quant.h), and work is split over rows of W only
+ * (never over K), so every output has the same bits whatever M and the thread count are.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
 #include <stdatomic.h>
@@ -34,11 +34,6 @@ static const format_t *find_format(int type) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
         if (FORMATS[i].type == type) return &FORMATS[i];
     return NULL;
-}
-
-/* Formats whose M = 1 kernel needs the per-32 sums of x (value = d * q + min). */
-static int needs_xsum(int index) {
-    return index == IX_Q4_1 || index == IX_Q5_1 || index == IX_Q4_K || index == IX_Q5_K;
 }
 
 /* ---- scalar decoders (the portable reference for the SIMD ones) -------------------------- */
@@ -227,6 +222,7 @@ const lq_kernels lq_kernels_scalar = {
     },
     .dot = {NULL},
     .tile = tile_scalar,
+    .dot_rows = 1,
     .tile_rows = 1,
 };
 
@@ -272,8 +268,8 @@ typedef struct {
     const lq_kernels *kern;
     const format_t *fmt;
     const uint8_t *w;              /* n encoded rows of row_bytes */
-    size_t row_bytes, n, k, rows_per_chunk;
-    const float *x, *xsum, *bias;  /* x (m, k) row stride ldx; xsum (k / 32) or NULL; bias (n) or NULL */
+    size_t row_bytes, n, k, rows_per_chunk, tile_rows;
+    const float *x, *bias;         /* x (m, k) row stride ldx; bias (n) or NULL */
     size_t ldx, m, ldy;
     float *y;                      /* (m, n) row stride ldy */
     float *scratch;                /* one decoded tile (tile_rows, k) per pool thread */
@@ -284,29 +280,18 @@ static void *alloc_floats(size_t n) {
     return posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) == 0 ? p : NULL;
 }
 
-/* sums[i] = x[32i] + ... + x[32i+31] for i < blocks, through 8 interleaved partial sums (a
- * fixed order the compiler can vectorize). */
-static void block_sums(const float *x, size_t blocks, float *sums) {
-    for (size_t i = 0; i < blocks; i++, x += QK) {
-        float p[8] = {0};
-        for (int l = 0; l < QK; l += 8)
-            for (int j = 0; j < 8; j++) p[j] += x[l + j];
-        sums[i] = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-    }
-}
-
 /* M = 1 with a fused kernel: rows [n0, n1) of y, a tile at a time. */
 static void linear_chunk_dot(void *arg, size_t chunk, int thread) {
     (void)thread;
     const linear_job *j = arg;
     const lq_dot_fn dot = j->kern->dot[j->fmt->index];
-    const size_t tile = (size_t)j->kern->tile_rows;
+    const size_t tile = (size_t)j->kern->dot_rows;
     size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
     if (n1 > j->n) n1 = j->n;
     for (size_t t0 = n0; t0 < n1; t0 += tile) {
         const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
         const float *bias = j->bias ? j->bias + t0 : NULL;
-        dot(j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->xsum, j->k, j->y + t0, bias);
+        dot(j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->k, j->y + t0, bias);
     }
 }
 
@@ -315,14 +300,15 @@ static void linear_chunk_dot(void *arg, size_t chunk, int thread) {
 static void linear_chunk_tiles(void *arg, size_t chunk, int thread) {
     const linear_job *j = arg;
     const lq_decode_fn decode = j->kern->decode[j->fmt->index];
-    const size_t tile = (size_t)j->kern->tile_rows;
+    const size_t tile = j->tile_rows;
     float *buf = j->scratch + (size_t)thread * tile * j->k; /* (tile, k) */
     size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
     if (n1 > j->n) n1 = j->n;
     for (size_t t0 = n0; t0 < n1; t0 += tile) {
         const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
         for (size_t r = 0; r < rows; r++) decode(j->w + (t0 + r) * j->row_bytes, buf + r * j->k, j->k);
-        if (rows < tile) memset(buf + rows * j->k, 0, (tile - rows) * j->k * sizeof(float));
+        const size_t padded = (rows + 7) / 8 * 8 < tile ? (rows + 7) / 8 * 8 : tile;
+        if (rows < padded) memset(buf + rows * j->k, 0, (padded - rows) * j->k * sizeof(float));
         j->kern->tile(buf, rows, j->k, j->x, j->ldx, j->m, j->y + t0, j->ldy, j->bias ? j->bias + t0 : NULL);
     }
 }
@@ -391,21 +377,16 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
                     .bias = bias, .ldx = (size_t)ldx, .m = (size_t)m, .ldy = (size_t)ldy, .y = y};
     j.row_bytes = (size_t)k / (size_t)f->block_elems * (size_t)f->block_bytes;
     const int threads = lq_pool_threads();
-    const size_t tile = (size_t)j.kern->tile_rows;
     if (m == 1 && j.kern->dot[f->index]) {
-        float xsum_small[256], *xsum = NULL;
-        if (needs_xsum(f->index)) {
-            xsum = j.k / QK <= 256 ? xsum_small : alloc_floats(j.k / QK);
-            if (!xsum) return LQ_ERR_MEMORY;
-            block_sums(x, j.k / QK, xsum);
-        }
-        j.xsum = xsum;
         const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
-        j.rows_per_chunk = chunk_rows(j.n, j.k, tile, (size_t)slots);
+        j.rows_per_chunk = chunk_rows(j.n, j.k, (size_t)j.kern->dot_rows, (size_t)slots);
         lq_pool_run(linear_chunk_dot, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, slots);
-        if (xsum != xsum_small) free(xsum);
         return LQ_OK;
     }
+    /* Many rows of X: 4x taller tiles of W (L2-sized), so X streams through the cache 4x less
+     * often (measured: up to 20% faster at M = 512). */
+        const size_t tile = (size_t)j.kern->tile_rows * (j.m > 32 ? 4 : 1);
+    j.tile_rows = tile;
     j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, tile, (size_t)threads);
     const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
     const int slots = n_chunks < (size_t)threads ? (int)n_chunks : threads;

@@ -1,8 +1,13 @@
-/* AVX2 + FMA + F16C kernels for quant.c: 8 floats per vector, tiles of 8 rows.
+/* AVX2 + FMA + F16C kernels for quant.c: 8 floats per vector.
+ *
+ * The arithmetic of this level (quant.h), the same for every output whatever M is: weights
+ * decoded exactly (d * q, then + m or - m), one 8-lane accumulator per output updated by
+ * acc = fma(w[8c .. 8c+7], x[8c .. 8c+7], acc) for chunks c in order (a partial last chunk
+ * zero-padded), lanes summed by the halving tree of reduce8, then + bias. The M = 1 kernels
+ * decode in registers, 4 rows at a time; M > 1 multiplies decoded rows in register blocks.
  *
  * Compiled without -march: every function carries a target attribute and runs only after
- * lq_kernels_avx2() has checked the CPU. Decoders multiply, then add (no FMA), so they stay
- * bit-exact with the reference; the dot products use FMA freely.
+ * lq_kernels_avx2() has checked the CPU.
  */
 #include "quant.h"
 
@@ -12,7 +17,9 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
-#define TILE 8
+#define DOT_ROWS 8  /* rows of W per M = 1 call: one reduce8 */
+#define TILE_ROWS 8 /* rows of W decoded at a time for M > 1 (a multiple: quant.c) */
+#define GROUP 4     /* rows of W decoded together in registers at M = 1 (independent FMA chains) */
 
 AVX2_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
 
@@ -110,6 +117,24 @@ AVX2_INLINE void q6_values(const block_q6_K *b, int h, int g, __m256 v[4]) {
         _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(hq, 2), top2)),
     };
     for (int t = 0; t < 4; t++) v[t] = to_float(_mm256_sub_epi32(q[t], off));
+}
+
+/* q - 32 for the 32 elements 128h + 32t .. +31 of a q6_K super-block, as floats v[g] =
+ * elements 128h + 32t + 8g .. +7: the low (t < 2) or high nibbles of ql[64h + 32(t & 1) ..]
+ * under the bit pair t of qh[32h ..], worked out on all 32 bytes at once. (16-bit shifts
+ * carry bits across bytes only into positions the masks clear.) */
+AVX2_INLINE void q6_quarter(const block_q6_K *b, int h, int t, __m256 v[4]) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (t & 1)));
+    const __m256i hq = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    const __m256i low = _mm256_and_si256(t < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
+    const __m256i top = t < 2 ? _mm256_slli_epi16(hq, 4 - 2 * t) : _mm256_srli_epi16(hq, 2 * t - 4);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30))),
+                                      _mm256_set1_epi8(32));
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    v[0] = to_float(_mm256_cvtepi8_epi32(q0));
+    v[1] = to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
+    v[2] = to_float(_mm256_cvtepi8_epi32(q1));
+    v[3] = to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
 }
 
 /* d * scale for the 16 groups of 16 elements of a q6_K super-block, in two vectors. */
@@ -274,53 +299,60 @@ AVX2_INLINE void store_row(float *y, __m256 v, const float *bias, size_t n) {
     _mm256_maskstore_ps(y, keep, v);
 }
 
-/* ---- M = 1: one row . x as a vector of 8 partial sums ------------------------------------ */
+/* ---- M = 1: 4 rows at a time, decoded in registers ----------------------------------------- */
 
-/* 8 weights of a row of f32 (kind 0), f16 (1) or bf16 (2), widened */
-AVX2_INLINE __m256 floats8(const void *row, size_t i, const int kind) {
+/* acc[r] = the accumulator (step 2) of row[r] . x, r < GROUP: the rows advance together, so
+ * each block of x is loaded once and the 4 FMA chains hide each other's latency. */
+
+/* 8 weights of an f32 (kind 0), f16 (1) or bf16 (2) row from element i */
+AVX2_INLINE __m256 floats8(const uint8_t *row, size_t i, const int kind) {
     if (kind == 0) return _mm256_loadu_ps((const float *)row + i);
     return kind == 1 ? f16x8((const uint16_t *)row + i) : bf16x8((const uint16_t *)row + i);
 }
 
-AVX2_INLINE __m256 row_float(const void *row, const float *x, size_t k, const int kind) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+AVX2_INLINE void group_float(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
+                             __m256 out[GROUP]) {
+    const size_t width = kind == 0 ? 4 : 2;
+    __m256 acc[GROUP];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm256_setzero_ps();
     size_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-        prefetch_ahead((const uint8_t *)row + i * (kind == 0 ? 4 : 2), kind == 0 ? 128 : 64);
-        for (int g = 0; g < 4; g++)
-            acc[g] = _mm256_fmadd_ps(floats8(row, i + 8 * g, kind), _mm256_loadu_ps(x + i + 8 * g), acc[g]);
-    }
-    for (; i + 8 <= k; i += 8) acc[0] = _mm256_fmadd_ps(floats8(row, i, kind), _mm256_loadu_ps(x + i), acc[0]);
-    if (i < k) { /* widen the tail through zero-padded buffers */
-        float w[8] = {0}, xt[8] = {0};
-        for (size_t j = 0; i + j < k; j++) {
-            const uint16_t *h = (const uint16_t *)row + i + j;
-            w[j] = kind == 0 ? ((const float *)row)[i + j] : kind == 1 ? half(*h) : lq_bf16_to_float(*h);
-            xt[j] = x[i + j];
+    for (; i + 8 <= k; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        for (int r = 0; r < GROUP; r++) {
+            if ((i & 31) == 0) prefetch_ahead(row[r] + i * width, 32 * width);
+            acc[r] = _mm256_fmadd_ps(floats8(row[r], i, kind), xv, acc[r]);
         }
-        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(xt), acc[1]);
     }
-    return _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    if (i < k) { /* the zero-padded last chunk, as the tile path's masked loads give it */
+        const __m256i t = tail_mask(k - i);
+        const __m256 xv = _mm256_maskload_ps(x + i, t);
+        for (int r = 0; r < GROUP; r++) {
+            float w[8] = {0};
+            for (size_t j = 0; i + j < k; j++) {
+                const uint16_t *h = (const uint16_t *)row[r] + i + j;
+                w[j] = kind == 0 ? ((const float *)row[r])[i + j] : kind == 1 ? half(*h) : lq_bf16_to_float(*h);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
 }
 
-/* q (4 vectors of 32 consecutive elements) . x */
-AVX2_INLINE __m256 dot32(const __m256 q[4], const float *x) {
-    const __m256 a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(x)));
-    const __m256 b = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(x + 16)));
-    return _mm256_add_ps(a, b);
-}
-
-/* The 32-element formats: sum over blocks of d * (q . x), plus m * sum(x) for q4_1 / q5_1.
- * Scales come 8 blocks at a time from one gather and one conversion. */
+/* The 32-element formats: the weights of a block, exactly as the decoders store them. */
 enum { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
 
-AVX2_INLINE void legacy_values(const void *block, const int kind, __m256 v[4]) {
+AVX2_INLINE void legacy_weights(const uint8_t *blk, const int kind, float d, float m, __m256 w[4]) {
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     switch (kind) {
-    case L_Q4_0: q4_values(((const block_q4_0 *)block)->qs, 8, v); break;
-    case L_Q4_1: q4_values(((const block_q4_1 *)block)->qs, 0, v); break;
-    case L_Q5_0: q5_values(((const block_q5_0 *)block)->qs, ((const block_q5_0 *)block)->qh, 16, v); break;
-    case L_Q5_1: q5_values(((const block_q5_1 *)block)->qs, ((const block_q5_1 *)block)->qh, 0, v); break;
-    default: q8_values(((const block_q8_0 *)block)->qs, v); break;
+    case L_Q4_0: q4_values(((const block_q4_0 *)blk)->qs, 8, w); break;
+    case L_Q4_1: q4_values(((const block_q4_1 *)blk)->qs, 0, w); break;
+    case L_Q5_0: q5_values(((const block_q5_0 *)blk)->qs, ((const block_q5_0 *)blk)->qh, 16, w); break;
+    case L_Q5_1: q5_values(((const block_q5_1 *)blk)->qs, ((const block_q5_1 *)blk)->qh, 0, w); break;
+    default: q8_values(((const block_q8_0 *)blk)->qs, w); break;
+    }
+    for (int g = 0; g < 4; g++) {
+        w[g] = _mm256_mul_ps(dv, w[g]);
+        if (kind == L_Q4_1 || kind == L_Q5_1) w[g] = _mm256_add_ps(w[g], mv);
     }
 }
 
@@ -336,153 +368,145 @@ AVX2_INLINE __m256 halves(__m256i v, const int shift) {
     return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
-AVX2_INLINE __m256 row_legacy(const uint8_t *blocks, const float *x, const float *xsum, size_t k, const int kind,
-                              const int stride, const int has_min) {
+AVX2_INLINE void group_legacy(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
+                              const int stride, const int has_min, __m256 out[GROUP]) {
     const size_t nb = k / QK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), v[4]; /* named: kept in registers */
-    float d[8];
+    __m256 acc[GROUP], w[4];
+    float d[GROUP][8], m[GROUP][8];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm256_setzero_ps();
     for (size_t g = 0; g < nb; g += 8) {
         const size_t count = nb - g < 8 ? nb - g : 8;
-        const __m256i heads = block_heads(blocks + g * (size_t)stride, stride, count);
-        _mm256_storeu_ps(d, halves(heads, 0));
-        if (has_min) /* lane-wise m * sum(x), reduced with the rest */
-            acc1 = _mm256_fmadd_ps(halves(heads, 16), _mm256_maskload_ps(xsum + g, tail_mask(count)), acc1);
-        for (size_t i = 0; i < count; i++) { /* even blocks into acc0, odd into acc1 */
-            prefetch_ahead(blocks + (g + i) * (size_t)stride, (size_t)stride);
-            legacy_values(blocks + (g + i) * (size_t)stride, kind, v);
-            const __m256 t = dot32(v, x + (g + i) * QK);
-            if (i & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[i]), t, acc1);
-            else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[i]), t, acc0);
+        for (int r = 0; r < GROUP; r++) {
+            const __m256i heads = block_heads(row[r] + g * (size_t)stride, stride, count);
+            _mm256_storeu_ps(d[r], halves(heads, 0));
+            if (has_min) _mm256_storeu_ps(m[r], halves(heads, 16));
+        }
+        for (size_t i = 0; i < count; i++) {
+            const float *xb = x + (g + i) * QK;
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *blk = row[r] + (g + i) * (size_t)stride;
+                prefetch_ahead(blk, (size_t)stride);
+                legacy_weights(blk, kind, d[r][i], has_min ? m[r][i] : 0.0f, w);
+                for (int v = 0; v < 4; v++) acc[r] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xb + 8 * v), acc[r]);
+            }
         }
     }
-    return _mm256_add_ps(acc0, acc1);
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
 }
 
-/* q4_K / q5_K: sum over sub-blocks j of d_j * (q . x) - min_j * sum(x). */
-AVX2_INLINE __m256 row_k4(const uint8_t *row, const float *x, const float *xsum, size_t k, const int five) {
+/* q4_K / q5_K: scale_j * q - min_j per sub-block j. */
+AVX2_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_t k, const int five,
+                          __m256 out[GROUP]) {
     const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mins = _mm256_setzero_ps(), v0[4], v1[4];
-    float scale[8];
+    __m256 acc[GROUP], v0[4], v1[4];
+    float scale[GROUP][8], minimum[GROUP][8];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm256_setzero_ps();
     for (size_t i = 0; i < k / QK_K; i++) {
-        const uint8_t *blk = row + i * stride;
-        prefetch_ahead(blk, stride);
-        const block_q4_K *b4 = (const block_q4_K *)blk; /* q5_K starts with the same fields */
-        const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
-        const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : b4->qs;
-        __m256 s, m;
-        k4_scales(b4->scales, half(b4->d), half(b4->dmin), &s, &m);
-        _mm256_storeu_ps(scale, s);
-        mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + 8 * i), mins);
-        const float *xb = x + i * QK_K;
+        for (int r = 0; r < GROUP; r++) {
+            const block_q4_K *b4 = (const block_q4_K *)(row[r] + i * stride); /* q5_K starts alike */
+            prefetch_ahead(b4, stride);
+            __m256 s, mn;
+            k4_scales(b4->scales, half(b4->d), half(b4->dmin), &s, &mn);
+            _mm256_storeu_ps(scale[r], s);
+            _mm256_storeu_ps(minimum[r], mn);
+        }
         for (int c = 0; c < 4; c++) {
-            k4_values(qs, qh, c, v0, v1);
-            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(scale[2 * c]), dot32(v0, xb + 64 * c), acc[0]);
-            acc[1] = _mm256_fmadd_ps(_mm256_set1_ps(scale[2 * c + 1]), dot32(v1, xb + 64 * c + 32), acc[1]);
+            const float *xc = x + i * QK_K + 64 * c;
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *blk = row[r] + i * stride;
+                const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+                const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : ((const block_q4_K *)blk)->qs;
+                k4_values(qs, qh, c, v0, v1);
+                const __m256 s0 = _mm256_set1_ps(scale[r][2 * c]), n0 = _mm256_set1_ps(minimum[r][2 * c]);
+                const __m256 s1 = _mm256_set1_ps(scale[r][2 * c + 1]), n1 = _mm256_set1_ps(minimum[r][2 * c + 1]);
+                for (int g = 0; g < 4; g++)
+                    acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(s0, v0[g]), n0), _mm256_loadu_ps(xc + 8 * g),
+                                             acc[r]);
+                for (int g = 0; g < 4; g++)
+                    acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(s1, v1[g]), n1),
+                                             _mm256_loadu_ps(xc + 32 + 8 * g), acc[r]);
+            }
         }
     }
-    return _mm256_sub_ps(_mm256_add_ps(acc[0], acc[1]), mins);
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
 }
 
-/* q6_K: one scale per 16 elements, i.e. per two vectors. */
-AVX2_INLINE __m256 row_q6_K(const block_q6_K *b, const float *x, size_t k) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, v[4];
-    float scale[16];
+/* q6_K, 32 elements at a time in element order: quarter 4h + t holds elements 128h + 32t ..
+ * +31 (see q6_quarter), vector g of it scale group 8h + 2t + g / 2. */
+AVX2_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, size_t k, __m256 out[GROUP]) {
+    __m256 acc[GROUP], v[4];
+    float scale[GROUP][16];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm256_setzero_ps();
     for (size_t i = 0; i < k / QK_K; i++) {
-        prefetch_ahead(b + i, sizeof(block_q6_K));
-        q6_scales(b + i, scale);
+        for (int r = 0; r < GROUP; r++) {
+            prefetch_ahead((const block_q6_K *)row[r] + i, sizeof(block_q6_K));
+            q6_scales((const block_q6_K *)row[r] + i, scale[r]);
+        }
         for (int h = 0; h < 2; h++)
-            for (int g = 0; g < 4; g++) {
-                q6_values(b + i, h, g, v);
-                const float *xp = x + i * QK_K + 128 * h + 8 * g;
-                for (int t = 0; t < 4; t++)
-                    acc[t & 1] = _mm256_fmadd_ps(_mm256_set1_ps(scale[8 * h + 2 * t + g / 2]),
-                                                 _mm256_mul_ps(v[t], _mm256_loadu_ps(xp + 32 * t)), acc[t & 1]);
+            for (int t = 0; t < 4; t++) {
+                const float *xq = x + i * QK_K + 128 * h + 32 * t;
+                for (int r = 0; r < GROUP; r++) {
+                    q6_quarter((const block_q6_K *)row[r] + i, h, t, v);
+                    for (int g = 0; g < 4; g++) {
+                        const __m256 w = _mm256_mul_ps(_mm256_set1_ps(scale[r][8 * h + 2 * t + g / 2]), v[g]);
+                        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xq + 8 * g), acc[r]);
+                    }
+                }
             }
     }
-    return _mm256_add_ps(acc[0], acc[1]);
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
 }
 
-AVX2_INLINE __m256 row_dot(const uint8_t *row, const float *x, const float *xsum, size_t k, const int ix) {
+AVX2_INLINE void group_dot(const uint8_t *const row[GROUP], const float *x, size_t k, const int ix,
+                           __m256 acc[GROUP]) {
     switch (ix) {
-    case IX_F32: return row_float(row, x, k, 0);
-    case IX_F16: return row_float(row, x, k, 1);
-    case IX_BF16: return row_float(row, x, k, 2);
-    case IX_Q4_0: return row_legacy(row, x, xsum, k, L_Q4_0, sizeof(block_q4_0), 0);
-    case IX_Q4_1: return row_legacy(row, x, xsum, k, L_Q4_1, sizeof(block_q4_1), 1);
-    case IX_Q5_0: return row_legacy(row, x, xsum, k, L_Q5_0, sizeof(block_q5_0), 0);
-    case IX_Q5_1: return row_legacy(row, x, xsum, k, L_Q5_1, sizeof(block_q5_1), 1);
-    case IX_Q8_0: return row_legacy(row, x, xsum, k, L_Q8_0, sizeof(block_q8_0), 0);
-    case IX_Q4_K: return row_k4(row, x, xsum, k, 0);
-    case IX_Q5_K: return row_k4(row, x, xsum, k, 1);
-    default: return row_q6_K((const block_q6_K *)row, x, k);
+    case IX_F32: group_float(row, x, k, 0, acc); break;
+    case IX_F16: group_float(row, x, k, 1, acc); break;
+    case IX_BF16: group_float(row, x, k, 2, acc); break;
+    case IX_Q4_0: group_legacy(row, x, k, L_Q4_0, sizeof(block_q4_0), 0, acc); break;
+    case IX_Q4_1: group_legacy(row, x, k, L_Q4_1, sizeof(block_q4_1), 1, acc); break;
+    case IX_Q5_0: group_legacy(row, x, k, L_Q5_0, sizeof(block_q5_0), 0, acc); break;
+    case IX_Q5_1: group_legacy(row, x, k, L_Q5_1, sizeof(block_q5_1), 1, acc); break;
+    case IX_Q8_0: group_legacy(row, x, k, L_Q8_0, sizeof(block_q8_0), 0, acc); break;
+    case IX_Q4_K: group_k4(row, x, k, 0, acc); break;
+    case IX_Q5_K: group_k4(row, x, k, 1, acc); break;
+    default: group_q6_K(row, x, k, acc); break;
     }
 }
 
-/* Up to 8 rows, each kept as 8 partial sums, reduced together at the end. */
-AVX2_INLINE void dot_tile(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias, const int ix) {
-    __m256 acc[8];
-    for (size_t j = 0; j < 8; j++)
-        acc[j] = j < rows ? row_dot((const uint8_t *)w + j * row_bytes, x, xsum, k, ix) : _mm256_setzero_ps();
+/* y[j] = w[j] . x (+ bias[j]) for j < rows <= 8, rows row_bytes apart. */
+AVX2_INLINE void dot_rows(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y,
+                          const float *bias, const int ix) {
+    __m256 acc[DOT_ROWS];
+    for (int j = 0; j < DOT_ROWS; j++) acc[j] = _mm256_setzero_ps();
+    for (size_t j0 = 0; j0 < rows; j0 += GROUP) {
+        const uint8_t *row[GROUP];
+        for (size_t r = 0; r < GROUP; r++) /* past the last row: repeat it, results unused */
+            row[r] = (const uint8_t *)w + (j0 + r < rows ? j0 + r : rows - 1) * row_bytes;
+        group_dot(row, x, k, ix, acc + j0);
+    }
     store_row(y, reduce8(acc), bias, rows);
 }
 
-static AVX2 void dot_f32(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                         float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F32);
-}
+#define DOT(name, ix)                                                                                        \
+    static AVX2 void name(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y, \
+                          const float *bias) {                                                               \
+        dot_rows(w, row_bytes, rows, x, k, y, bias, ix);                                                     \
+    }
+DOT(dot_f32, IX_F32)
+DOT(dot_f16, IX_F16)
+DOT(dot_bf16, IX_BF16)
+DOT(dot_q4_0, IX_Q4_0)
+DOT(dot_q4_1, IX_Q4_1)
+DOT(dot_q5_0, IX_Q5_0)
+DOT(dot_q5_1, IX_Q5_1)
+DOT(dot_q8_0, IX_Q8_0)
+DOT(dot_q4_K, IX_Q4_K)
+DOT(dot_q5_K, IX_Q5_K)
+DOT(dot_q6_K, IX_Q6_K)
+#undef DOT
 
-static AVX2 void dot_f16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                         float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F16);
-}
-
-static AVX2 void dot_bf16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_BF16);
-}
-
-static AVX2 void dot_q4_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_0);
-}
-
-static AVX2 void dot_q4_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_1);
-}
-
-static AVX2 void dot_q5_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_0);
-}
-
-static AVX2 void dot_q5_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_1);
-}
-
-static AVX2 void dot_q8_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q8_0);
-}
-
-static AVX2 void dot_q4_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_K);
-}
-
-static AVX2 void dot_q5_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_K);
-}
-
-static AVX2 void dot_q6_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                          float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q6_K);
-}
-
-/* ---- M > 1: a decoded tile of 8 rows of W . rows of X ------------------------------------ */
+/* ---- M > 1: decoded rows of W times rows of X, 2 x 4 outputs at a time -------------------- */
 
 /* acc[r * nr + j] += w[j] . x[r] lane-wise, for nr rows of w and mr rows of x (nr * mr = 8);
  * nr and mr are constants at each call site, so the loops unroll into registers. */
@@ -509,8 +533,8 @@ AVX2_INLINE void tile_block(const float *w, size_t k, const float *x, size_t ldx
     }
 }
 
-/* Two rows of x at a time against 4 + 4 rows of w; one row of x against all 8 for an odd
- * last row. */
+/* Two rows of x at a time against 4 rows of w; one row of x against 8 for an odd last row
+ * (the tile holds a multiple of 8 rows, those past `rows` zero). */
 static AVX2 void tile(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
                       size_t ldy, const float *bias) {
     __m256 acc[8];
@@ -531,10 +555,11 @@ static AVX2 void tile(const float *w, size_t rows, size_t k, const float *x, siz
             _mm_maskstore_ps(y + (r + 1) * ldy + j0, keep, hi);
         }
     }
-    if (r < m) {
-        tile_block(w, k, x + r * ldx, ldx, 8, 1, acc);
-        store_row(y + r * ldy, reduce8(acc), bias, rows);
-    }
+    if (r < m)
+        for (size_t j0 = 0; j0 < rows; j0 += 8) {
+            tile_block(w + j0 * k, k, x + r * ldx, ldx, 8, 1, acc);
+            store_row(y + r * ldy + j0, reduce8(acc), bias ? bias + j0 : NULL, rows - j0 < 8 ? rows - j0 : 8);
+        }
 }
 
 static const lq_kernels KERNELS = {
@@ -552,7 +577,8 @@ static const lq_kernels KERNELS = {
         [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
     },
     .tile = tile,
-    .tile_rows = TILE,
+    .dot_rows = DOT_ROWS,
+    .tile_rows = TILE_ROWS,
 };
 
 const lq_kernels *lq_kernels_avx2(void) {

@@ -1,9 +1,18 @@
 /* AVX-512 (F, BW, VL) kernels for quant.c: 16 floats per vector, mask registers for the 5th
- * bit of the q5 formats and for tails, tiles of 16 rows.
+ * bit of the q5 formats and for tails.
+ *
+ * The arithmetic of this level, the same for every output y = w . x + b whatever M is:
+ *   1. each weight decoded to f32 exactly as the reference does (d * q, then + m or - m);
+ *   2. one 16-lane accumulator per output: acc = fma(w[16c .. 16c+15], x[16c .. 16c+15], acc)
+ *      for chunks c = 0, 1, ... in order, the last chunk of an f32/f16/bf16 row whose length is
+ *      not a multiple of 16 zero-padded;
+ *   3. the 16 lanes summed by the halving tree of reduce16, then + b.
+ * The M = 1 kernels decode in registers, 4 rows at a time; M > 1 multiplies decoded rows
+ * (decode_*) in 4 x 4 register blocks. Both follow those three steps exactly, so a row of Y
+ * has the same bits whatever M is and wherever the row sits in X.
  *
  * Compiled without -march: every function carries a target attribute and runs only after
- * lq_kernels_avx512() has checked the CPU. Decoders multiply, then add (no FMA), so they stay
- * bit-exact with the reference; the dot products use FMA freely.
+ * lq_kernels_avx512() has checked the CPU.
  */
 #include "quant.h"
 
@@ -14,7 +23,9 @@
 #define AVX512 __attribute__((target(TARGET)))
 #define AVX512_INLINE static inline __attribute__((always_inline, target(TARGET)))
 
-#define TILE 16
+#define DOT_ROWS 16 /* rows of W per M = 1 call: one reduce16 */
+#define TILE_ROWS 16 /* rows of W decoded at a time for M > 1 (a multiple: quant.c) */
+#define GROUP 4      /* rows of W decoded together in registers at M = 1 (independent FMA chains) */
 
 AVX512_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
 
@@ -24,122 +35,155 @@ AVX512_INLINE __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_
 
 AVX512_INLINE __mmask16 tail_mask(size_t n) { return (__mmask16)((1u << n) - 1); }
 
+AVX512_INLINE __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 /* Ask for the weight bytes a few rows ahead of [p, p + n): at M = 1 the kernels stream weights
  * at close to memory speed, and the hardware prefetcher alone leaves ~10% on the table. */
 AVX512_INLINE void prefetch_ahead(const void *p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + LQ_PREFETCH_BYTES + i, _MM_HINT_T0);
 }
 
-/* ---- integer values of 32 elements as floats: v[0] = elements 0..15, v[1] = 16..31 -------- */
+/* ---- exact weights of one block, in registers -------------------------------------------- */
 
-/* Small unsigned codes become floats through a table lookup instead of a conversion: a
- * permute reads only the low 4 (or, from two tables, 5) bits of each index lane, so the low
- * nibble needs no mask, and the permutes run beside the FMAs rather than on their port. */
-AVX512_INLINE __m512 lookup16(__m512i codes, int offset) {
-    const __m512 table = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_ps((float)offset));
-    return _mm512_permutexvar_ps(codes, table);
+/* 4- and 5-bit codes become weights through a table of the block's 16 (32) possible values,
+ * computed once per block with the reference's operations (d * q, then + m): one multiply
+ * (and add) per 32 weights instead of one per 16, and a permute reads only the low 4 (5) bits
+ * of each index lane, so the low nibble needs no mask. */
+AVX512_INLINE __m512 table16(float d, __m512 codes, float m, const int has_min) {
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(d), codes);
+    return has_min ? _mm512_add_ps(t, _mm512_set1_ps(m)) : t;
 }
 
-AVX512_INLINE void q4_values(const uint8_t *qs, int offset, __m512 v[2]) {
-    const __m512i raw = u8x16(qs);
-    v[0] = lookup16(raw, offset);
-    v[1] = lookup16(_mm512_srli_epi32(raw, 4), offset);
+/* Weights of 16 nibbles (raw bytes, low nibble first) from a 16-entry table. */
+AVX512_INLINE void nibble_weights(__m512i raw, __m512 table, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_permutexvar_ps(raw, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
 }
 
-/* 5-bit codes through a 32-entry table held in two registers. */
-AVX512_INLINE __m512 lookup32(__m512i codes, int offset) {
-    const __m512 off = _mm512_set1_ps((float)offset);
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 lo = _mm512_sub_ps(iota, off), hi = _mm512_sub_ps(_mm512_add_ps(iota, _mm512_set1_ps(16)), off);
-    return _mm512_permutex2var_ps(lo, codes, hi);
-}
-
-/* The 5th bit of element j is bit j of qh: a mask register says which lanes get 16. */
-AVX512_INLINE void q5_values(const uint8_t *qs, const uint8_t *qhp, int offset, __m512 v[2]) {
-    uint32_t qh;
-    memcpy(&qh, qhp, 4);
-    const __m512i raw = u8x16(qs), sixteen = _mm512_set1_epi32(16);
-    const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(raw, 4);
-    v[0] = lookup32(_mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xffff), lo, sixteen), offset);
-    v[1] = lookup32(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen), offset);
-}
-
-AVX512_INLINE void q8_values(const int8_t *qs, __m512 v[2]) {
-    v[0] = to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
-    v[1] = to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
-}
-
-/* Sub-blocks 2c (v0) and 2c+1 (v1) of a q4_K / q5_K super-block; qh NULL for q4_K. */
-AVX512_INLINE void k4_values(const uint8_t *qs, const uint8_t *qh, int c, __m512 v0[2], __m512 v1[2]) {
+/* The 5-bit codes of 16 bytes of nibbles: bit j of `low` (`high`) is bit 4 of the low (high)
+ * nibble of byte j. */
+AVX512_INLINE void five_bit_codes(__m512i raw, __mmask16 low, __mmask16 high, __m512i *lo, __m512i *hi) {
     const __m512i sixteen = _mm512_set1_epi32(16);
-    for (int g = 0; g < 2; g++) {
-        const __m512i raw = u8x16(qs + 32 * c + 16 * g);
-        __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(raw, 4);
-        if (qh) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * g));
-            lo = _mm512_mask_or_epi32(lo, _mm_test_epi8_mask(h, _mm_set1_epi8((char)(1 << (2 * c)))), lo, sixteen);
-            hi = _mm512_mask_or_epi32(hi, _mm_test_epi8_mask(h, _mm_set1_epi8((char)(1 << (2 * c + 1)))), hi, sixteen);
-            v0[g] = lookup32(lo, 0);
-            v1[g] = lookup32(hi, 0);
-        } else { /* the lookup reads only the low nibble of raw */
-            v0[g] = lookup16(raw, 0);
-            v1[g] = lookup16(hi, 0);
-        }
+    const __m512i l = _mm512_and_si512(raw, _mm512_set1_epi32(0x0f)), h = _mm512_srli_epi32(raw, 4);
+    *lo = _mm512_mask_or_epi32(l, low, l, sixteen);
+    *hi = _mm512_mask_or_epi32(h, high, h, sixteen);
+}
+
+enum { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
+
+/* The 32 weights of a block of a 32-element format: w[0] = elements 0..15, w[1] = 16..31;
+ * d and m are its scale and minimum (m unused where the format has none). */
+AVX512_INLINE void legacy_weights(const uint8_t *blk, const int kind, float d, float m, __m512 w[2]) {
+    const __m512 iota = iota16();
+    switch (kind) {
+    case L_Q4_0:
+        nibble_weights(u8x16(((const block_q4_0 *)blk)->qs), table16(d, _mm512_sub_ps(iota, _mm512_set1_ps(8)), 0, 0),
+                       &w[0], &w[1]);
+        break;
+    case L_Q4_1:
+        nibble_weights(u8x16(((const block_q4_1 *)blk)->qs), table16(d, iota, m, 1), &w[0], &w[1]);
+        break;
+    case L_Q5_0:
+    case L_Q5_1: {
+        const int has_min = kind == L_Q5_1;
+        const uint8_t *qs = has_min ? ((const block_q5_1 *)blk)->qs : ((const block_q5_0 *)blk)->qs;
+        const uint8_t *qhp = has_min ? ((const block_q5_1 *)blk)->qh : ((const block_q5_0 *)blk)->qh;
+        uint32_t qh;
+        memcpy(&qh, qhp, 4);
+        const __m512 base = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(16)); /* q - offset, q < 16 */
+        const __m512 t0 = table16(d, base, m, has_min);
+        const __m512 t1 = table16(d, _mm512_add_ps(base, _mm512_set1_ps(16)), m, has_min);
+        __m512i lo, hi;
+        five_bit_codes(u8x16(qs), (__mmask16)(qh & 0xffff), (__mmask16)(qh >> 16), &lo, &hi);
+        w[0] = _mm512_permutex2var_ps(t0, lo, t1);
+        w[1] = _mm512_permutex2var_ps(t0, hi, t1);
+        break;
     }
+    default: { /* q8_0: (float)q * d */
+        const int8_t *qs = ((const block_q8_0 *)blk)->qs;
+        const __m512 dv = _mm512_set1_ps(d);
+        w[0] = _mm512_mul_ps(to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), dv);
+        w[1] = _mm512_mul_ps(to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), dv);
+        break;
+    }
+    }
+}
+
+/* The first 4 bytes (d, and m where there is one) of `count` blocks `stride` bytes apart, as
+ * floats: d[i] and m[i] of block i. */
+AVX512_INLINE void block_heads(const uint8_t *first, const int stride, size_t count, float d[16], float m[16],
+                               const int has_min) {
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(stride));
+    const __m512i heads = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tail_mask(count), offsets, first, 1);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads)));
+    if (has_min) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16))));
+    /* Read them back from memory: a broadcast from memory is a load, while the compiler's
+     * alternative (permutes of the register) competes with the decode's permutes for a port. */
+    __asm__ volatile("" : : "m"(*(const float(*)[16])d), "m"(*(const float(*)[16])m) : "memory");
 }
 
 /* The 8 scales d * sc_j and mins dmin * m_j of a q4_K / q5_K super-block (products in f32,
  * as the reference computes them). */
-AVX512_INLINE void k4_scales(const uint8_t *packed, float d, float dmin, __m256 *scale, __m256 *minimum) {
+AVX512_INLINE void k4_scales(const uint8_t *packed, float d, float dmin, float scale[8], float minimum[8]) {
     uint8_t sc[8], mn[8];
     unpack_scales_k4_le(packed, sc, mn);
     const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
-    *scale = _mm256_mul_ps(_mm256_set1_ps(d), s);
-    *minimum = _mm256_mul_ps(_mm256_set1_ps(dmin), m);
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), s));
+    _mm256_storeu_ps(minimum, _mm256_mul_ps(_mm256_set1_ps(dmin), m));
 }
 
-/* The 64 elements 128h + 16g + {0, 32, 64, 96} of a q6_K super-block (t = 0..3 in v[t]),
- * minus 32: ql bytes a and b hold the low nibbles of t = 0, 1 and the high nibbles of t = 2,
- * 3; the 2-bit pairs of qh byte hq hold their top bits. */
-AVX512_INLINE void q6_values(const block_q6_K *b, int h, int g, __m512 v[4]) {
-    const __m512i a = u8x16(b->ql + 64 * h + 16 * g), c = u8x16(b->ql + 64 * h + 32 + 16 * g);
-    const __m512i hq = u8x16(b->qh + 32 * h + 16 * g);
-    const __m512i low4 = _mm512_set1_epi32(0x0f), top2 = _mm512_set1_epi32(0x30), off = _mm512_set1_epi32(32);
-    const __m512i q[4] = {
-        _mm512_or_si512(_mm512_and_si512(a, low4), _mm512_and_si512(_mm512_slli_epi32(hq, 4), top2)),
-        _mm512_or_si512(_mm512_and_si512(c, low4), _mm512_and_si512(_mm512_slli_epi32(hq, 2), top2)),
-        _mm512_or_si512(_mm512_srli_epi32(a, 4), _mm512_and_si512(hq, top2)),
-        _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_and_si512(_mm512_srli_epi32(hq, 2), top2)),
-    };
-    for (int t = 0; t < 4; t++) v[t] = to_float(_mm512_sub_epi32(q[t], off));
+/* Weights 64c .. 64c+63 of a q4_K / q5_K super-block (sub-blocks 2c from the low nibbles, 2c+1
+ * from the high ones) in element order: scale * q - min, from per-sub-block tables. qh NULL
+ * for q4_K. */
+AVX512_INLINE void k4_weights(const uint8_t *qs, const uint8_t *qh, int c, const float scale[8],
+                              const float minimum[8], __m512 w[4]) {
+    const __m512 iota = iota16(), n0 = _mm512_set1_ps(minimum[2 * c]), n1 = _mm512_set1_ps(minimum[2 * c + 1]);
+    const __m512 s0 = _mm512_set1_ps(scale[2 * c]), s1 = _mm512_set1_ps(scale[2 * c + 1]);
+    if (!qh) {
+        const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(s0, iota), n0), t1 = _mm512_sub_ps(_mm512_mul_ps(s1, iota), n1);
+        for (int g = 0; g < 2; g++) {
+            const __m512i raw = u8x16(qs + 32 * c + 16 * g);
+            w[g] = _mm512_permutexvar_ps(raw, t0);
+            w[2 + g] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), t1);
+        }
+        return;
+    }
+    const __m512 top = _mm512_add_ps(iota, _mm512_set1_ps(16));
+    const __m512 t0a = _mm512_sub_ps(_mm512_mul_ps(s0, iota), n0), t0b = _mm512_sub_ps(_mm512_mul_ps(s0, top), n0);
+    const __m512 t1a = _mm512_sub_ps(_mm512_mul_ps(s1, iota), n1), t1b = _mm512_sub_ps(_mm512_mul_ps(s1, top), n1);
+    for (int g = 0; g < 2; g++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * g));
+        __m512i lo, hi;
+        five_bit_codes(u8x16(qs + 32 * c + 16 * g), _mm_test_epi8_mask(h, _mm_set1_epi8((char)(1 << (2 * c)))),
+                       _mm_test_epi8_mask(h, _mm_set1_epi8((char)(1 << (2 * c + 1)))), &lo, &hi);
+        w[g] = _mm512_permutex2var_ps(t0a, lo, t0b);
+        w[2 + g] = _mm512_permutex2var_ps(t1a, hi, t1b);
+    }
 }
 
 /* d * scale for the 16 groups of 16 elements of a q6_K super-block. */
-AVX512_INLINE __m512 q6_scales(const block_q6_K *b) {
+AVX512_INLINE void q6_scales(const block_q6_K *b, float scale[16]) {
     const __m512 s = to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales)));
-    return _mm512_mul_ps(_mm512_set1_ps(half(b->d)), s);
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(half(b->d)), s));
 }
 
-/* ---- decoders (bit-exact: d * q, then + m or - m) ---------------------------------------- */
-
-AVX512_INLINE void store_scaled(float *dst, const __m512 v[2], float d) {
-    const __m512 dv = _mm512_set1_ps(d);
-    _mm512_storeu_ps(dst, _mm512_mul_ps(dv, v[0]));
-    _mm512_storeu_ps(dst + 16, _mm512_mul_ps(dv, v[1]));
-}
-
-AVX512_INLINE void store_affine(float *dst, const __m512 v[2], float d, float m) {
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_mul_ps(dv, v[0]), mv));
-    _mm512_storeu_ps(dst + 16, _mm512_add_ps(_mm512_mul_ps(dv, v[1]), mv));
-}
-
-AVX512_INLINE void store_shifted(float *dst, const __m512 v[2], float d, float m) {
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    _mm512_storeu_ps(dst, _mm512_sub_ps(_mm512_mul_ps(dv, v[0]), mv));
-    _mm512_storeu_ps(dst + 16, _mm512_sub_ps(_mm512_mul_ps(dv, v[1]), mv));
+/* Weights 128h + 32t .. +31 of a q6_K super-block, (d * scale) * (q - 32), in w[0] (scale
+ * group 8h + 2t) and w[1] (8h + 2t + 1): their low 4 bits are the low (t < 2) or high nibbles
+ * of ql[64h + 32(t & 1) ..] and top 2 bits the pair t of qh[32h ..], worked out on all 32
+ * bytes at once. (16-bit shifts carry bits across bytes only into positions the masks clear.) */
+AVX512_INLINE void q6_pair(const block_q6_K *b, int h, int t, const float scale[16], __m512 w[2]) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (t & 1)));
+    const __m256i hq = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    const __m256i low = _mm256_and_si256(t < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
+    const __m256i top = t < 2 ? _mm256_slli_epi16(hq, 4 - 2 * t) : _mm256_srli_epi16(hq, 2 * t - 4);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30))),
+                                      _mm256_set1_epi8(32));
+    w[0] = _mm512_mul_ps(_mm512_set1_ps(scale[8 * h + 2 * t]),
+                         to_float(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    w[1] = _mm512_mul_ps(_mm512_set1_ps(scale[8 * h + 2 * t + 1]),
+                         to_float(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
 }
 
 AVX512_INLINE __m512 f16x16(const uint16_t *p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
@@ -148,114 +192,99 @@ AVX512_INLINE __m512 bf16x16(const uint16_t *p, __mmask16 k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-static AVX512 void decode_f16(const void *row, float *dst, size_t k) {
-    const uint16_t *p = row;
-    size_t i = 0;
-    for (; i + 16 <= k; i += 16) _mm512_storeu_ps(dst + i, f16x16(p + i, 0xffff));
-    if (i < k) _mm512_mask_storeu_ps(dst + i, tail_mask(k - i), f16x16(p + i, tail_mask(k - i)));
+/* 16 weights of an f32 (kind 0), f16 (1) or bf16 (2) row from element i, lanes outside mask 0. */
+AVX512_INLINE __m512 floats16(const uint8_t *row, size_t i, const int kind, __mmask16 k) {
+    if (kind == 0) return _mm512_maskz_loadu_ps(k, (const float *)row + i);
+    return kind == 1 ? f16x16((const uint16_t *)row + i, k) : bf16x16((const uint16_t *)row + i, k);
 }
 
-static AVX512 void decode_bf16(const void *row, float *dst, size_t k) {
-    const uint16_t *p = row;
+/* ---- decoders: one row -> k floats (the M > 1 path and llaisys_quant_dequantize) --------- */
+
+AVX512_INLINE void decode_float(const void *row, float *dst, size_t k, const int kind) {
     size_t i = 0;
-    for (; i + 16 <= k; i += 16) _mm512_storeu_ps(dst + i, bf16x16(p + i, 0xffff));
-    if (i < k) _mm512_mask_storeu_ps(dst + i, tail_mask(k - i), bf16x16(p + i, tail_mask(k - i)));
+    for (; i + 16 <= k; i += 16) _mm512_storeu_ps(dst + i, floats16(row, i, kind, 0xffff));
+    if (i < k) _mm512_mask_storeu_ps(dst + i, tail_mask(k - i), floats16(row, i, kind, tail_mask(k - i)));
+}
+
+static AVX512 void decode_f16(const void *row, float *dst, size_t k) { decode_float(row, dst, k, 1); }
+
+static AVX512 void decode_bf16(const void *row, float *dst, size_t k) { decode_float(row, dst, k, 2); }
+
+AVX512_INLINE void decode_legacy(const uint8_t *blocks, float *dst, size_t k, const int kind, const int stride,
+                                 const int has_min) {
+    const size_t nb = k / QK;
+    float d[16], m[16];
+    __m512 w[2];
+    for (size_t g = 0; g < nb; g += 16) {
+        const size_t count = nb - g < 16 ? nb - g : 16;
+        block_heads(blocks + g * (size_t)stride, stride, count, d, m, has_min);
+        for (size_t i = 0; i < count; i++, dst += QK) {
+            legacy_weights(blocks + (g + i) * (size_t)stride, kind, d[i], m[i], w);
+            _mm512_storeu_ps(dst, w[0]);
+            _mm512_storeu_ps(dst + 16, w[1]);
+        }
+    }
 }
 
 static AVX512 void decode_q4_0(const void *row, float *dst, size_t k) {
-    const block_q4_0 *b = row;
-    __m512 v[2];
-    for (size_t i = 0; i < k / QK; i++, dst += QK) {
-        q4_values(b[i].qs, 8, v);
-        store_scaled(dst, v, half(b[i].d));
-    }
+    decode_legacy(row, dst, k, L_Q4_0, sizeof(block_q4_0), 0);
 }
 
 static AVX512 void decode_q4_1(const void *row, float *dst, size_t k) {
-    const block_q4_1 *b = row;
-    __m512 v[2];
-    for (size_t i = 0; i < k / QK; i++, dst += QK) {
-        q4_values(b[i].qs, 0, v);
-        store_affine(dst, v, half(b[i].d), half(b[i].m));
-    }
+    decode_legacy(row, dst, k, L_Q4_1, sizeof(block_q4_1), 1);
 }
 
 static AVX512 void decode_q5_0(const void *row, float *dst, size_t k) {
-    const block_q5_0 *b = row;
-    __m512 v[2];
-    for (size_t i = 0; i < k / QK; i++, dst += QK) {
-        q5_values(b[i].qs, b[i].qh, 16, v);
-        store_scaled(dst, v, half(b[i].d));
-    }
+    decode_legacy(row, dst, k, L_Q5_0, sizeof(block_q5_0), 0);
 }
 
 static AVX512 void decode_q5_1(const void *row, float *dst, size_t k) {
-    const block_q5_1 *b = row;
-    __m512 v[2];
-    for (size_t i = 0; i < k / QK; i++, dst += QK) {
-        q5_values(b[i].qs, b[i].qh, 0, v);
-        store_affine(dst, v, half(b[i].d), half(b[i].m));
-    }
+    decode_legacy(row, dst, k, L_Q5_1, sizeof(block_q5_1), 1);
 }
 
 static AVX512 void decode_q8_0(const void *row, float *dst, size_t k) {
-    const block_q8_0 *b = row;
-    __m512 v[2];
-    for (size_t i = 0; i < k / QK; i++, dst += QK) {
-        q8_values(b[i].qs, v);
-        store_scaled(dst, v, half(b[i].d));
-    }
+    decode_legacy(row, dst, k, L_Q8_0, sizeof(block_q8_0), 0);
 }
 
-/* q4_K and q5_K: d_j * q - min_j per sub-block j. */
-AVX512_INLINE void decode_k4(const uint8_t *packed, const uint8_t *qs, const uint8_t *qh, float d, float dmin,
-                             float *dst) {
+AVX512_INLINE void decode_k4(const uint8_t *row, float *dst, size_t k, const int five) {
+    const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
     float scale[8], minimum[8];
-    __m256 s, m;
-    __m512 v0[2], v1[2];
-    k4_scales(packed, d, dmin, &s, &m);
-    _mm256_storeu_ps(scale, s);
-    _mm256_storeu_ps(minimum, m);
-    for (int c = 0; c < 4; c++, dst += 64) {
-        k4_values(qs, qh, c, v0, v1);
-        store_shifted(dst, v0, scale[2 * c], minimum[2 * c]);
-        store_shifted(dst + 32, v1, scale[2 * c + 1], minimum[2 * c + 1]);
+    __m512 w[4];
+    for (size_t i = 0; i < k / QK_K; i++) {
+        const uint8_t *blk = row + i * stride;
+        const block_q4_K *b4 = (const block_q4_K *)blk; /* q5_K starts with the same fields */
+        const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+        const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : b4->qs;
+        k4_scales(b4->scales, half(b4->d), half(b4->dmin), scale, minimum);
+        for (int c = 0; c < 4; c++, dst += 64) {
+            k4_weights(qs, qh, c, scale, minimum, w);
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(dst + 16 * v, w[v]);
+        }
     }
 }
 
-static AVX512 void decode_q4_K(const void *row, float *dst, size_t k) {
-    const block_q4_K *b = row;
-    for (size_t i = 0; i < k / QK_K; i++, dst += QK_K)
-        decode_k4(b[i].scales, b[i].qs, NULL, half(b[i].d), half(b[i].dmin), dst);
-}
+static AVX512 void decode_q4_K(const void *row, float *dst, size_t k) { decode_k4(row, dst, k, 0); }
 
-static AVX512 void decode_q5_K(const void *row, float *dst, size_t k) {
-    const block_q5_K *b = row;
-    for (size_t i = 0; i < k / QK_K; i++, dst += QK_K)
-        decode_k4(b[i].scales, b[i].qs, b[i].qh, half(b[i].d), half(b[i].dmin), dst);
-}
+static AVX512 void decode_q5_K(const void *row, float *dst, size_t k) { decode_k4(row, dst, k, 1); }
 
 static AVX512 void decode_q6_K(const void *row, float *dst, size_t k) {
     const block_q6_K *b = row;
     float scale[16];
-    __m512 v[4];
+    __m512 w[2];
     for (size_t i = 0; i < k / QK_K; i++, dst += QK_K) {
-        _mm512_storeu_ps(scale, q6_scales(b + i));
-        for (int h = 0; h < 2; h++)
-            for (int g = 0; g < 2; g++) {
-                q6_values(b + i, h, g, v);
-                for (int t = 0; t < 4; t++) { /* element 128h + 32t + 16g, scale group 8h + 2t + g */
-                    const __m512 sv = _mm512_set1_ps(scale[8 * h + 2 * t + g]);
-                    _mm512_storeu_ps(dst + 128 * h + 32 * t + 16 * g, _mm512_mul_ps(sv, v[t]));
-                }
-            }
+        q6_scales(b + i, scale);
+        for (int p = 0; p < 8; p++) { /* elements 32p .. 32p + 31 */
+            q6_pair(b + i, p >> 2, p & 3, scale, w);
+            _mm512_storeu_ps(dst + 32 * p, w[0]);
+            _mm512_storeu_ps(dst + 32 * p + 16, w[1]);
+        }
     }
 }
 
-/* ---- reduction of a tile ----------------------------------------------------------------- */
+/* ---- the lane reduction (step 3) ---------------------------------------------------------- */
 
 /* Lane i of the result is the sum of the 16 lanes of a[i], every a[i] reduced by the same tree:
- * 256-bit halves, then 128-bit quarters, then element pairs. */
+ * lanes l and l + 8, then l and l + 4, then l and l + 2, then the last pair. */
 AVX512_INLINE __m512 reduce16(const __m512 a[16]) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; i++) /* [a2i (8 lanes) | a2i+1 (8 lanes)] */
@@ -273,281 +302,214 @@ AVX512_INLINE __m512 reduce16(const __m512 a[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* y[j] = sum of the lanes of acc[j] (+ bias[j]) for j < rows. */
-AVX512_INLINE void store_tile(const __m512 acc[16], size_t rows, float *y, const float *bias) {
+/* ---- M = 1: 4 rows at a time, decoded in registers ----------------------------------------- */
+
+/* acc[r] = the accumulator (step 2) of row[r] . x, r < GROUP: the rows advance together, so
+ * each block of x is loaded once and the 4 FMA chains hide each other's latency. */
+AVX512_INLINE void group_legacy(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
+                                const int stride, const int has_min, __m512 out[GROUP]) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+    const size_t nb = k / QK;
+    float d[GROUP][16], m[GROUP][16];
+    __m512 w[2];
+    for (size_t g = 0; g < nb; g += 16) {
+        const size_t count = nb - g < 16 ? nb - g : 16;
+        for (int r = 0; r < GROUP; r++) block_heads(row[r] + g * (size_t)stride, stride, count, d[r], m[r], has_min);
+        for (size_t i = 0; i < count; i++) {
+            const __m512 x0 = _mm512_loadu_ps(x + (g + i) * QK), x1 = _mm512_loadu_ps(x + (g + i) * QK + 16);
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *blk = row[r] + (g + i) * (size_t)stride;
+                prefetch_ahead(blk, (size_t)stride);
+                legacy_weights(blk, kind, d[r][i], m[r][i], w);
+                acc[r] = _mm512_fmadd_ps(w[0], x0, acc[r]);
+                acc[r] = _mm512_fmadd_ps(w[1], x1, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+}
+
+AVX512_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_t k, const int five,
+                            __m512 out[GROUP]) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+    const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    float scale[GROUP][8], minimum[GROUP][8];
+    __m512 w[4];
+    for (size_t i = 0; i < k / QK_K; i++) {
+        for (int r = 0; r < GROUP; r++) {
+            const block_q4_K *b4 = (const block_q4_K *)(row[r] + i * stride); /* q5_K starts alike */
+            prefetch_ahead(b4, stride);
+            k4_scales(b4->scales, half(b4->d), half(b4->dmin), scale[r], minimum[r]);
+        }
+        for (int c = 0; c < 4; c++) {
+            const float *xc = x + i * QK_K + 64 * c;
+            const __m512 xv[4] = {_mm512_loadu_ps(xc), _mm512_loadu_ps(xc + 16), _mm512_loadu_ps(xc + 32),
+                                  _mm512_loadu_ps(xc + 48)};
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *blk = row[r] + i * stride;
+                const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+                const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : ((const block_q4_K *)blk)->qs;
+                k4_weights(qs, qh, c, scale[r], minimum[r], w);
+                for (int v = 0; v < 4; v++) acc[r] = _mm512_fmadd_ps(w[v], xv[v], acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+}
+
+AVX512_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, size_t k, __m512 out[GROUP]) {
+    __m512 acc[GROUP], w[2];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+    float scale[GROUP][16];
+    for (size_t i = 0; i < k / QK_K; i++) {
+        for (int r = 0; r < GROUP; r++) {
+            const block_q6_K *b = (const block_q6_K *)row[r] + i;
+            prefetch_ahead(b, sizeof(block_q6_K));
+            q6_scales(b, scale[r]);
+        }
+        for (int p = 0; p < 8; p++) { /* elements 32p .. 32p + 31 */
+            const __m512 x0 = _mm512_loadu_ps(x + i * QK_K + 32 * p), x1 = _mm512_loadu_ps(x + i * QK_K + 32 * p + 16);
+            for (int r = 0; r < GROUP; r++) {
+                q6_pair((const block_q6_K *)row[r] + i, p >> 2, p & 3, scale[r], w);
+                acc[r] = _mm512_fmadd_ps(w[0], x0, acc[r]);
+                acc[r] = _mm512_fmadd_ps(w[1], x1, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+}
+
+AVX512_INLINE void group_float(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
+                               __m512 out[GROUP]) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+    const size_t width = kind == 0 ? 4 : 2;
+    size_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        for (int r = 0; r < GROUP; r++) {
+            if ((i & 31) == 0) prefetch_ahead(row[r] + i * width, 32 * width);
+            acc[r] = _mm512_fmadd_ps(floats16(row[r], i, kind, 0xffff), xv, acc[r]);
+        }
+    }
+    if (i < k) {
+        const __mmask16 t = tail_mask(k - i);
+        const __m512 xv = _mm512_maskz_loadu_ps(t, x + i);
+        for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(floats16(row[r], i, kind, t), xv, acc[r]);
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+}
+
+AVX512_INLINE void group_dot(const uint8_t *const row[GROUP], const float *x, size_t k, const int ix,
+                             __m512 acc[GROUP]) {
+    switch (ix) {
+    case IX_F32: group_float(row, x, k, 0, acc); break;
+    case IX_F16: group_float(row, x, k, 1, acc); break;
+    case IX_BF16: group_float(row, x, k, 2, acc); break;
+    case IX_Q4_0: group_legacy(row, x, k, L_Q4_0, sizeof(block_q4_0), 0, acc); break;
+    case IX_Q4_1: group_legacy(row, x, k, L_Q4_1, sizeof(block_q4_1), 1, acc); break;
+    case IX_Q5_0: group_legacy(row, x, k, L_Q5_0, sizeof(block_q5_0), 0, acc); break;
+    case IX_Q5_1: group_legacy(row, x, k, L_Q5_1, sizeof(block_q5_1), 1, acc); break;
+    case IX_Q8_0: group_legacy(row, x, k, L_Q8_0, sizeof(block_q8_0), 0, acc); break;
+    case IX_Q4_K: group_k4(row, x, k, 0, acc); break;
+    case IX_Q5_K: group_k4(row, x, k, 1, acc); break;
+    default: group_q6_K(row, x, k, acc); break;
+    }
+}
+
+/* y[j] = w[j] . x (+ bias[j]) for j < rows <= 16, rows row_bytes apart. */
+AVX512_INLINE void dot_rows(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y,
+                            const float *bias, const int ix) {
+    __m512 acc[DOT_ROWS];
+    for (int j = 0; j < DOT_ROWS; j++) acc[j] = _mm512_setzero_ps();
+    for (size_t j0 = 0; j0 < rows; j0 += GROUP) {
+        const uint8_t *row[GROUP];
+        for (size_t r = 0; r < GROUP; r++) /* past the last row: repeat it, results unused */
+            row[r] = (const uint8_t *)w + (j0 + r < rows ? j0 + r : rows - 1) * row_bytes;
+        group_dot(row, x, k, ix, acc + j0);
+    }
     const __mmask16 keep = tail_mask(rows);
     __m512 s = reduce16(acc);
     if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias));
     _mm512_mask_storeu_ps(y, keep, s);
 }
 
-/* ---- M = 1: one row . x as a vector of 16 partial sums ----------------------------------- */
-
-/* v (2 vectors of 32 consecutive elements) . x, lane-wise */
-AVX512_INLINE __m512 dot32(const __m512 v[2], const float *x) {
-    return _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(x)));
-}
-
-AVX512_INLINE __m512 row_f32(const float *w, const float *x, size_t k) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    size_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        prefetch_ahead(w + i, 64 * sizeof(float));
-        for (int g = 0; g < 4; g++)
-            acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * g), _mm512_loadu_ps(x + i + 16 * g), acc[g]);
+#define DOT(name, ix)                                                                                          \
+    static AVX512 void name(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y, \
+                            const float *bias) {                                                               \
+        dot_rows(w, row_bytes, rows, x, k, y, bias, ix);                                                       \
     }
-    for (; i + 16 <= k; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc[0]);
-    if (i < k) {
-        const __mmask16 t = tail_mask(k - i);
-        acc[1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, w + i), _mm512_maskz_loadu_ps(t, x + i), acc[1]);
-    }
-    return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-}
+DOT(dot_f32, IX_F32)
+DOT(dot_f16, IX_F16)
+DOT(dot_bf16, IX_BF16)
+DOT(dot_q4_0, IX_Q4_0)
+DOT(dot_q4_1, IX_Q4_1)
+DOT(dot_q5_0, IX_Q5_0)
+DOT(dot_q5_1, IX_Q5_1)
+DOT(dot_q8_0, IX_Q8_0)
+DOT(dot_q4_K, IX_Q4_K)
+DOT(dot_q5_K, IX_Q5_K)
+DOT(dot_q6_K, IX_Q6_K)
+#undef DOT
 
-/* f16 (bf16 when brain) row . x */
-AVX512_INLINE __m512 row_half(const uint16_t *w, const float *x, size_t k, const int brain) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    size_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        prefetch_ahead(w + i, 64 * sizeof(uint16_t));
-        for (int g = 0; g < 4; g++) {
-            const __m512 wv = brain ? bf16x16(w + i + 16 * g, 0xffff) : f16x16(w + i + 16 * g, 0xffff);
-            acc[g] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i + 16 * g), acc[g]);
-        }
-    }
-    for (; i + 16 <= k; i += 16) {
-        const __m512 wv = brain ? bf16x16(w + i, 0xffff) : f16x16(w + i, 0xffff);
-        acc[0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), acc[0]);
-    }
-    if (i < k) {
-        const __mmask16 t = tail_mask(k - i);
-        const __m512 wv = brain ? bf16x16(w + i, t) : f16x16(w + i, t);
-        acc[1] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(t, x + i), acc[1]);
-    }
-    return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-}
+/* ---- M > 1: decoded rows of W times rows of X, 4 x 4 outputs at a time -------------------- */
 
-/* The 32-element formats: sum over blocks of d * (q . x), plus m * sum(x) for q4_1 / q5_1.
- * Scales come 16 blocks at a time from one gather and one conversion, so the per-block work
- * is the decode and three FMAs. */
-enum { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
-
-AVX512_INLINE void legacy_values(const void *block, const int kind, __m512 v[2]) {
-    switch (kind) {
-    case L_Q4_0: q4_values(((const block_q4_0 *)block)->qs, 8, v); break;
-    case L_Q4_1: q4_values(((const block_q4_1 *)block)->qs, 0, v); break;
-    case L_Q5_0: q5_values(((const block_q5_0 *)block)->qs, ((const block_q5_0 *)block)->qh, 16, v); break;
-    case L_Q5_1: q5_values(((const block_q5_1 *)block)->qs, ((const block_q5_1 *)block)->qh, 0, v); break;
-    default: q8_values(((const block_q8_0 *)block)->qs, v); break;
-    }
-}
-
-/* The first 4 bytes (d, and m where there is one) of `count` blocks `stride` bytes apart. */
-AVX512_INLINE __m512i block_heads(const uint8_t *first, const int stride, size_t count) {
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(stride));
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tail_mask(count), offsets, first, 1);
-}
-
-AVX512_INLINE __m512 low_halves(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
-
-AVX512_INLINE __m512 high_halves(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
-
-AVX512_INLINE __m512 row_legacy(const uint8_t *blocks, const float *x, const float *xsum, size_t k, const int kind,
-                                const int stride, const int has_min) {
-    const size_t nb = k / QK;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), v[2]; /* named: kept in registers */
-    float d[16];
-    for (size_t g = 0; g < nb; g += 16) {
-        const size_t count = nb - g < 16 ? nb - g : 16;
-        const __m512i heads = block_heads(blocks + g * (size_t)stride, stride, count);
-        _mm512_storeu_ps(d, low_halves(heads));
-        if (has_min) /* lane-wise m * sum(x), reduced with the rest */
-            acc1 = _mm512_fmadd_ps(high_halves(heads), _mm512_maskz_loadu_ps(tail_mask(count), xsum + g), acc1);
-        for (size_t i = 0; i < count; i++) { /* even blocks into acc0, odd into acc1 */
-            prefetch_ahead(blocks + (g + i) * (size_t)stride, (size_t)stride);
-            legacy_values(blocks + (g + i) * (size_t)stride, kind, v);
-            const __m512 t = dot32(v, x + (g + i) * QK);
-            if (i & 1) acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[i]), t, acc1);
-            else acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[i]), t, acc0);
-        }
-    }
-    return _mm512_add_ps(acc0, acc1);
-}
-
-/* q4_K / q5_K: sum over sub-blocks j of d_j * (q . x) - min_j * sum(x). */
-AVX512_INLINE __m512 row_k4(const uint8_t *row, const float *x, const float *xsum, size_t k, const int five) {
-    const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, v0[2], v1[2];
-    __m256 mins = _mm256_setzero_ps();
-    float scale[8];
-    for (size_t i = 0; i < k / QK_K; i++) {
-        const uint8_t *blk = row + i * stride;
-        prefetch_ahead(blk, stride);
-        const block_q4_K *b4 = (const block_q4_K *)blk; /* q5_K starts with the same fields */
-        const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
-        const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : b4->qs;
-        __m256 s, m;
-        k4_scales(b4->scales, half(b4->d), half(b4->dmin), &s, &m);
-        _mm256_storeu_ps(scale, s);
-        mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + 8 * i), mins);
-        const float *xb = x + i * QK_K;
-        for (int c = 0; c < 4; c++) {
-            k4_values(qs, qh, c, v0, v1);
-            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * c]), dot32(v0, xb + 64 * c), acc[0]);
-            acc[1] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * c + 1]), dot32(v1, xb + 64 * c + 32), acc[1]);
-        }
-    }
-    return _mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_zextps256_ps512(mins));
-}
-
-/* q6_K: one scale per 16 elements, i.e. per vector. */
-AVX512_INLINE __m512 row_q6_K(const block_q6_K *b, const float *x, size_t k) {
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, v[4];
-    float scale[16];
-    for (size_t i = 0; i < k / QK_K; i++) {
-        prefetch_ahead(b + i, sizeof(block_q6_K));
-        _mm512_storeu_ps(scale, q6_scales(b + i));
-        for (int h = 0; h < 2; h++)
-            for (int g = 0; g < 2; g++) {
-                q6_values(b + i, h, g, v);
-                const float *xp = x + i * QK_K + 128 * h + 16 * g;
-                for (int t = 0; t < 4; t++)
-                    acc[t & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale[8 * h + 2 * t + g]),
-                                                 _mm512_mul_ps(v[t], _mm512_loadu_ps(xp + 32 * t)), acc[t & 1]);
-            }
-    }
-    return _mm512_add_ps(acc[0], acc[1]);
-}
-
-AVX512_INLINE __m512 row_dot(const uint8_t *row, const float *x, const float *xsum, size_t k, const int ix) {
-    switch (ix) {
-    case IX_F32: return row_f32((const float *)row, x, k);
-    case IX_F16: return row_half((const uint16_t *)row, x, k, 0);
-    case IX_BF16: return row_half((const uint16_t *)row, x, k, 1);
-    case IX_Q4_0: return row_legacy(row, x, xsum, k, L_Q4_0, sizeof(block_q4_0), 0);
-    case IX_Q4_1: return row_legacy(row, x, xsum, k, L_Q4_1, sizeof(block_q4_1), 1);
-    case IX_Q5_0: return row_legacy(row, x, xsum, k, L_Q5_0, sizeof(block_q5_0), 0);
-    case IX_Q5_1: return row_legacy(row, x, xsum, k, L_Q5_1, sizeof(block_q5_1), 1);
-    case IX_Q8_0: return row_legacy(row, x, xsum, k, L_Q8_0, sizeof(block_q8_0), 0);
-    case IX_Q4_K: return row_k4(row, x, xsum, k, 0);
-    case IX_Q5_K: return row_k4(row, x, xsum, k, 1);
-    default: return row_q6_K((const block_q6_K *)row, x, k);
-    }
-}
-
-/* Up to 16 rows, each kept as 16 partial sums, reduced together at the end. */
-AVX512_INLINE void dot_tile(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias, const int ix) {
-    __m512 acc[16];
-    for (size_t j = 0; j < 16; j++)
-        acc[j] = j < rows ? row_dot((const uint8_t *)w + j * row_bytes, x, xsum, k, ix) : _mm512_setzero_ps();
-    store_tile(acc, rows, y, bias);
-}
-
-static AVX512 void dot_f32(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                           float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F32);
-}
-
-static AVX512 void dot_f16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                           float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_F16);
-}
-
-static AVX512 void dot_bf16(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_BF16);
-}
-
-static AVX512 void dot_q4_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_0);
-}
-
-static AVX512 void dot_q4_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_1);
-}
-
-static AVX512 void dot_q5_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_0);
-}
-
-static AVX512 void dot_q5_1(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_1);
-}
-
-static AVX512 void dot_q8_0(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q8_0);
-}
-
-static AVX512 void dot_q4_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q4_K);
-}
-
-static AVX512 void dot_q5_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q5_K);
-}
-
-static AVX512 void dot_q6_K(const void *w, size_t row_bytes, size_t rows, const float *x, const float *xsum, size_t k,
-                            float *y, const float *bias) {
-    dot_tile(w, row_bytes, rows, x, xsum, k, y, bias, IX_Q6_K);
-}
-
-/* ---- M > 1: a decoded tile of 16 rows of W . rows of X ----------------------------------- */
-
-/* acc[r * nr + j] += w[j] . x[r] lane-wise, for nr rows of w and mr rows of x (nr * mr = 16);
- * nr and mr are constants at each call site, so the loops unroll into registers. */
-AVX512_INLINE void tile_block(const float *w, size_t k, const float *x, size_t ldx, const int nr, const int mr,
-                              __m512 acc[16]) {
+/* acc[4r + j] = the accumulator (step 2) of w[j] . x[r] for r < mr, j < 4; w holds 4 decoded
+ * rows k floats apart, x rows are ldx apart. mr is a constant at each call site. */
+AVX512_INLINE void block4(const float *w, size_t k, const float *x, size_t ldx, const int mr, __m512 acc[16]) {
     for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
     size_t i = 0;
     for (; i + 16 <= k; i += 16) {
-        __m512 xv[2];
+        __m512 xv[4];
         for (int r = 0; r < mr; r++) xv[r] = _mm512_loadu_ps(x + (size_t)r * ldx + i);
-        for (int j = 0; j < nr; j++) {
+        for (int j = 0; j < 4; j++) {
             const __m512 wv = _mm512_loadu_ps(w + (size_t)j * k + i);
-            for (int r = 0; r < mr; r++) acc[r * nr + j] = _mm512_fmadd_ps(wv, xv[r], acc[r * nr + j]);
+            for (int r = 0; r < mr; r++) acc[4 * r + j] = _mm512_fmadd_ps(wv, xv[r], acc[4 * r + j]);
         }
     }
-    if (i < k) { /* f16/bf16/f32 rows of any length */
+    if (i < k) { /* f32/f16/bf16 rows of any length: the zero-padded last chunk */
         const __mmask16 t = tail_mask(k - i);
-        __m512 xv[2];
+        __m512 xv[4];
         for (int r = 0; r < mr; r++) xv[r] = _mm512_maskz_loadu_ps(t, x + (size_t)r * ldx + i);
-        for (int j = 0; j < nr; j++) {
+        for (int j = 0; j < 4; j++) {
             const __m512 wv = _mm512_maskz_loadu_ps(t, w + (size_t)j * k + i);
-            for (int r = 0; r < mr; r++) acc[r * nr + j] = _mm512_fmadd_ps(wv, xv[r], acc[r * nr + j]);
+            for (int r = 0; r < mr; r++) acc[4 * r + j] = _mm512_fmadd_ps(wv, xv[r], acc[4 * r + j]);
         }
     }
 }
 
-/* Two rows of x at a time against 8 + 8 rows of w (10 loads per 16 FMAs); one row of x
- * against all 16 for an odd last row. */
+/* y[r][j] = lane sum of acc[4r + j] (+ bias[j]) for r < mr, j < nr. */
+AVX512_INLINE void store_block(const __m512 acc[16], size_t mr, size_t nr, float *y, size_t ldy, const float *bias) {
+    const __mmask8 keep = (__mmask8)((1u << nr) - 1);
+    __m512 s = reduce16(acc); /* lanes 4r .. 4r+3: row r */
+    if (bias) s = _mm512_add_ps(s, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(keep, bias)));
+    _mm_mask_storeu_ps(y, keep, _mm512_castps512_ps128(s));
+    if (mr > 1) _mm_mask_storeu_ps(y + ldy, keep, _mm512_extractf32x4_ps(s, 1));
+    if (mr > 2) _mm_mask_storeu_ps(y + 2 * ldy, keep, _mm512_extractf32x4_ps(s, 2));
+    if (mr > 3) _mm_mask_storeu_ps(y + 3 * ldy, keep, _mm512_extractf32x4_ps(s, 3));
+}
+
+AVX512_INLINE void block_any(const float *w, size_t k, const float *x, size_t ldx, size_t mr, __m512 acc[16]) {
+    switch (mr) {
+    case 4: block4(w, k, x, ldx, 4, acc); break;
+    case 3: block4(w, k, x, ldx, 3, acc); break;
+    case 2: block4(w, k, x, ldx, 2, acc); break;
+    default: block4(w, k, x, ldx, 1, acc); break;
+    }
+}
+
+/* Each group of 4 rows of x stays in L1 while it meets every row of the tile (from L2). */
 static AVX512 void tile(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
                         size_t ldy, const float *bias) {
     __m512 acc[16];
-    size_t r = 0;
-    for (; r + 2 <= m; r += 2) {
-        for (size_t j0 = 0; j0 < rows; j0 += 8) {
-            tile_block(w + j0 * k, k, x + r * ldx, ldx, 8, 2, acc);
-            const __m512 s = reduce16(acc); /* [row r: w j0..j0+7 | row r+1: w j0..j0+7] */
-            const __mmask8 keep = (__mmask8)tail_mask(rows - j0 < 8 ? rows - j0 : 8);
-            const __m256 lo = _mm512_castps512_ps256(s), hi = _mm512_castps512_ps256(_mm512_shuffle_f32x4(s, s, 0xee));
-            const __m256 b = bias ? _mm256_maskz_loadu_ps(keep, bias + j0) : _mm256_setzero_ps();
-            _mm256_mask_storeu_ps(y + r * ldy + j0, keep, bias ? _mm256_add_ps(lo, b) : lo);
-            _mm256_mask_storeu_ps(y + (r + 1) * ldy + j0, keep, bias ? _mm256_add_ps(hi, b) : hi);
+    for (size_t r0 = 0; r0 < m; r0 += 4)
+        for (size_t j0 = 0; j0 < rows; j0 += 4) {
+            const size_t mr = m - r0 < 4 ? m - r0 : 4;
+            block_any(w + j0 * k, k, x + r0 * ldx, ldx, mr, acc);
+            store_block(acc, mr, rows - j0 < 4 ? rows - j0 : 4, y + r0 * ldy + j0, ldy, bias ? bias + j0 : NULL);
         }
-    }
-    if (r < m) {
-        tile_block(w, k, x + r * ldx, ldx, 16, 1, acc);
-        store_tile(acc, rows, y + r * ldy, bias);
-    }
 }
 
 static const lq_kernels KERNELS = {
@@ -565,7 +527,8 @@ static const lq_kernels KERNELS = {
         [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
     },
     .tile = tile,
-    .tile_rows = TILE,
+    .dot_rows = DOT_ROWS,
+    .tile_rows = TILE_ROWS,
 };
 
 const lq_kernels *lq_kernels_avx512(void) {

@@ -3,9 +3,12 @@ float activations, and F16/BF16 weights with F32 activations, through ``kernels.
 
 Activations are float32 (F16/BF16 ones are widened, the output rounded once) and never
 quantized. Each weight's checked ``QuantWeight`` is kept with its tensor (``Tensor.derived``),
-so a call costs a few microseconds of Python on top of the native kernel. Where the native
-library was not built (no C compiler at install), the NumPy reference decodes the weight a
-tile of rows at a time instead: the same results, far slower, said once in the log.
+so a call costs a few microseconds of Python on top of the native kernel. ``linear`` is
+batch-invariant: a row of the output has the same bits whatever the other rows of the input
+are (the native kernels compute every output one fixed way; ``kernels.quant.native``). Where
+the native library was not built (no C compiler at install), the NumPy reference decodes the
+weight a tile of rows at a time instead, each input row multiplied on its own so the rule
+still holds: the same results up to rounding, far slower, said once in the log.
 """
 from __future__ import annotations
 
@@ -46,24 +49,32 @@ class PortableWeight:
         return self._decode(self.raw[np.asarray(index, np.int64)])
 
     def linear(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """x (M, K) float32 @ weight (N, K)^T + bias (N,) into out (M, N) (new when None)."""
+        """x (M, K) float32 @ weight (N, K)^T + bias (N,) into out (M, N) (new when None).
+
+        Each row of x is multiplied alone, from the same buffers (one matrix-vector product
+        per row and tile), so its result does not depend on M or on the other rows."""
+        m, k = x.shape
         n = self.raw.shape[0]
-        out = np.empty((x.shape[0], n), np.float32) if out is None else out
-        step = max(1, _TILE_ELEMENTS // max(x.shape[1], 1))
+        out = np.empty((m, n), np.float32) if out is None else out
+        step = max(1, _TILE_ELEMENTS // max(k, 1))
+        row = np.empty(k, np.float32)  # (K,)
+        result = np.empty(min(step, n), np.float32)  # (tile rows,)
         for start in range(0, n, step):
             stop = min(start + step, n)
-            np.matmul(x, self._decode(self.raw[start:stop]).T, out=out[:, start:stop])
+            w = self._decode(self.raw[start:stop])  # (tile rows, K)
+            for r in range(m):
+                row[...] = x[r]
+                np.matmul(w, row, out=result[: stop - start])
+                out[r, start:stop] = result[: stop - start]
         if bias is not None:
             out += bias
         return out
 
 
-def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight | bool":
-    """The weight (N, K) checked once for the native kernels; False when its layout does not
-    suit them (an F16/BF16 view that is not C-contiguous)."""
-    w = w_t.host_array()  # (N, row_bytes) uint8, or (N, K) F16/BF16
-    if not w.flags.c_contiguous:
-        return False
+def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight":
+    """The weight (N, K) checked once for the native kernels (an F16/BF16 view that is not
+    C-contiguous is copied once, kept with the tensor)."""
+    w = np.ascontiguousarray(w_t.host_array())  # (N, row_bytes) uint8, or (N, K) F16/BF16
     if not native.available():
         if not _warned:
             _warned.append(True)
@@ -89,11 +100,6 @@ def linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs
     qw = w_t.derived("quant", _prepare)
     x, out = x_t.host_array(), out_t.host_array()  # (..., K), (..., N)
     bias = None if b_t is None else f32(b_t.host_array())  # (N,)
-    if qw is False:  # a strided F16/BF16 weight: widen it
-        np.matmul(f32(x), w_t.host_array().astype(np.float32).T, out=out)
-        if bias is not None:
-            out += bias
-        return
     x2 = _rows(x)  # (M, K)
     direct = out.dtype == np.float32 and out.flags.c_contiguous
     out2 = out.reshape(-1, out.shape[-1]) if direct else None  # (M, N) view of out, or a new array

@@ -1,11 +1,14 @@
 """NumPy front end of the native quantized kernels (``csrc/kernels``, loaded with ctypes).
 
 ``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
-float32 (the weights are never widened in memory, the activations never quantized). Few rows
-(decoding, small batches) run in the native kernels, which read every weight byte once; many
-rows (prefill) dequantize W a tile of rows at a time with the native decoder and multiply with
-NumPy's BLAS. The SIMD level is chosen by CPU at first use (``LLAISYS_SIMD=scalar|avx2|avx512``
-forces one); the thread pool is the library's own (``set_threads``).
+float32 (the weights are never widened in memory, the activations never quantized), for any
+number of rows M: M = 1 decodes the weights in registers, M > 1 decodes a tile of rows of W
+at a time and multiplies it with all of X in register blocks, reading the weight bytes once.
+Each output element is computed by one fixed sequence of f32 operations (``csrc/kernels/quant.h``)
+whatever M is, wherever its row sits in X and whatever the thread count: a row of Y has the
+same bits alone or in a batch (batch-invariant), at a given SIMD level. The SIMD level is
+chosen by CPU at first use (``LLAISYS_SIMD=scalar|avx2|avx512`` forces one; levels may differ
+from each other in the last bits); the thread pool is the library's own (``set_threads``).
 
 A weight used many times is best wrapped once with ``prepare`` (its checks run once; a call then
 costs a few microseconds of Python).
@@ -24,19 +27,10 @@ from .formats import QuantFormat, get_format
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
-# From this many rows of X up, dequantize + BLAS beats the native kernels: the native cost
-# grows linearly with M at a fixed FMA rate, BLAS gets more efficient with M. Measured with
-# ``benchmarks/quant_linear.py --crossover`` (SmolLM2-135M shapes, 1 thread): about equal at
-# M = 96..128, BLAS 1.1-1.6x faster at M = 512, the native kernel 2-3.5x faster at M = 16.
-BLAS_MIN_ROWS = 128
-# Float32 bytes of weight dequantized per BLAS call on the BLAS path.
-_TILE_BYTES = 4 << 20
-
 log = logging.getLogger(__name__)
 
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
-_scratch = threading.local()
 
 
 def _library() -> ctypes.CDLL:
@@ -158,7 +152,8 @@ class QuantWeight:
         return picked.dequantize().reshape(*ids.shape, self.k)
 
     def linear(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Y (M, N) = x (M, K) @ W^T + bias (N,), float32.
+        """Y (M, N) = x (M, K) @ W^T + bias (N,), float32; row r of Y depends on row r of x
+        only, bit for bit (not on M, the other rows or the thread count).
 
         x: float32 (M, K) with contiguous rows (any row stride). bias: float32 (N,) or None.
         out: float32 (M, N) with contiguous rows, not overlapping x; a new array if None.
@@ -184,34 +179,11 @@ class QuantWeight:
                 raise ValueError("out must not overlap x")
         if m == 0 or n == 0:
             return out
-        if m >= BLAS_MIN_ROWS:
-            self._linear_blas(x, out)
-            if bias is not None:
-                out += bias
-            return out
         status = _library().llaisys_quant_linear(
             self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
             out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
         _check(status, "linear")
         return out
-
-    def _linear_blas(self, x: np.ndarray, out: np.ndarray) -> None:
-        """out (M, N) = x (M, K) @ W^T, W dequantized a tile of rows at a time."""
-        rows = max(1, _TILE_BYTES // (4 * self.k))
-        buf = _tile_buffer(min(rows, self.n), self.k)
-        for start in range(0, self.n, rows):
-            stop = min(self.n, start + rows)
-            tile = QuantWeight(self.fmt, self.raw[start:stop]).dequantize(out=buf[: stop - start])  # (rows, K)
-            np.matmul(x, tile.T, out=out[:, start:stop])
-
-
-def _tile_buffer(rows: int, k: int) -> np.ndarray:
-    """A per-thread float32 buffer of at least ``rows * k`` elements, viewed as (rows, K)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < rows * k:
-        buf = _scratch.buf = np.empty(rows * k, np.float32)
-    return buf[: rows * k].reshape(rows, k)
-
 
 def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
     """Check weight bytes raw (N, row_bytes) uint8 in format ``qtype`` once, for repeated use."""
