@@ -217,3 +217,18 @@ def test_waiting_head_holds_no_blocks_while_it_cannot_start():
     s.add(b)
     run_step(s)
     assert b.status is Status.WAITING and m.block_table("b") == []
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    m = KVBlockManager(num_blocks=64, block_size=4)
+    s = Scheduler(m, max_batched_tokens=64)
+    system = list(range(100, 112))  # 3 full blocks
+    seqs = [Sequence(i, system + [i, i + 1, i + 2], 4) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    step = run_step(s)
+    assert [c.seq.seq_id for c in step.chunks] == [0]  # the others wait for its blocks
+    step = run_step(s)
+    later = [c for c in step.chunks if c.seq.seq_id != 0]
+    assert [(c.start, c.length) for c in later] == [(12, 3)] * 3  # the prefix is shared, not recomputed
+    assert m.prefix_hits == 3 * 12

@@ -97,6 +97,7 @@ class KVBlockManager:
         self.prefix_caching = prefix_caching
         self.tables: dict[object, list[int]] = {}
         self.hashes: dict[object, list[BlockHash]] = {}  # chained hashes of each sequence's full blocks
+        self.in_flight: dict[BlockHash, object] = {}  # prompt blocks being computed now -> their sequence
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -149,6 +150,26 @@ class KVBlockManager:
             table.append(block)
         return len(table) * self.block_size
 
+    def next_block_in_flight(self, seq_id: object, token_ids: Sequence[int], cached: int) -> bool:
+        """Whether the first full block of ``token_ids`` past its ``cached`` tokens is being
+        computed right now by another sequence (which would make it findable one step later)."""
+        if not self.prefix_caching:
+            return False
+        i = cached // self.block_size
+        if i >= (len(token_ids) - 1) // self.block_size:
+            return False
+        owner = self.in_flight.get(self._hashes(seq_id, token_ids, i + 1)[i])
+        return owner is not None and owner != seq_id
+
+    def claim(self, seq_id: object, token_ids: Sequence[int], cached: int) -> None:
+        """Mark the full blocks of an admitted sequence's prompt past its ``cached`` tokens as
+        being computed by it, so that sequences with the same prefix wait for them."""
+        if not self.prefix_caching:
+            return
+        usable = (len(token_ids) - 1) // self.block_size
+        for h in self._hashes(seq_id, token_ids, usable)[cached // self.block_size:]:
+            self.in_flight.setdefault(h, seq_id)
+
     def count_lookup(self, queried: int, hit: int) -> None:
         """Add one admitted sequence's prefix lookup to the counters (tokens looked up, found)."""
         if self.prefix_caching:
@@ -179,13 +200,17 @@ class KVBlockManager:
         full = min(num_computed // self.block_size, len(table))
         for block, h in zip(table[:full], self._hashes(seq_id, token_ids, full)):
             self.pool.remember(block, h)
+            if self.in_flight.get(h) == seq_id:
+                del self.in_flight[h]
 
     def free(self, seq_id: object) -> None:
         """Release every block of ``seq_id`` (last block first, so a prefix's head outlives its
         tail in the cache) and forget the sequence."""
         for block in reversed(self.tables.pop(seq_id, [])):
             self.pool.release(block)
-        self.hashes.pop(seq_id, None)
+        for h in self.hashes.pop(seq_id, ()):
+            if self.in_flight.get(h) == seq_id:
+                del self.in_flight[h]
 
     def held_references(self) -> int:
         """Total references held on blocks (0 once every sequence is freed)."""

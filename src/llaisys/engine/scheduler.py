@@ -4,7 +4,9 @@ Plain Python over token counts and block ids; no tensors, no model. Each step ha
 tokens (``max_batched_tokens``). Running sequences come first, oldest first: a decoding one
 takes one token, one still prefilling takes the next chunk of its prompt. Waiting sequences
 are then admitted first come, first served while budget, sequence slots and blocks last; a
-long prompt is prefilled over several steps in chunks. When the pool cannot give a running
+long prompt is prefilled over several steps in chunks. A request whose next prompt block is
+being computed by another sequence waits until it is, so a prefix shared by requests that
+arrive together is computed once. When the pool cannot give a running
 sequence its next block, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to be recomputed later (its prompt and
 the tokens it generated so far), so no request fails for lack of memory unless it alone could
@@ -150,10 +152,14 @@ class Scheduler:
                 seq = self.waiting[0]
                 cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
                 n = min(seq.num_tokens - cached, budget)
-                if not self.blocks.grow(seq.seq_id, cached + n):
-                    self.blocks.free(seq.seq_id)  # hold nothing while waiting: the blocks may be needed first
+                # Wait while another sequence computes the next block of this prefix (it is
+                # shared a step later), or while the pool is short; hold no blocks meanwhile.
+                if (self.blocks.next_block_in_flight(seq.seq_id, seq.token_ids, cached)
+                        or not self.blocks.grow(seq.seq_id, cached + n)):
+                    self.blocks.free(seq.seq_id)
                     break
                 self.blocks.count_lookup(seq.num_tokens, cached)
+                self.blocks.claim(seq.seq_id, seq.token_ids, cached)
                 seq.num_cached = seq.num_computed = cached
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
