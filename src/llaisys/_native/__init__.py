@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import logging
 import os
 import threading
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -42,4 +44,20 @@ def require(name: str, global_symbols: bool = False) -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the native library llaisys._native._{name} is not built: reinstall llaisys with a "
                            f"C compiler on PATH (pip install -e . or pip install llaisys), sources in csrc/{name}/")
+    return lib
+
+
+Signatures = dict  # function name -> (argtypes list, restype)
+
+
+def declared(name: str, signatures: Signatures, missing: str) -> ctypes.CDLL | None:
+    """``load(name)`` with each function of ``signatures`` given its argument and result types,
+    or None (after logging the warning ``missing``) when the library was not built."""
+    lib = load(name)
+    if lib is None:
+        log.warning("%s", missing)
+        return None
+    for function, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, function)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib

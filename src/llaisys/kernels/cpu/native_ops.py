@@ -18,9 +18,7 @@ norm weight, the rope positions' table, a layer's K/V rows) is passed beside it.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 from ... import _native
@@ -31,7 +29,6 @@ from . import attention, elementwise, norm_rope
 if TYPE_CHECKING:
     from ...tensor import Tensor
 
-log = logging.getLogger(__name__)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
@@ -67,33 +64,24 @@ class _AttentionArgs(ctypes.Structure):
 
 
 _lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
-_lib_lock = threading.Lock()
+_SIGNATURES = {
+    "llaisys_ops_rms_norm": ([_PTR, _PTR], ctypes.c_int),
+    "llaisys_ops_swiglu": ([_PTR], ctypes.c_int),
+    "llaisys_ops_rope": ([_PTR, _PTR, _PTR], ctypes.c_int),
+    "llaisys_ops_self_attention": ([_PTR, _PTR, _PTR, _I64], ctypes.c_int),
+    "llaisys_ops_simd_available": ([], ctypes.c_int),
+    "llaisys_ops_set_simd_level": ([ctypes.c_char_p], ctypes.c_int),
+    "llaisys_ops_simd_level": ([], ctypes.c_char_p),
+}
 
 
 def _library() -> "ctypes.CDLL | bool":
     """The native library with its signatures declared, or False when it is not built."""
     global _lib
-    if _lib is None:
-        with _lib_lock:
-            if _lib is None:
-                lib = _native.load("ops")
-                if lib is None:
-                    log.warning("the native ops (llaisys._native._ops) are not built: rms_norm, rope, swiglu and "
-                                "self_attention run on the slower NumPy kernels; reinstall llaisys with a C compiler")
-                else:
-                    signatures = {
-                        "llaisys_ops_rms_norm": [_PTR, _PTR],
-                        "llaisys_ops_swiglu": [_PTR],
-                        "llaisys_ops_rope": [_PTR, _PTR, _PTR],
-                        "llaisys_ops_self_attention": [_PTR, _PTR, _PTR, _I64],
-                        "llaisys_ops_simd_available": [],
-                        "llaisys_ops_set_simd_level": [ctypes.c_char_p],
-                    }
-                    for name, args in signatures.items():
-                        fn = getattr(lib, name)
-                        fn.argtypes, fn.restype = args, ctypes.c_int
-                    lib.llaisys_ops_simd_level.argtypes, lib.llaisys_ops_simd_level.restype = [], ctypes.c_char_p
-                _lib = lib if lib is not None else False
+    if _lib is None:  # declaring twice in a race is harmless
+        _lib = _native.declared("ops", _SIGNATURES, "the native ops (llaisys._native._ops) are not built: rms_norm, "
+                                "rope, swiglu and self_attention run on the slower NumPy kernels; reinstall llaisys "
+                                "with a C compiler") or False
     return _lib
 
 

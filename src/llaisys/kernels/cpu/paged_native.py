@@ -16,8 +16,6 @@ other tensors replaces it.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 from ... import _native
@@ -29,7 +27,6 @@ from ._common import FLOATS
 if TYPE_CHECKING:
     from ...tensor import Tensor
 
-log = logging.getLogger(__name__)
 
 _I64 = ctypes.c_int64
 
@@ -61,25 +58,20 @@ class _WriteArgs(ctypes.Structure):
 
 
 _lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
-_lib_lock = threading.Lock()
+_SIGNATURES = {
+    "llaisys_paged_attention": ([ctypes.c_void_p], ctypes.c_int),
+    "llaisys_paged_kv_write": ([ctypes.c_void_p], ctypes.c_int),
+    "llaisys_paged_simd": ([ctypes.c_int], ctypes.c_int),
+}
 
 
 def _library() -> "ctypes.CDLL | bool":
     """The native library with the paged signatures declared, or False when it is not built."""
     global _lib
-    if _lib is None:
-        with _lib_lock:
-            if _lib is None:
-                lib = _native.load("kernels")
-                if lib is None:
-                    log.warning("the native kernels (llaisys._native._kernels) are not built: paged attention runs "
-                                "on the slower NumPy path; reinstall llaisys with a C compiler on PATH")
-                else:
-                    for name in ("llaisys_paged_attention", "llaisys_paged_kv_write"):
-                        fn = getattr(lib, name)
-                        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
-                    lib.llaisys_paged_simd.argtypes, lib.llaisys_paged_simd.restype = [ctypes.c_int], ctypes.c_int
-                _lib = lib if lib is not None else False
+    if _lib is None:  # declaring twice in a race is harmless
+        _lib = _native.declared("kernels", _SIGNATURES, "the native kernels (llaisys._native._kernels) are not built: "
+                                "paged attention runs on the slower NumPy path; reinstall llaisys with a C compiler "
+                                "on PATH") or False
     return _lib
 
 
