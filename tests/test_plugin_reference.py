@@ -4,9 +4,11 @@ collectives, and the conformance check."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,14 +170,20 @@ def test_event_on_default_stream_completes(plugin):
     assert ev.query()
 
 
-def test_collectives_on_one_rank(plugin):
+def test_collectives_on_one_rank(plugin, monkeypatch):
     t, b = plugin.backend.table, plugin.backend
     size = ctypes.c_size_t()
     assert t.xccl_get_unique_id_size(ctypes.byref(size)) == abi.C_SUCCESS
     buf = (ctypes.c_char * size.value)()
     root = abi.C_CCLRootId(size.value, ctypes.cast(buf, ctypes.c_void_p))
     comm = ctypes.c_void_p()
-    assert t.xccl_comm_init_rank(2, ctypes.byref(root), 0, ctypes.byref(comm)) == abi.C_ERROR  # one process only
+    assert t.xccl_comm_init_rank(2, ctypes.byref(root), 0, ctypes.byref(comm)) == abi.C_ERROR  # an id it never made
+    assert t.xccl_get_unique_id(ctypes.byref(root)) == abi.C_SUCCESS
+    monkeypatch.setenv("LLAISYS_CCL_TIMEOUT", "0.3")
+    start = time.monotonic()
+    assert t.xccl_comm_init_rank(2, ctypes.byref(root), 0, ctypes.byref(comm)) == abi.C_FAILED  # rank 1 never comes
+    assert 0.3 <= time.monotonic() - start < 5
+    assert not os.path.exists("/dev/shm/" + buf.value.decode().lstrip("/"))  # its segment is gone
     assert t.xccl_comm_init_rank(1, ctypes.byref(root), 0, ctypes.byref(comm)) == abi.C_SUCCESS
     values = np.arange(10, dtype=np.float32)
     send, recv = dev(values), Tensor.zeros((10,), device=DEV)

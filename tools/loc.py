@@ -15,7 +15,7 @@ import tokenize
 from collections import defaultdict
 from pathlib import Path
 
-ORDER = ["runtime", "backends", "tensor", "kernels", "plugins", "ops", "models", "generation", "engine", "tools", "server", "cli", "(top)"]
+ORDER = ["runtime", "backends", "tensor", "kernels", "plugins", "ops", "parallel", "models", "generation", "engine", "tools", "server", "cli", "(top)"]
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
              tokenize.ENCODING, tokenize.ENDMARKER}
 

@@ -69,6 +69,10 @@ static void stream_wait_idle(C_Stream s) {
   pthread_mutex_unlock(&s->mu);
 }
 
+void cc_stream_drain(C_Stream stream) {
+  if (stream) stream_wait_idle(stream);
+}
+
 static void stream_retain(C_Stream s) {
   pthread_mutex_lock(&s->mu);
   s->refs++;

@@ -51,7 +51,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="load this device plugin library before the model; may be repeated")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="threads for the BLAS, OpenMP and quantized-kernel pools (default: the CPUs not busy with "
-                             "other work)")
+                             "other work; with --tensor-parallel N, the CPUs / N per rank)")
+    parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                        help="split every layer over N processes (MPI ranks); started with mpiexec when not "
+                             "already under it (needs `pip install 'llaisys[mpi]'`)")
     add_verbose(parser)
 
 
@@ -116,10 +119,58 @@ def load_from_args(args: argparse.Namespace, source: str | None = None) -> Any:
     from ..models import load_model
 
     load_plugins(args.plugin)
+    comm = tensor_parallel_comm(args)
     model = load_model(source if source is not None else args.model, dtype=args.dtype, device=args.device,
-                       progress=sys.stderr.isatty())  # a redrawn line would litter a log file
+                       progress=sys.stderr.isatty() and comm is None, comm=comm)  # a redrawn line would litter a log
+    if comm is not None:
+        lead_or_follow(model)
     warn_if_slow_dtype(model)
     return model
+
+
+TENSOR_PARALLEL_LEADER: Any = None  # on rank 0 of a tensor-parallel run: its model, the others following it
+
+
+def tensor_parallel_comm(args: argparse.Namespace) -> Any:
+    """The communicator of a ``--tensor-parallel N`` run (N > 1; this process is one of the N
+    ranks mpiexec started), or None. Raises ValueError when the rank count is not N."""
+    ranks = getattr(args, "tensor_parallel", 1)
+    if ranks <= 1:
+        return None
+    from ..parallel.mpi import MPICommunicator
+
+    comm = MPICommunicator()
+    if comm.size != ranks:
+        raise ValueError(f"--tensor-parallel {ranks}, but mpiexec started {comm.size} ranks; give both the same number")
+    if comm.rank:  # one rank speaks for all: the others say nothing but errors
+        logging.getLogger().setLevel(logging.ERROR)
+    return comm
+
+
+def following_rank(args: argparse.Namespace) -> bool:
+    """Whether this process is a ``--tensor-parallel`` rank other than 0 (one that only runs
+    its part of the model for rank 0)."""
+    comm = tensor_parallel_comm(args)
+    return comm is not None and not comm.is_driver
+
+
+def lead_or_follow(model: Any) -> None:
+    """Rank 0 goes on with the command (and when it ends, lets the others go; when it fails,
+    ends them all at once, since they may be inside a collective it left); another rank runs
+    rank 0's passes until then, and exits."""
+    import atexit
+
+    from ..models.tensor_parallel import follow, release
+
+    global TENSOR_PARALLEL_LEADER
+    if model.comm.is_driver:
+        atexit.register(release, model)
+        TENSOR_PARALLEL_LEADER = model
+        return
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides how to stop
+    follow(model)
+    raise SystemExit(0)
 
 
 def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:

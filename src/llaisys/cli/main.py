@@ -120,6 +120,13 @@ def _setup_logging(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def world_size() -> int:
+    """The MPI ranks this process was started among (1 outside a launcher)."""
+    from ..parallel.mpi import world_size as ranks
+
+    return ranks()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``llaisys`` command with ``argv`` (default: the process arguments); return the exit status."""
     parser = build_parser()
@@ -128,12 +135,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     _setup_logging(getattr(args, "verbose", 0))
+    ranks = getattr(args, "tensor_parallel", 1)
+    if ranks > 1 or world_size() > 1:
+        started = world_size()
+        if started == 1:  # not under a launcher: start the ranks, each running this same command
+            from ..parallel.launch import relaunch
+            try:
+                return relaunch(ranks, list(sys.argv[1:] if argv is None else argv))
+            except FileNotFoundError as exc:
+                print(f"llaisys {args.command}: error: {exc}", file=sys.stderr)
+                return 1
+        if started != ranks:
+            print(f"llaisys {args.command}: error: started as {started} MPI ranks; pass --tensor-parallel {started} "
+                  "to split the model over them", file=sys.stderr)
+            return 2
+        if args.threads is None and not any(os.environ.get(v) for v in THREAD_VARS):
+            args.threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # the ranks share this host's CPUs
     if hasattr(args, "threads"):  # the model commands
         args.threads = apply_threads(args.threads)
     try:
         status = args.func(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
+        _stop_ranks()
         return 130
     except BrokenPipeError:
         # The reader went away (``llaisys generate ... | head``): not an error of ours. Point
@@ -143,10 +167,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         if getattr(args, "verbose", 0) >= 2:
             logger.exception("failed")
-        print(f"llaisys {args.command}: error: {exc}", file=sys.stderr)
+        if os.environ.get("PMI_RANK", "0") == "0":  # every rank fails alike; one says so
+            print(f"llaisys {args.command}: error: {exc}", file=sys.stderr)
+        _stop_ranks()
         return 1
+    except BaseException:
+        _stop_ranks()
+        raise
     return int(status or 0)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _stop_ranks() -> None:
+    """After rank 0 of a tensor-parallel run stopped early: let the other ranks go, or end
+    them all when a pass was left half done (``tensor_parallel.release``)."""
+    from . import common
+
+    if common.TENSOR_PARALLEL_LEADER is None:  # nothing started: every rank fails alike and exits
+        return
+    sys.stderr.flush()
+    from ..models.tensor_parallel import release
+    release(common.TENSOR_PARALLEL_LEADER)

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from .common import add_model_options, load_from_args, positive_int
+from .common import add_model_options, following_rank, load_from_args, positive_int
 
 API_KEY_VAR = "LLAISYS_API_KEY"
 
@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 1 if the model failed to load."""
     from ..server import ServerOptions, create_app, serve
+
+    if following_rank(args):  # a tensor-parallel rank other than 0: no server, only its part of the model
+        load_from_args(args)
+        return 0
 
     options = ServerOptions(model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
                             api_key=args.api_key or os.environ.get(API_KEY_VAR) or None,

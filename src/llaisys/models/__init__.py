@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from ..parallel.comm import Communicator
 from ..runtime.device import as_device
 from ..runtime.dtypes import DataType
 from .config import ModelConfig, token_ids
@@ -21,6 +22,7 @@ from .decoder import CausalLM
 from .errors import ModelLoadError, read_json_object
 from .kv_cache import KVCache
 from .params import Progress, build_params
+from .tensor_parallel import Shard, TensorParallelError
 from .tokenizer import Tokenizer
 
 __all__ = ["CausalLM", "KVCache", "ModelConfig", "ModelLoadError", "Tokenizer", "default_model_path", "load_model"]
@@ -70,7 +72,8 @@ def _natural_dtype(kinds: set[str]) -> DataType:
 
 
 def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | None = None,
-               device: str | None = None, progress: bool = False, half_weights: bool = True) -> CausalLM:
+               device: str | None = None, progress: bool = False, half_weights: bool = True,
+               comm: "Communicator | None" = None) -> CausalLM:
     """Load a model.
 
     source: None for ``default_model_path()``; a folder for a Hugging Face model folder
@@ -80,26 +83,34 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     quantized GGUF gives f32). device: "cpu", "cpu:0", a plugin device, or None for the current
     one. progress: show a progress line on stderr while the weights load. half_weights: in an
     f32 model from a folder, keep F16/BF16 matrices (all but the embedding table) as stored, for
-    ``linear`` to widen as it computes; False converts them to f32 too.
-    Raises ModelLoadError for malformed or unsupported files, FileNotFoundError for a missing path.
+    ``linear`` to widen as it computes; False converts them to f32 too. comm: a communicator
+    of several ranks (``llaisys.parallel``): load this rank's tensor-parallel part only (see
+    ``models.tensor_parallel``); every rank calls ``load_model`` with the same arguments, then
+    rank 0 uses the model and the others run ``tensor_parallel.follow(model)``.
+    Raises TensorParallelError when the rank count does not divide the model, ModelLoadError for malformed or unsupported files, FileNotFoundError for a missing path.
     """
     path = default_model_path() if source is None else Path(source)
     want = _as_dtype(dtype)
     dev = as_device(device)
     start = time.perf_counter()
     if path.is_dir():
-        model = _load_folder(path, want, dev, progress, half_weights)
+        model = _load_folder(path, want, dev, progress, half_weights, comm)
     elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
-        model = _load_gguf(path, want, dev, progress)
+        model = _load_gguf(path, want, dev, progress, comm)
     else:
         raise FileNotFoundError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
     log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
     return model
 
 
-def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True) -> CausalLM:
+def _shard(config: ModelConfig, comm: "Communicator | None") -> Shard | None:
+    return Shard(comm.rank, comm.size, config) if comm is not None and comm.size > 1 else None
+
+
+def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True,
+                 comm: "Communicator | None" = None) -> CausalLM:
     from .loaders.safetensors import read_folder
 
     with contextlib.ExitStack() as stack:
@@ -115,7 +126,8 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, h
         # in both speed and accuracy; another device keeps the stored type for its own kernels.
         dtype = dtype or (DataType.F32 if device.is_cpu else _natural_dtype(kinds))
         bar = Progress(folder.name, len(weights), progress)
-        params = build_params(weights, config, dtype, device, bar, keep_half=half_weights)
+        shard = _shard(config, comm)
+        params = build_params(weights, config, dtype, device, bar, keep_half=half_weights, shard=shard)
         bar.finish()
     gen_path = folder / "generation_config.json"
     gen = read_json_object(gen_path)
@@ -123,10 +135,11 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, h
     defaults = {k: gen[k] for k in GENERATION_KEYS if k in gen}
     file_info = {"format": "safetensors", "tensor_types": dict(sorted(_count(w.kind for w in weights.values()).items()))}
     return CausalLM(config, params, tokenizer, dtype=dtype, device=device, source=str(folder),
-                    generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info)
+                    generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info, comm=comm, shard=shard)
 
 
-def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool) -> CausalLM:
+def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool,
+               comm: "Communicator | None" = None) -> CausalLM:
     from .loaders.gguf import read_gguf
 
     contents = read_gguf(path)
@@ -139,12 +152,13 @@ def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool) -> Ca
     kinds = {w.kind for w in contents.weights.values() if len(w.shape) == 2}
     dtype = dtype or _natural_dtype(kinds)
     bar = Progress(path.name, len(contents.weights), progress)
-    params = build_params(contents.weights, contents.config, dtype, device, bar)
+    shard = _shard(contents.config, comm)
+    params = build_params(contents.weights, contents.config, dtype, device, bar, shard=shard)
     bar.finish()
     file_info = {"format": "gguf", "tensor_types": dict(sorted(contents.tensor_types.items())),
                  "name": contents.meta.get("general.name")}
     return CausalLM(contents.config, params, tokenizer, dtype=dtype, device=device, source=str(path),
-                    file_info=file_info)
+                    file_info=file_info, comm=comm, shard=shard)
 
 
 def _count(items) -> dict[str, int]:

@@ -13,14 +13,18 @@ Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import ops
+from ..parallel.comm import Communicator, SingleProcess, record_all_reduce
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
@@ -30,6 +34,7 @@ from .paged_cache import PagedKVCache, TokenBatch
 from . import architectures
 from .layers import CACHE_CALLS_AT, Workspace, attention, paged_attention
 from .params import DecoderParams, LayerParams
+from .tensor_parallel import Shard
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 256  # longer inputs run in chunks: less masked attention work, bounded score memory
@@ -44,6 +49,8 @@ def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
     the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
     p, layer = model.params, model.architecture.decoder_layer
     ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (S, D)
+    if ws.comm is not None:  # each rank looked up the ids of its vocabulary range, zeros for the rest
+        record_all_reduce(plan, ws.comm, ws.x)
     ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (S, D)
     next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
     for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
@@ -112,7 +119,7 @@ class BatchPass:
         self.idx = BatchIndex(n, b, cache.max_blocks, r, model.device)
         self.plan = plan = ops.Plan()
         self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
-        self.logits = Tensor.empty((r, model.config.vocab_size), model.dtype, model.device)  # (R, V)
+        self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
 
         def attend(i: int, lp: LayerParams) -> None:
             paged_attention(ws, lp, (cache.k_layers[i], cache.v_layers[i]), self.idx, model.config, model._scale,
@@ -125,12 +132,24 @@ class BatchPass:
 
 
 class CausalLM:
-    """A loaded Qwen2/Llama model: config, weights on a device, tokenizer."""
+    """A loaded Qwen2/Llama model: config, weights on a device, tokenizer.
+
+    Under tensor parallelism (``comm`` of several ranks, ``shard`` this rank's part), every
+    rank holds a ``CausalLM`` of its part and rank 0 drives: each of its ``forward`` and
+    ``forward_batch`` calls first sends its inputs to the other ranks, which run the same call
+    in ``tensor_parallel.follow`` (their caches mirror rank 0's), and returns the whole logits."""
 
     def __init__(self, config: ModelConfig, params: DecoderParams, tokenizer: Tokenizer, *, dtype: DataType,
                  device: Device, source: str, generation_defaults: dict | None = None,
-                 eos_token_ids: Sequence[int] = (), file_info: dict[str, Any] | None = None):
+                 eos_token_ids: Sequence[int] = (), file_info: dict[str, Any] | None = None,
+                 comm: Communicator | None = None, shard: Shard | None = None):
         self.config = config
+        self.comm = comm if comm is not None else SingleProcess()
+        self.shard = shard if self.comm.size > 1 else None
+        self.local_config = self.shard.local_config() if self.shard is not None else config  # this rank's part
+        self._cache_keys = itertools.count()
+        self._dropped_caches: list[int] = []  # caches rank 0 dropped, for the other ranks to drop too
+        self.released = False  # rank 0 told the other ranks to stop (tensor_parallel.release)
         self.architecture = architectures.get(config.architecture)  # its layer, names and fix-ups
         self.params = params
         self.tokenizer = tokenizer
@@ -143,21 +162,22 @@ class CausalLM:
         self._file_info = dict(file_info or {})
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._workspaces: OrderedDict[int, Workspace] = OrderedDict()
-        self._lock = threading.Lock()  # guards the shared workspaces: one chunk runs at a time
+        self._lock = threading.RLock()  # guards the shared workspaces: one chunk runs at a time
 
     # ---- cache -------------------------------------------------------------------------
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         """An empty KV cache for this model (default size: the context length, at most 4096)."""
-        c = self.config
+        c = self.local_config
         if max_tokens is None:
             max_tokens = min(c.max_position_embeddings, MAX_DEFAULT_CACHE)
-        return KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
-                       owner=self)
+        cache = KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                        owner=self)
+        return self._keyed(cache, ("kv", max_tokens))
 
     def _workspace(self, s: int) -> Workspace:
         ws = self._workspaces.get(s)
         if ws is None:
-            ws = Workspace(self.config, s, self.dtype, self.device)
+            ws = Workspace(self.local_config, s, self.dtype, self.device, self.comm)
             self._workspaces[s] = ws
             while len(self._workspaces) > 3:  # keep the decode one and the last prefill sizes
                 oldest = next(k for k in self._workspaces if k != 1)
@@ -167,14 +187,42 @@ class CausalLM:
     def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
         ``forward_batch`` (block tables as wide as the context length needs)."""
-        c = self.config
+        c = self.local_config
         max_blocks = min(-(-c.max_position_embeddings // block_size), num_blocks) if block_size > 0 else 1
-        return PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                            self.dtype, self.device, max_blocks, owner=self)
+        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                             self.dtype, self.device, max_blocks, owner=self)
+        return self._keyed(cache, ("paged", num_blocks, block_size))
+
+    def _keyed(self, cache, spec: tuple):
+        """Name a new cache for the other ranks (which make theirs from ``spec`` when first
+        used) and tell them when rank 0 drops it."""
+        if self.shard is not None:
+            cache.tp_key, cache.tp_spec = next(self._cache_keys), spec
+            if self.comm.is_driver:
+                weakref.finalize(cache, self._dropped_caches.append, cache.tp_key)
+        return cache
+
+    def _lead(self, *message: Any) -> None:
+        """On rank 0 of several: send the other ranks the call they are to run with it."""
+        if self.shard is not None and self.comm.is_driver:
+            if self.released:
+                raise RuntimeError("this model's other tensor-parallel ranks were released (tensor_parallel.release); "
+                                   "it runs no more passes")
+            dropped, self._dropped_caches[:] = list(self._dropped_caches), []
+            self.comm.broadcast_object((dropped, *message))
+
+    def _gathered(self, local: Tensor) -> np.ndarray:
+        """Whole float32 host logits (R, V) from this rank's (R, V or c)."""
+        if self.shard is None:
+            return local.numpy().astype(np.float32, copy=False)
+        out = Tensor.empty((self.comm.size, *local.shape), local.dtype, local.device)  # (N, R, c)
+        self.comm.all_gather(out, local)
+        return self.shard.gather_logits(out.numpy().astype(np.float32, copy=False))
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token takes in a cache of this model (all layers)."""
-        c = self.config
+        """Bytes of keys and values one token takes in a cache of this model (all layers; this
+        rank's KV heads under tensor parallelism)."""
+        c = self.local_config
         return PagedKVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
 
     # ---- forward -----------------------------------------------------------------------
@@ -191,6 +239,15 @@ class CausalLM:
         """
         ids = self._check_ids(token_ids)
         self._check_cache(cache, len(ids))
+        # Under tensor parallelism the ranks must run the calls in one order: one call at a time.
+        with self._lock if self.shard is not None else contextlib.nullcontext():
+            self._lead("forward", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), cache.length,
+                       ids, all_logits)
+            return self._forward_chunks(ids, cache, all_logits)
+
+    __call__ = forward
+
+    def _forward_chunks(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         outputs = []
         for begin in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[begin:begin + PREFILL_CHUNK]
@@ -203,8 +260,6 @@ class CausalLM:
                     outputs.append(logits)
         return np.concatenate(outputs, axis=0) if all_logits else outputs[0]
 
-    __call__ = forward
-
     def _run(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool = True) -> np.ndarray | None:
         with self._lock:
             return self._run_locked(ids, cache, all_rows, head)
@@ -214,19 +269,19 @@ class CausalLM:
         start, end = cache.length, cache.length + s
         step = self._pass(cache, s, start, end)
         ws = step.ws
-        ws.ids.load(ids)
+        ws.ids.load(ids if self.shard is None else self.shard.local_ids(ids))
         ws.pos.load(np.arange(start, end, dtype=np.int64))
         step.plan.run()
         cache.length = end
         p = self.params
         if all_rows:
-            out = Tensor.empty((s, self.config.vocab_size), self.dtype, self.device)  # (S, V)
-            ops.linear(out, ws.h, p.lm_head)  # (S, V) from the finally normalised rows
-            return out.numpy().astype(np.float32, copy=False)
+            out = Tensor.empty((s, self.local_config.vocab_size), self.dtype, self.device)  # (S, V or c)
+            ops.linear(out, ws.h, p.lm_head)  # from the finally normalised rows
+            return self._gathered(out)  # (S, V)
         if not head:
             return None
-        ops.linear(ws.logits, ws.h_last, p.lm_head)  # (1, V)
-        return ws.logits.numpy().reshape(-1).astype(np.float32, copy=False)  # (V,)
+        ops.linear(ws.logits, ws.h_last, p.lm_head)  # (1, V or c)
+        return self._gathered(ws.logits).reshape(-1)  # (V,)
 
     def _pass(self, cache: KVCache, s: int, start: int, end: int) -> Pass:
         """The recorded pass of ``s`` tokens over ``cache``, pointed at ``start:end``; the
@@ -261,6 +316,7 @@ class CausalLM:
         if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
         with self._lock:
+            self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
             step = cache.passes.get((n, b, r))
             if step is None:
                 step = BatchPass(self, self._batch_workspace(cache, n), cache, n, b, r)
@@ -269,11 +325,12 @@ class CausalLM:
                     cache.passes.popitem(last=False)
             else:
                 cache.passes.move_to_end((n, b, r))
-            step.ws.ids.load(batch.token_ids)
+            ids = batch.token_ids if self.shard is None else self.shard.local_ids(batch.token_ids)
+            step.ws.ids.load(ids)
             step.ws.pos.load(batch.positions)
             step.idx.load(batch)
             step.plan.run()
-            return step.logits.numpy().astype(np.float32, copy=False)  # (R, V)
+            return self._gathered(step.logits)  # (R, V)
 
     def _batch_workspace(self, cache: PagedKVCache, n: int) -> Workspace:
         """The workspace for passes of ``n`` tokens over ``cache`` (shared by its passes of
@@ -281,7 +338,7 @@ class CausalLM:
         spaces = cache.workspaces
         ws = spaces.get(n)
         if ws is None:
-            ws = spaces[n] = Workspace(self.config, n, self.dtype, self.device)
+            ws = spaces[n] = Workspace(self.local_config, n, self.dtype, self.device, self.comm)
             while len(spaces) > BATCH_WORKSPACES_KEPT:
                 oldest = next(iter(spaces))
                 spaces.pop(oldest)
@@ -320,7 +377,7 @@ class CausalLM:
     def num_parameters(self) -> int:
         """Parameters of the model as stored (a tied head counted once)."""
         p = self.params
-        tensors = [p.embed, p.norm] + ([] if p.lm_head is p.embed else [p.lm_head])
+        tensors = [p.embed, p.norm] + ([] if self.config.tie_word_embeddings else [p.lm_head])
         for lp in p.layers:
             tensors += [t for t in (lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down)
                         if t is not None]
@@ -340,7 +397,7 @@ class CausalLM:
         for role, tensors in roles.items():
             counts = Counter(t.dtype.name for t in tensors)
             out[role] = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-        if p.lm_head is p.embed:
+        if self.config.tie_word_embeddings:
             out["lm_head"] = "embed (tied)"
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from .. import ops
+from ..parallel.comm import Communicator, record_all_reduce
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
@@ -20,9 +21,15 @@ if TYPE_CHECKING:
 
 
 class Workspace:
-    """Buffers for one pass of S tokens, reused by every layer and every pass of that size."""
+    """Buffers for one pass of S tokens, reused by every layer and every pass of that size.
 
-    def __init__(self, config: ModelConfig, s: int, dtype: DataType, device: Device):
+    ``config`` is the config of the part this process computes (a tensor-parallel rank's heads
+    and MLP width: ``Shard.local_config``); ``comm`` the group whose partial sums the
+    row-parallel projections add (None: one process holds every weight)."""
+
+    def __init__(self, config: ModelConfig, s: int, dtype: DataType, device: Device,
+                 comm: Communicator | None = None):
+        self.comm = comm if comm is not None and comm.size > 1 else None
         d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
         h, kh = config.num_attention_heads, config.num_key_value_heads
         dq, dkv = h * dh, kh * dh
@@ -48,6 +55,13 @@ class Workspace:
         self.logits = new(1, config.vocab_size)  # (1, V)
 
 
+def sum_over_ranks(ws: Workspace, partial: Tensor, plan: ops.Plan) -> None:
+    """Under tensor parallelism, add every rank's ``partial`` (a row-parallel projection's
+    share of the sum over its input columns) in place; nothing with one process."""
+    if ws.comm is not None:
+        record_all_reduce(plan, ws.comm, partial)
+
+
 def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
               scale: float, plan: ops.Plan) -> None:
     """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
@@ -59,6 +73,7 @@ def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, 
     ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
     ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (S, D)
+    sum_over_ranks(ws, ws.proj, plan)
 
 
 CACHE_CALLS_AT = 2  # attention's calls before its three that touch the cache (see Pass.move)
@@ -69,6 +84,7 @@ def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> 
     ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
     ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
     ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
+    sum_over_ranks(ws, ws.proj, plan)
 
 
 def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor], idx: "BatchIndex",
@@ -83,6 +99,7 @@ def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor],
     ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
                         scale, plan=plan)  # (N, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (N, D)
+    sum_over_ranks(ws, ws.proj, plan)
 
 
 def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],

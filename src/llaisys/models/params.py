@@ -21,6 +21,7 @@ from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .tensor_parallel import Shard
 from .weights import WeightSource
 
 
@@ -156,9 +157,14 @@ class _Builder:
 
 
 def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype: DataType,
-                 device: Device, progress: Progress, keep_half: bool = False) -> DecoderParams:
+                 device: Device, progress: Progress, keep_half: bool = False,
+                 shard: "Shard | None" = None) -> DecoderParams:
     """Read every weight into a tensor of ``dtype`` on ``device``, fusing q/k/v and gate/up;
-    ``keep_half``: F16/BF16 matrices of an F32 model stay as stored (the embedding table aside)."""
+    ``keep_half``: F16/BF16 matrices of an F32 model stay as stored (the embedding table aside).
+    ``shard``: read only a tensor-parallel rank's part of each (``Shard.shard_weights``); a
+    tied head is then the embedding table's first c rows (its last row is the zero row)."""
+    if shard is not None:
+        weights = shard.shard_weights(weights)
     b = _Builder(weights, dtype, device, progress, keep_half)
     layers = []
     for i in range(config.num_hidden_layers):
@@ -174,5 +180,8 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             down=b.one(p + "down"),
         ))
     embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
-    lm_head = embed if config.tie_word_embeddings else b.one("lm_head")
+    if config.tie_word_embeddings:
+        lm_head = embed if shard is None else embed.slice(0, 0, shard.vocab_rows)
+    else:
+        lm_head = b.one("lm_head")
     return DecoderParams(embed=embed, norm=b.one("norm"), lm_head=lm_head, layers=layers)

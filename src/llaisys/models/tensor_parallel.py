@@ -1,0 +1,301 @@
+"""Tensor parallelism, Megatron-style: which part of each weight a rank holds, and the file
+reads that give it only that part.
+
+Of N ranks, rank r holds:
+  - q/k/v (and their biases): its H/N query heads and KH/N key/value heads, rows of each
+    (column-parallel: each rank computes its heads' attention on its own);
+  - o: the columns of its query heads; down: its I/N columns of the MLP width (row-parallel:
+    each rank's product is a partial sum, added over ranks by one all-reduce per block);
+  - gate/up: its I/N rows of each;
+  - the output bias on rank 0 only (added once by the all-reduce); the norms whole;
+  - the embedding table and the output head split by vocabulary: rows [r*c, (r+1)*c) with
+    c = ceil(V/N), the last rank's padded with zero rows. The embedding table gets one more
+    zero row, which every token of another rank's range looks up, so the all-reduce of the
+    embedded rows gives each token its row. Splitting rather than replicating: the head is read
+    on every token (a quarter of a small model's bytes), and a large vocabulary would make each
+    rank hold it whole. Logits are all-gathered, (N, R, c) -> (R, N*c) -> the first V columns.
+The KV cache holds each rank's KV heads only. N must divide the query heads, the KV heads and
+the MLP width; anything else is refused with the numbers (replicating KV heads is left out).
+
+Reads: a row range of a matrix reads only those rows; a column range reads each row's slice
+(for a block-quantized matrix, whole blocks: the bounds must fall on block edges, else that
+shard is dequantized to floats, which the load logs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .weights import WeightSource
+
+log = logging.getLogger(__name__)
+
+# Elements per block and bytes per block of the block formats (GGUF's sizes).
+BLOCK_SHAPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+class TensorParallelError(ValueError):
+    """A rank count that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``size``, for a model of ``config`` (checked to divide evenly)."""
+
+    rank: int
+    size: int
+    config: ModelConfig
+
+    def __post_init__(self) -> None:
+        check_fits(self.config, self.size)
+        if not 0 <= self.rank < self.size:
+            raise TensorParallelError(f"rank {self.rank} is not in 0 .. {self.size - 1}")
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """This rank's query heads [start, stop)."""
+        n = self.config.num_attention_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """This rank's key/value heads [start, stop)."""
+        n = self.config.num_key_value_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def ffn(self) -> tuple[int, int]:
+        """This rank's columns of the MLP width [start, stop)."""
+        n = self.config.intermediate_size // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def vocab_rows(self) -> int:
+        """c = ceil(V / N): the rows of the vocabulary each rank holds (padded on the last)."""
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """This rank's real vocabulary rows [start, stop) (stop - start < c on a padded rank)."""
+        c, v = self.vocab_rows, self.config.vocab_size
+        return min(v, self.rank * c), min(v, (self.rank + 1) * c)
+
+    def local_config(self) -> ModelConfig:
+        """The config of this rank's part: its heads, KV heads and MLP width; the vocabulary
+        its c rows (the hidden size and everything else as the model's)."""
+        c = self.config
+        return dataclasses.replace(
+            c, num_attention_heads=c.num_attention_heads // self.size,
+            num_key_value_heads=c.num_key_value_heads // self.size,
+            intermediate_size=c.intermediate_size // self.size, head_dim=c.head_dim, vocab_size=self.vocab_rows)
+
+    def local_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids (S,) as rows of this rank's embedding table: its own range shifted to
+        0 .. c-1, every other id the zero row c."""
+        start, stop = self.vocab
+        mine = (ids >= start) & (ids < stop)
+        return np.where(mine, ids - start, self.vocab_rows).astype(np.int64)
+
+    def gather_logits(self, gathered: np.ndarray) -> np.ndarray:
+        """Logits (R, V) from every rank's (N, R, c) in rank order."""
+        n, r, c = gathered.shape
+        return gathered.transpose(1, 0, 2).reshape(r, n * c)[:, :self.config.vocab_size]
+
+    def shard_weights(self, weights: Mapping[str, WeightSource]) -> dict[str, WeightSource]:
+        """This rank's part of every weight (by our names), read lazily like the originals."""
+        c = self.config
+        dh = c.head_dim
+        q_rows = tuple(h * dh for h in self.heads)
+        kv_rows = tuple(h * dh for h in self.kv_heads)
+        out: dict[str, WeightSource] = {}
+        for name, src in weights.items():
+            short = name.rpartition(".")[2]
+            if name == "embed":
+                out[name] = padded_rows(src, *self.vocab, self.vocab_rows + 1)
+            elif name == "lm_head":
+                out[name] = padded_rows(src, *self.vocab, self.vocab_rows)
+            elif short in ("q", "q_bias"):
+                out[name] = row_range(src, *q_rows)
+            elif short in ("k", "v", "k_bias", "v_bias"):
+                out[name] = row_range(src, *kv_rows)
+            elif short in ("gate", "up"):
+                out[name] = row_range(src, *self.ffn)
+            elif short == "o":
+                out[name] = column_range(src, *q_rows)
+            elif short == "down":
+                out[name] = column_range(src, *self.ffn)
+            elif short == "o_bias":
+                if self.rank == 0:
+                    out[name] = src
+            else:  # the norms
+                out[name] = src
+        return out
+
+
+def check_fits(config: ModelConfig, size: int) -> None:
+    """Raise TensorParallelError unless ``size`` ranks divide the model's query heads, KV heads
+    and MLP width, naming the numbers."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise TensorParallelError(f"tensor-parallel size must be a positive integer, got {size!r}")
+    parts = {"key/value heads": config.num_key_value_heads, "attention heads": config.num_attention_heads,
+             "MLP width (intermediate_size)": config.intermediate_size}
+    for what, n in parts.items():
+        if n % size:
+            fits = [d for d in range(1, n + 1) if all(m % d == 0 for m in parts.values())]
+            raise TensorParallelError(
+                f"tensor-parallel size {size} does not divide the model's {n} {what}; this model splits over "
+                f"{', '.join(map(str, fits))} ranks")
+
+
+def _check_rows(src: WeightSource, start: int, stop: int) -> None:
+    m = src.row_multiple
+    if start % m or stop % m:
+        raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} is read in blocks of {m} rows; rows "
+                             f"{start}:{stop} do not fall on them")
+
+
+def row_range(src: WeightSource, start: int, stop: int) -> WeightSource:
+    """Rows [start, stop) of ``src`` (a matrix or a vector)."""
+    _check_rows(src, start, stop)
+    shape = (stop - start, *src.shape[1:])
+    if src.read_rows is not None:
+        read_rows = src.read_rows
+        read = lambda: read_rows(start, stop)  # noqa: E731
+        rows = lambda a, b: read_rows(start + a, start + b)  # noqa: E731
+    else:
+        whole = src.read
+        read, rows = (lambda: whole()[start:stop]), None
+    raw = None
+    if src.read_raw_rows is not None:
+        read_raw = src.read_raw_rows
+        raw = lambda a, b: read_raw(start + a, start + b)  # noqa: E731
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw)
+
+
+def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
+    """Columns [start, stop) of matrix ``src``: raw blocks when the bounds fall on the block
+    edges of its format, else floats."""
+    shape = (src.shape[0], stop - start)
+    if src.read_rows is not None:
+        read_rows = src.read_rows
+        rows = lambda a, b: read_rows(a, b)[:, start:stop]  # noqa: E731
+        read = lambda: rows(0, src.shape[0])  # noqa: E731
+    else:
+        whole = src.read
+        read, rows = (lambda: whole()[:, start:stop]), None
+    raw = None
+    if src.read_raw_rows is not None:
+        block, nbytes = BLOCK_SHAPES[src.kind]
+        if start % block == 0 and stop % block == 0:
+            read_raw, b0, b1 = src.read_raw_rows, start // block * nbytes, stop // block * nbytes
+            raw = lambda a, b: np.ascontiguousarray(read_raw(a, b)[:, b0:b1])  # noqa: E731
+        else:
+            log.info("%s: columns %d:%d of %s (%s) do not fall on its %d-element blocks; that shard is dequantized",
+                     src.file, start, stop, src.file_name, src.kind, block)
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw)
+
+
+def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightSource:
+    """Rows [start, stop) of matrix ``src`` followed by zero rows up to ``total`` rows (a
+    block-quantized zero row is all zero bytes: zero scales, so zero values)."""
+    real = stop - start
+    shape = (total, *src.shape[1:])
+
+    def pad(part: np.ndarray, a: int, b: int) -> np.ndarray:
+        have = max(0, min(b, real) - a)
+        out = np.zeros((b - a, *part.shape[1:]), part.dtype)
+        out[:have] = part[:have]
+        return out
+
+    base = row_range(src, start, stop) if real else None
+
+    def rows(a: int, b: int) -> np.ndarray:
+        width = src.shape[1:]
+        part = base.read_rows(a, min(b, real)) if base is not None and base.read_rows and a < real else \
+            np.zeros((0, *width), np.float32)
+        return pad(part, a, b)
+
+    def read() -> np.ndarray:
+        part = base.read() if base is not None else np.zeros((0, *src.shape[1:]), np.float32)
+        return pad(part, 0, total)
+
+    raw = None
+    if src.read_raw_rows is not None:
+        def raw(a: int, b: int) -> np.ndarray:
+            part = base.read_raw_rows(a, min(b, real)) if base is not None and a < real else None
+            if part is None:
+                block, nbytes = BLOCK_SHAPES[src.kind]
+                return np.zeros((b - a, src.shape[1] // block * nbytes), np.uint8)
+            return pad(part, a, b)
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows if src.read_rows else None,
+                               read_raw_rows=raw, row_multiple=1)
+
+
+def follow(model) -> None:
+    """Run rank 0's calls on this rank's part of ``model`` (a ``CausalLM`` loaded with the
+    same communicator) until rank 0 sends ``stop``; keeps a cache for each of rank 0's.
+
+    A failure here cannot be reported to rank 0's caller, and going on would leave the ranks
+    out of step, so it ends the whole group (``Communicator.abort``) after saying why."""
+    comm, caches = model.comm, {}
+    while True:
+        dropped, kind, *args = comm.broadcast_object(None)
+        for key in dropped:
+            caches.pop(key, None)
+        if kind == "stop":
+            return
+        try:
+            key, spec = args[0], args[1]
+            cache = caches.get(key)
+            if cache is None:
+                cache = caches[key] = (model.new_cache(spec[1]) if spec[0] == "kv"
+                                       else model.new_paged_cache(spec[1], spec[2]))
+            if kind == "forward":
+                cache.length = args[2]
+                model.forward(args[3], cache, all_logits=args[4])
+            elif kind == "batch":
+                model.forward_batch(args[2], cache)
+            else:
+                raise ValueError(f"unknown call {kind!r} from rank 0")
+        except Exception as e:  # noqa: BLE001 (any failure: the group cannot go on)
+            log.error("tensor-parallel rank %d of %d failed running %s: %s", comm.rank, comm.size, kind, e)
+            import sys
+            print(f"llaisys: tensor-parallel rank {comm.rank} of {comm.size} failed running {kind}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            comm.abort(1)
+            raise
+
+
+def release(model, timeout: float = 2.0) -> None:
+    """On rank 0 of several: tell the other ranks to leave ``follow``, once no pass is in
+    flight. Waits up to ``timeout`` seconds for the model's lock, from a thread of its own, so
+    a pass this thread left half done (an interrupt inside a collective) counts as in flight;
+    when the lock does not come, the other ranks may be inside a collective that will never
+    complete, and the whole group is ended (``Communicator.abort``). Later passes are refused."""
+    if getattr(model, "shard", None) is None or not model.comm.is_driver or model.released:
+        return
+    said = []
+
+    def say_stop() -> None:
+        if model._lock.acquire(timeout=timeout):
+            try:
+                model.released = True
+                model.comm.broadcast_object(([], "stop"))
+                said.append(True)
+            finally:
+                model._lock.release()
+
+    thread = threading.Thread(target=say_stop, name="llaisys-tp-release", daemon=True)
+    thread.start()
+    thread.join()
+    if not said:
+        log.error("a tensor-parallel pass was still running; ending all %d ranks", model.comm.size)
+        model.comm.abort(1)
