@@ -194,3 +194,63 @@ def test_cli_refuses_a_rank_count_the_model_cannot_split_over(smollm2_path):
     proc = llaisys("generate", "--model", str(smollm2_path), "--tensor-parallel", "2", "hi")
     assert proc.returncode == 1
     assert proc.stderr.count("does not divide the model's 3 key/value heads") == 1, proc.stderr
+
+
+# ---- serving -----------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """{MPI rank: pid} of the processes whose command line holds ``marker``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"PMI_RANK=")]
+        if marker in cmdline and rank and "mpiexec" not in cmdline:
+            found[int(rank[0])] = int(entry.name)
+    return found
+
+
+def test_serve_over_three_ranks_answers_and_ends_when_a_rank_dies(smollm2_path):
+    import signal
+    import urllib.request
+
+    import openai
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen([sys.executable, "-m", "llaisys", "serve", "--model", str(smollm2_path), "--port",
+                               str(port), "--tensor-parallel", "3"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answers = [client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
+                                             max_tokens=8, temperature=0).choices[0].text for _ in range(2)]
+        assert answers[0] == answers[1] and answers[0].strip()
+        pids = rank_pids(f"--port {port}")
+        assert sorted(pids) == [0, 1, 2], pids
+        os.kill(pids[2], signal.SIGKILL)
+        output, _ = server.communicate(timeout=60)  # ends rather than hangs
+        assert server.returncode != 0
+        assert "tensor-parallel rank ended abnormally" in output, output
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
