@@ -120,7 +120,10 @@ def load_from_args(args: argparse.Namespace, source: str | None = None) -> Any:
 
     load_plugins(args.plugin)
     comm = tensor_parallel_comm(args)
-    model = load_model(source if source is not None else args.model, dtype=args.dtype, device=args.device,
+    device = args.device
+    if comm is not None and device is not None and not device.startswith("cpu"):
+        comm, device = plugin_device_comm(comm, device)
+    model = load_model(source if source is not None else args.model, dtype=args.dtype, device=device,
                        progress=sys.stderr.isatty() and comm is None, comm=comm)  # a redrawn line would litter a log
     if comm is not None:
         lead_or_follow(model)
@@ -145,6 +148,20 @@ def tensor_parallel_comm(args: argparse.Namespace) -> Any:
     if comm.rank:  # one rank speaks for all: the others say nothing but errors
         logging.getLogger().setLevel(logging.ERROR)
     return comm
+
+
+def plugin_device_comm(mpi: Any, device: str) -> tuple[Any, str]:
+    """For a tensor-parallel run on a plugin device: the plugin's collectives over the MPI
+    ranks (``XcclCommunicator``), and the device of this rank: ``device`` as given when it
+    names an index, else index rank % the device count (one device a rank on a host of several)."""
+    from ..parallel.xccl import XcclCommunicator
+    from ..runtime.device import as_device
+    from ..runtime.runtime import get_runtime
+
+    if ":" not in device:
+        count = get_runtime(as_device(f"{device}:0")).backend.device_count()
+        device = f"{device}:{mpi.rank % max(1, count)}"
+    return XcclCommunicator(device, mpi), device
 
 
 def following_rank(args: argparse.Namespace) -> bool:
