@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -206,37 +206,25 @@ def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
 def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightSource:
     """Rows [start, stop) of matrix ``src`` followed by zero rows up to ``total`` rows (a
     block-quantized zero row is all zero bytes: zero scales, so zero values)."""
-    real = stop - start
-    shape = (total, *src.shape[1:])
+    real, width = stop - start, src.shape[1:]
+    part = row_range(src, start, stop)
 
-    def pad(part: np.ndarray, a: int, b: int) -> np.ndarray:
+    def padded(read: Callable[[int, int], np.ndarray], a: int, b: int, zero_row: np.ndarray) -> np.ndarray:
+        """Rows [a, b) of the padded matrix from ``read`` of the real rows."""
         have = max(0, min(b, real) - a)
-        out = np.zeros((b - a, *part.shape[1:]), part.dtype)
-        out[:have] = part[:have]
-        return out
+        rows = read(a, a + have) if have else zero_row[:0]
+        return np.concatenate([rows, np.broadcast_to(zero_row, (b - a - have, *zero_row.shape[1:]))])
 
-    base = row_range(src, start, stop) if real else None
-
-    def rows(a: int, b: int) -> np.ndarray:
-        width = src.shape[1:]
-        part = base.read_rows(a, min(b, real)) if base is not None and base.read_rows and a < real else \
-            np.zeros((0, *width), np.float32)
-        return pad(part, a, b)
-
-    def read() -> np.ndarray:
-        part = base.read() if base is not None else np.zeros((0, *src.shape[1:]), np.float32)
-        return pad(part, 0, total)
-
+    floats = part.read_rows or (lambda a, b: part.read()[a:b])
+    zero_float = np.zeros((1, *width), np.float32)
     raw = None
     if src.read_raw_rows is not None:
-        def raw(a: int, b: int) -> np.ndarray:
-            part = base.read_raw_rows(a, min(b, real)) if base is not None and a < real else None
-            if part is None:
-                block, nbytes = BLOCK_SHAPES[src.kind]
-                return np.zeros((b - a, src.shape[1] // block * nbytes), np.uint8)
-            return pad(part, a, b)
-    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows if src.read_rows else None,
-                               read_raw_rows=raw, row_multiple=1)
+        block, nbytes = BLOCK_SHAPES[src.kind]
+        zero_raw = np.zeros((1, width[0] // block * nbytes), np.uint8)
+        raw = lambda a, b: padded(part.read_raw_rows, a, b, zero_raw)  # noqa: E731
+    return dataclasses.replace(src, shape=(total, *width), read=lambda: padded(floats, 0, total, zero_float),
+                               read_rows=lambda a, b: padded(floats, a, b, zero_float), read_raw_rows=raw,
+                               row_multiple=1)
 
 
 def follow(model) -> None:
