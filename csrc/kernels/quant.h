@@ -33,6 +33,14 @@ enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_
  * takes tens of microseconds, and a second thread gained nothing on it (measured). */
 #define LQ_SERIAL_BYTES ((size_t)1 << 20)
 
+/* dotm_max < M <= 32: decoded tiles of W of about this many bytes (they stay in L1 while they
+ * meet all the rows of X), within the level's tile_align .. tile_rows rows. */
+#define LQ_TILE_BYTES ((size_t)16 << 10)
+
+/* One call's scratch (aligned rows of X, decoded tiles for all threads) lives on the caller's
+ * stack up to this many floats, on the heap beyond. */
+#define LQ_LOCAL_FLOATS ((size_t)16 << 10)
+
 typedef uint16_t lq_half; /* IEEE binary16 bits */
 
 typedef struct {
@@ -157,11 +165,16 @@ static inline void unpack_scales_k4_le(const uint8_t *q, uint8_t sc[8], uint8_t 
  *   decode: one row of k elements -> k floats, bit-exact with the NumPy reference.
  *   dot:    M = 1: y[j] = row j . x (+ bias[j]) for j < rows <= dot_rows, straight from the
  *           encoded rows (row_bytes apart), decoded in registers. NULL: decode + tile.
+ *   dotm:   dot for 2 <= m <= dotm_max rows of X (ldx apart) at once, into y rows ldy apart:
+ *           each weight decoded once for the m rows. NULL: decode + tile.
  *   tile:   y[r][j] = w[j] . x[r] (+ bias[j]) for r < m, j < rows, where w holds `rows`
- *           decoded rows of k floats, then zero rows up to a multiple of 8 (or of the tile). */
+ *           decoded rows of k floats, then zero rows up to a multiple of tile_align (or of
+ *           the tile). */
 typedef void (*lq_decode_fn)(const void *row, float *dst, size_t k);
 typedef void (*lq_dot_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y,
                           const float *bias);
+typedef void (*lq_dotm_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx, size_t m,
+                           size_t k, float *y, size_t ldy, const float *bias);
 typedef void (*lq_tile_fn)(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
                            size_t ldy, const float *bias);
 
@@ -169,9 +182,12 @@ typedef struct {
     const char *name;
     lq_decode_fn decode[IX_COUNT];
     lq_dot_fn dot[IX_COUNT];
+    lq_dotm_fn dotm[IX_COUNT];
     lq_tile_fn tile;
-    int dot_rows;  /* rows of W per dot call */
-    int tile_rows; /* rows of W decoded at a time for tile (quant.c takes 4x for many rows of X) */
+    int dot_rows;   /* rows of W per dot (and dotm) call */
+    int dotm_max;   /* most rows of X per dotm call */
+    int tile_rows;  /* rows of W decoded at a time for tile (quant.c takes 4x for many rows of X) */
+    int tile_align; /* tile's rows of W come in groups of this many (the decoded tile is padded to it) */
 } lq_kernels;
 
 extern const lq_kernels lq_kernels_scalar;

@@ -576,9 +576,12 @@ static const lq_kernels KERNELS = {
         [IX_Q5_1] = dot_q5_1, [IX_Q8_0] = dot_q8_0, [IX_Q4_K] = dot_q4_K,
         [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
     },
+    .dotm = {NULL},
     .tile = tile,
     .dot_rows = DOT_ROWS,
+    .dotm_max = 1,
     .tile_rows = TILE_ROWS,
+    .tile_align = 8,
 };
 
 const lq_kernels *lq_kernels_avx2(void) {

@@ -7,9 +7,10 @@
  *      for chunks c = 0, 1, ... in order, the last chunk of an f32/f16/bf16 row whose length is
  *      not a multiple of 16 zero-padded;
  *   3. the 16 lanes summed by the halving tree of reduce16, then + b.
- * The M = 1 kernels decode in registers, 4 rows at a time; M > 1 multiplies decoded rows
- * (decode_*) in 4 x 4 register blocks. Both follow those three steps exactly, so a row of Y
- * has the same bits whatever M is and wherever the row sits in X.
+ * M <= 4 (dot_rows) decodes in registers, 4 rows of W at a time, each weight once for all the
+ * rows of X; more rows multiply decoded rows (decode_*) in 4 x 4 register blocks. All follow
+ * those three steps exactly, so a row of Y has the same bits whatever M is and wherever the
+ * row sits in X.
  *
  * Compiled without -march: every function carries a target attribute and runs only after
  * lq_kernels_avx512() has checked the CPU.
@@ -23,9 +24,10 @@
 #define AVX512 __attribute__((target(TARGET)))
 #define AVX512_INLINE static inline __attribute__((always_inline, target(TARGET)))
 
-#define DOT_ROWS 16 /* rows of W per M = 1 call: one reduce16 */
-#define TILE_ROWS 16 /* rows of W decoded at a time for M > 1 (a multiple: quant.c) */
+#define DOT_ROWS 16 /* rows of W per dot_rows call: one reduce16 per row of X */
+#define TILE_ROWS 16 /* most rows of W decoded at a time for M > 4 (quant.c: LQ_TILE_BYTES) */
 #define GROUP 4      /* rows of W decoded together in registers at M = 1 (independent FMA chains) */
+#define MAX_MX 4     /* rows of X the fused kernels (dot_rows) take at once */
 
 AVX512_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
 
@@ -38,7 +40,8 @@ AVX512_INLINE __mmask16 tail_mask(size_t n) { return (__mmask16)((1u << n) - 1);
 AVX512_INLINE __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 /* Ask for the weight bytes a few rows ahead of [p, p + n): at M = 1 the kernels stream weights
- * at close to memory speed, and the hardware prefetcher alone leaves ~10% on the table. */
+ * at close to memory speed, and the hardware prefetcher alone leaves ~10% on the table (the
+ * decoders too: without it, decoding the 30 MB output head took 1.5x as long). */
 AVX512_INLINE void prefetch_ahead(const void *p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + LQ_PREFETCH_BYTES + i, _MM_HINT_T0);
 }
@@ -202,7 +205,10 @@ AVX512_INLINE __m512 floats16(const uint8_t *row, size_t i, const int kind, __mm
 
 AVX512_INLINE void decode_float(const void *row, float *dst, size_t k, const int kind) {
     size_t i = 0;
-    for (; i + 16 <= k; i += 16) _mm512_storeu_ps(dst + i, floats16(row, i, kind, 0xffff));
+    for (; i + 16 <= k; i += 16) {
+        if ((i & 31) == 0) prefetch_ahead((const uint8_t *)row + i * (kind == 0 ? 4 : 2), kind == 0 ? 128 : 64);
+        _mm512_storeu_ps(dst + i, floats16(row, i, kind, 0xffff));
+    }
     if (i < k) _mm512_mask_storeu_ps(dst + i, tail_mask(k - i), floats16(row, i, kind, tail_mask(k - i)));
 }
 
@@ -219,7 +225,9 @@ AVX512_INLINE void decode_legacy(const uint8_t *blocks, float *dst, size_t k, co
         const size_t count = nb - g < 16 ? nb - g : 16;
         block_heads(blocks + g * (size_t)stride, stride, count, d, m, has_min);
         for (size_t i = 0; i < count; i++, dst += QK) {
-            legacy_weights(blocks + (g + i) * (size_t)stride, kind, d[i], m[i], w);
+            const uint8_t *blk = blocks + (g + i) * (size_t)stride;
+            prefetch_ahead(blk, (size_t)stride);
+            legacy_weights(blk, kind, d[i], m[i], w);
             _mm512_storeu_ps(dst, w[0]);
             _mm512_storeu_ps(dst + 16, w[1]);
         }
@@ -255,6 +263,7 @@ AVX512_INLINE void decode_k4(const uint8_t *row, float *dst, size_t k, const int
         const block_q4_K *b4 = (const block_q4_K *)blk; /* q5_K starts with the same fields */
         const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
         const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : b4->qs;
+        prefetch_ahead(blk, stride);
         k4_scales(b4->scales, half(b4->d), half(b4->dmin), scale, minimum);
         for (int c = 0; c < 4; c++, dst += 64) {
             k4_weights(qs, qh, c, scale, minimum, w);
@@ -272,6 +281,7 @@ static AVX512 void decode_q6_K(const void *row, float *dst, size_t k) {
     float scale[16];
     __m512 w[2];
     for (size_t i = 0; i < k / QK_K; i++, dst += QK_K) {
+        prefetch_ahead(b + i, sizeof(block_q6_K));
         q6_scales(b + i, scale);
         for (int p = 0; p < 8; p++) { /* elements 32p .. 32p + 31 */
             q6_pair(b + i, p >> 2, p & 3, scale, w);
@@ -302,14 +312,15 @@ AVX512_INLINE __m512 reduce16(const __m512 a[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* ---- M = 1: 4 rows at a time, decoded in registers ----------------------------------------- */
+/* ---- few rows of X (M <= MAX_MX): 4 rows of W at a time, decoded in registers -------------- */
 
-/* acc[r] = the accumulator (step 2) of row[r] . x, r < GROUP: the rows advance together, so
- * each block of x is loaded once and the 4 FMA chains hide each other's latency. */
-AVX512_INLINE void group_legacy(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
-                                const int stride, const int has_min, __m512 out[GROUP]) {
-    __m512 acc[GROUP];
-    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+/* acc[GROUP * r + j] = the accumulator (step 2) of row[j] . x[r], j < GROUP, r < mx (x rows
+ * ldx apart; mx a constant at each call site): the rows of W advance together, each weight is
+ * decoded once for all mx rows of X, and the GROUP * mx FMA chains hide each other's latency. */
+AVX512_INLINE void group_legacy(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
+                                const int kind, const int stride, const int has_min, __m512 out[]) {
+    __m512 acc[GROUP * MAX_MX];
+    for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
     const size_t nb = k / QK;
     float d[GROUP][16], m[GROUP][16];
     __m512 w[2];
@@ -317,129 +328,180 @@ AVX512_INLINE void group_legacy(const uint8_t *const row[GROUP], const float *x,
         const size_t count = nb - g < 16 ? nb - g : 16;
         for (int r = 0; r < GROUP; r++) block_heads(row[r] + g * (size_t)stride, stride, count, d[r], m[r], has_min);
         for (size_t i = 0; i < count; i++) {
-            const __m512 x0 = _mm512_loadu_ps(x + (g + i) * QK), x1 = _mm512_loadu_ps(x + (g + i) * QK + 16);
-            for (int r = 0; r < GROUP; r++) {
-                const uint8_t *blk = row[r] + (g + i) * (size_t)stride;
+            const float *xb = x + (g + i) * QK;
+            __m512 x0[MAX_MX], x1[MAX_MX];
+            for (int r = 0; r < mx; r++) {
+                x0[r] = _mm512_loadu_ps(xb + (size_t)r * ldx);
+                x1[r] = _mm512_loadu_ps(xb + (size_t)r * ldx + 16);
+            }
+            for (int j = 0; j < GROUP; j++) {
+                const uint8_t *blk = row[j] + (g + i) * (size_t)stride;
                 prefetch_ahead(blk, (size_t)stride);
-                legacy_weights(blk, kind, d[r][i], m[r][i], w);
-                acc[r] = _mm512_fmadd_ps(w[0], x0, acc[r]);
-                acc[r] = _mm512_fmadd_ps(w[1], x1, acc[r]);
+                legacy_weights(blk, kind, d[j][i], m[j][i], w);
+                for (int r = 0; r < mx; r++) {
+                    acc[GROUP * r + j] = _mm512_fmadd_ps(w[0], x0[r], acc[GROUP * r + j]);
+                    acc[GROUP * r + j] = _mm512_fmadd_ps(w[1], x1[r], acc[GROUP * r + j]);
+                }
             }
         }
     }
-    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+    for (int a = 0; a < GROUP * mx; a++) out[a] = acc[a];
 }
 
-AVX512_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_t k, const int five,
-                            __m512 out[GROUP]) {
-    __m512 acc[GROUP];
-    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+AVX512_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
+                            const int five, __m512 out[]) {
+    __m512 acc[GROUP * MAX_MX];
+    for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
     const size_t stride = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
     float scale[GROUP][8], minimum[GROUP][8];
     __m512 w[4];
     for (size_t i = 0; i < k / QK_K; i++) {
-        for (int r = 0; r < GROUP; r++) {
-            const block_q4_K *b4 = (const block_q4_K *)(row[r] + i * stride); /* q5_K starts alike */
+        for (int j = 0; j < GROUP; j++) {
+            const block_q4_K *b4 = (const block_q4_K *)(row[j] + i * stride); /* q5_K starts alike */
             prefetch_ahead(b4, stride);
-            k4_scales(b4->scales, half(b4->d), half(b4->dmin), scale[r], minimum[r]);
+            k4_scales(b4->scales, half(b4->d), half(b4->dmin), scale[j], minimum[j]);
         }
         for (int c = 0; c < 4; c++) {
             const float *xc = x + i * QK_K + 64 * c;
-            const __m512 xv[4] = {_mm512_loadu_ps(xc), _mm512_loadu_ps(xc + 16), _mm512_loadu_ps(xc + 32),
-                                  _mm512_loadu_ps(xc + 48)};
-            for (int r = 0; r < GROUP; r++) {
-                const uint8_t *blk = row[r] + i * stride;
-                const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
-                const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : ((const block_q4_K *)blk)->qs;
-                k4_weights(qs, qh, c, scale[r], minimum[r], w);
-                for (int v = 0; v < 4; v++) acc[r] = _mm512_fmadd_ps(w[v], xv[v], acc[r]);
+            if (mx == 1) { /* x in registers, shared by the 4 rows */
+                const __m512 xv[4] = {_mm512_loadu_ps(xc), _mm512_loadu_ps(xc + 16), _mm512_loadu_ps(xc + 32),
+                                      _mm512_loadu_ps(xc + 48)};
+                for (int j = 0; j < GROUP; j++) {
+                    const uint8_t *blk = row[j] + i * stride;
+                    const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+                    const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : ((const block_q4_K *)blk)->qs;
+                    k4_weights(qs, qh, c, scale[j], minimum[j], w);
+                    for (int v = 0; v < 4; v++) acc[j] = _mm512_fmadd_ps(w[v], xv[v], acc[j]);
+                }
+            } else { /* x from L1, one load per FMA */
+                for (int j = 0; j < GROUP; j++) {
+                    const uint8_t *blk = row[j] + i * stride;
+                    const uint8_t *qh = five ? ((const block_q5_K *)blk)->qh : NULL;
+                    const uint8_t *qs = five ? ((const block_q5_K *)blk)->qs : ((const block_q4_K *)blk)->qs;
+                    k4_weights(qs, qh, c, scale[j], minimum[j], w);
+                    for (int r = 0; r < mx; r++)
+                        for (int v = 0; v < 4; v++)
+                            acc[GROUP * r + j] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xc + (size_t)r * ldx + 16 * v),
+                                                                 acc[GROUP * r + j]);
+                }
             }
         }
     }
-    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+    for (int a = 0; a < GROUP * mx; a++) out[a] = acc[a];
 }
 
-AVX512_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, size_t k, __m512 out[GROUP]) {
-    __m512 acc[GROUP], w[2];
-    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+AVX512_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
+                              __m512 out[]) {
+    __m512 acc[GROUP * MAX_MX], w[2];
+    for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
     float scale[GROUP][16];
     for (size_t i = 0; i < k / QK_K; i++) {
-        for (int r = 0; r < GROUP; r++) {
-            const block_q6_K *b = (const block_q6_K *)row[r] + i;
+        for (int j = 0; j < GROUP; j++) {
+            const block_q6_K *b = (const block_q6_K *)row[j] + i;
             prefetch_ahead(b, sizeof(block_q6_K));
-            q6_scales(b, scale[r]);
+            q6_scales(b, scale[j]);
         }
         for (int p = 0; p < 8; p++) { /* elements 32p .. 32p + 31 */
-            const __m512 x0 = _mm512_loadu_ps(x + i * QK_K + 32 * p), x1 = _mm512_loadu_ps(x + i * QK_K + 32 * p + 16);
-            for (int r = 0; r < GROUP; r++) {
-                q6_pair((const block_q6_K *)row[r] + i, p >> 2, p & 3, scale[r], w);
-                acc[r] = _mm512_fmadd_ps(w[0], x0, acc[r]);
-                acc[r] = _mm512_fmadd_ps(w[1], x1, acc[r]);
+            const float *xp = x + i * QK_K + 32 * p;
+            __m512 x0[MAX_MX], x1[MAX_MX];
+            for (int r = 0; r < mx; r++) {
+                x0[r] = _mm512_loadu_ps(xp + (size_t)r * ldx);
+                x1[r] = _mm512_loadu_ps(xp + (size_t)r * ldx + 16);
+            }
+            for (int j = 0; j < GROUP; j++) {
+                q6_pair((const block_q6_K *)row[j] + i, p >> 2, p & 3, scale[j], w);
+                for (int r = 0; r < mx; r++) {
+                    acc[GROUP * r + j] = _mm512_fmadd_ps(w[0], x0[r], acc[GROUP * r + j]);
+                    acc[GROUP * r + j] = _mm512_fmadd_ps(w[1], x1[r], acc[GROUP * r + j]);
+                }
             }
         }
     }
-    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+    for (int a = 0; a < GROUP * mx; a++) out[a] = acc[a];
 }
 
-AVX512_INLINE void group_float(const uint8_t *const row[GROUP], const float *x, size_t k, const int kind,
-                               __m512 out[GROUP]) {
-    __m512 acc[GROUP];
-    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_ps();
+AVX512_INLINE void group_float(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
+                               const int kind, __m512 out[]) {
+    __m512 acc[GROUP * MAX_MX];
+    for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
     const size_t width = kind == 0 ? 4 : 2;
     size_t i = 0;
     for (; i + 16 <= k; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        for (int r = 0; r < GROUP; r++) {
-            if ((i & 31) == 0) prefetch_ahead(row[r] + i * width, 32 * width);
-            acc[r] = _mm512_fmadd_ps(floats16(row[r], i, kind, 0xffff), xv, acc[r]);
+        __m512 xv[MAX_MX];
+        for (int r = 0; r < mx; r++) xv[r] = _mm512_loadu_ps(x + (size_t)r * ldx + i);
+        for (int j = 0; j < GROUP; j++) {
+            if ((i & 31) == 0) prefetch_ahead(row[j] + i * width, 32 * width);
+            const __m512 wv = floats16(row[j], i, kind, 0xffff);
+            for (int r = 0; r < mx; r++) acc[GROUP * r + j] = _mm512_fmadd_ps(wv, xv[r], acc[GROUP * r + j]);
         }
     }
     if (i < k) {
         const __mmask16 t = tail_mask(k - i);
-        const __m512 xv = _mm512_maskz_loadu_ps(t, x + i);
-        for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(floats16(row[r], i, kind, t), xv, acc[r]);
+        __m512 xv[MAX_MX];
+        for (int r = 0; r < mx; r++) xv[r] = _mm512_maskz_loadu_ps(t, x + (size_t)r * ldx + i);
+        for (int j = 0; j < GROUP; j++) {
+            const __m512 wv = floats16(row[j], i, kind, t);
+            for (int r = 0; r < mx; r++) acc[GROUP * r + j] = _mm512_fmadd_ps(wv, xv[r], acc[GROUP * r + j]);
+        }
     }
-    for (int r = 0; r < GROUP; r++) out[r] = acc[r];
+    for (int a = 0; a < GROUP * mx; a++) out[a] = acc[a];
 }
 
-AVX512_INLINE void group_dot(const uint8_t *const row[GROUP], const float *x, size_t k, const int ix,
-                             __m512 acc[GROUP]) {
+AVX512_INLINE void group_dot(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
+                             const int ix, __m512 acc[]) {
     switch (ix) {
-    case IX_F32: group_float(row, x, k, 0, acc); break;
-    case IX_F16: group_float(row, x, k, 1, acc); break;
-    case IX_BF16: group_float(row, x, k, 2, acc); break;
-    case IX_Q4_0: group_legacy(row, x, k, L_Q4_0, sizeof(block_q4_0), 0, acc); break;
-    case IX_Q4_1: group_legacy(row, x, k, L_Q4_1, sizeof(block_q4_1), 1, acc); break;
-    case IX_Q5_0: group_legacy(row, x, k, L_Q5_0, sizeof(block_q5_0), 0, acc); break;
-    case IX_Q5_1: group_legacy(row, x, k, L_Q5_1, sizeof(block_q5_1), 1, acc); break;
-    case IX_Q8_0: group_legacy(row, x, k, L_Q8_0, sizeof(block_q8_0), 0, acc); break;
-    case IX_Q4_K: group_k4(row, x, k, 0, acc); break;
-    case IX_Q5_K: group_k4(row, x, k, 1, acc); break;
-    default: group_q6_K(row, x, k, acc); break;
+    case IX_F32: group_float(row, x, ldx, mx, k, 0, acc); break;
+    case IX_F16: group_float(row, x, ldx, mx, k, 1, acc); break;
+    case IX_BF16: group_float(row, x, ldx, mx, k, 2, acc); break;
+    case IX_Q4_0: group_legacy(row, x, ldx, mx, k, L_Q4_0, sizeof(block_q4_0), 0, acc); break;
+    case IX_Q4_1: group_legacy(row, x, ldx, mx, k, L_Q4_1, sizeof(block_q4_1), 1, acc); break;
+    case IX_Q5_0: group_legacy(row, x, ldx, mx, k, L_Q5_0, sizeof(block_q5_0), 0, acc); break;
+    case IX_Q5_1: group_legacy(row, x, ldx, mx, k, L_Q5_1, sizeof(block_q5_1), 1, acc); break;
+    case IX_Q8_0: group_legacy(row, x, ldx, mx, k, L_Q8_0, sizeof(block_q8_0), 0, acc); break;
+    case IX_Q4_K: group_k4(row, x, ldx, mx, k, 0, acc); break;
+    case IX_Q5_K: group_k4(row, x, ldx, mx, k, 1, acc); break;
+    default: group_q6_K(row, x, ldx, mx, k, acc); break;
     }
 }
 
-/* y[j] = w[j] . x (+ bias[j]) for j < rows <= 16, rows row_bytes apart. */
-AVX512_INLINE void dot_rows(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y,
-                            const float *bias, const int ix) {
-    __m512 acc[DOT_ROWS];
-    for (int j = 0; j < DOT_ROWS; j++) acc[j] = _mm512_setzero_ps();
+/* y[r][j] = w[j] . x[r] (+ bias[j]) for j < rows <= 16 (rows row_bytes apart), r < mx (x rows
+ * ldx apart, y rows ldy apart). */
+AVX512_INLINE void dot_rows(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx, const int mx,
+                            size_t k, float *y, size_t ldy, const float *bias, const int ix) {
+    __m512 acc[MAX_MX][DOT_ROWS];
+    for (int r = 0; r < mx; r++)
+        for (int j = 0; j < DOT_ROWS; j++) acc[r][j] = _mm512_setzero_ps();
     for (size_t j0 = 0; j0 < rows; j0 += GROUP) {
         const uint8_t *row[GROUP];
         for (size_t r = 0; r < GROUP; r++) /* past the last row: repeat it, results unused */
             row[r] = (const uint8_t *)w + (j0 + r < rows ? j0 + r : rows - 1) * row_bytes;
-        group_dot(row, x, k, ix, acc + j0);
+        __m512 part[GROUP * MAX_MX];
+        group_dot(row, x, ldx, mx, k, ix, part);
+        for (int r = 0; r < mx; r++)
+            for (int j = 0; j < GROUP; j++) acc[r][j0 + j] = part[GROUP * r + j];
     }
     const __mmask16 keep = tail_mask(rows);
-    __m512 s = reduce16(acc);
-    if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias));
-    _mm512_mask_storeu_ps(y, keep, s);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mx; r++) {
+        __m512 s = reduce16(acc[r]);
+        if (bias) s = _mm512_add_ps(s, b);
+        _mm512_mask_storeu_ps(y + (size_t)r * ldy, keep, s);
+    }
 }
 
+/* M = 1, and 2 <= m <= MAX_MX rows of X (each weight decoded once for all of them). */
 #define DOT(name, ix)                                                                                          \
     static AVX512 void name(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y, \
                             const float *bias) {                                                               \
-        dot_rows(w, row_bytes, rows, x, k, y, bias, ix);                                                       \
+        dot_rows(w, row_bytes, rows, x, 0, 1, k, y, 0, bias, ix);                                              \
+    }                                                                                                          \
+    static AVX512 void name##_m(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx,      \
+                                size_t m, size_t k, float *y, size_t ldy, const float *bias) {                 \
+        switch (m) {                                                                                           \
+        case 2: dot_rows(w, row_bytes, rows, x, ldx, 2, k, y, ldy, bias, ix); break;                           \
+        case 3: dot_rows(w, row_bytes, rows, x, ldx, 3, k, y, ldy, bias, ix); break;                           \
+        default: dot_rows(w, row_bytes, rows, x, ldx, 4, k, y, ldy, bias, ix); break;                          \
+        }                                                                                                      \
     }
 DOT(dot_f32, IX_F32)
 DOT(dot_f16, IX_F16)
@@ -454,7 +516,7 @@ DOT(dot_q5_K, IX_Q5_K)
 DOT(dot_q6_K, IX_Q6_K)
 #undef DOT
 
-/* ---- M > 1: decoded rows of W times rows of X, 4 x 4 outputs at a time -------------------- */
+/* ---- M > 4: decoded rows of W times rows of X, 4 x 4 outputs at a time -------------------- */
 
 /* acc[4r + j] = the accumulator (step 2) of w[j] . x[r] for r < mr, j < 4; w holds 4 decoded
  * rows k floats apart, x rows are ldx apart. mr is a constant at each call site. */
@@ -500,7 +562,8 @@ AVX512_INLINE void block_any(const float *w, size_t k, const float *x, size_t ld
     }
 }
 
-/* Each group of 4 rows of x stays in L1 while it meets every row of the tile (from L2). */
+/* Each group of 4 rows of x meets every row of the tile (a few rows, in L1; measured: 6 x 4
+ * blocks spill registers and came out slower). */
 static AVX512 void tile(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
                         size_t ldy, const float *bias) {
     __m512 acc[16];
@@ -526,9 +589,17 @@ static const lq_kernels KERNELS = {
         [IX_Q5_1] = dot_q5_1, [IX_Q8_0] = dot_q8_0, [IX_Q4_K] = dot_q4_K,
         [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
     },
+    .dotm = {
+        [IX_F32] = dot_f32_m, [IX_F16] = dot_f16_m, [IX_BF16] = dot_bf16_m,
+        [IX_Q4_0] = dot_q4_0_m, [IX_Q4_1] = dot_q4_1_m, [IX_Q5_0] = dot_q5_0_m,
+        [IX_Q5_1] = dot_q5_1_m, [IX_Q8_0] = dot_q8_0_m, [IX_Q4_K] = dot_q4_K_m,
+        [IX_Q5_K] = dot_q5_K_m, [IX_Q6_K] = dot_q6_K_m,
+    },
+    .dotm_max = MAX_MX,
     .tile = tile,
     .dot_rows = DOT_ROWS,
     .tile_rows = TILE_ROWS,
+    .tile_align = 4,
 };
 
 const lq_kernels *lq_kernels_avx512(void) {

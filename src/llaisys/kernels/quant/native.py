@@ -2,8 +2,9 @@
 
 ``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
 float32 (the weights are never widened in memory, the activations never quantized), for any
-number of rows M: M = 1 decodes the weights in registers, M > 1 decodes a tile of rows of W
-at a time and multiplies it with all of X in register blocks, reading the weight bytes once.
+number of rows M: M = 1 decodes the weights in registers (so do a few rows, M <= 4 at the
+AVX-512 level, each weight once for all of them), more rows decode a tile of rows of W at a time
+and multiply it with all of X in register blocks, reading the weight bytes once.
 Each output element is computed by one fixed sequence of f32 operations (``csrc/kernels/quant.h``)
 whatever M is, wherever its row sits in X and whatever the thread count: a row of Y has the
 same bits alone or in a batch (batch-invariant), at a given SIMD level. The SIMD level is
