@@ -3,6 +3,8 @@ llaisys and by transformers (which dequantizes the same file to f32), compared t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -58,6 +60,19 @@ def _hf_greedy(model, ids: list[int], n: int, eos=None) -> list[int]:
 # ---- SmolLM2 ---------------------------------------------------------------------------
 def test_default_model_path_is_the_smollm2_file(smollm2_path):
     assert default_model_path() == smollm2_path
+
+
+def test_loading_a_gguf_imports_neither_gguf_nor_jinja2(smollm2_path):
+    """Load time: the container is parsed without the gguf package, and Jinja2 waits for the
+    first chat template rendered (a fresh process: this one has imported both)."""
+    import llaisys
+
+    code = ("import sys; from llaisys.models import load_model; load_model(sys.argv[1]); "
+            "print(sorted(m for m in ('gguf', 'jinja2', 'torch', 'transformers') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(llaisys.__file__))}
+    out = subprocess.run([sys.executable, "-c", code, str(smollm2_path)], capture_output=True, text=True, env=env,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 def test_smollm2_config_and_info(smollm2_model, hf_smollm2_model):
@@ -169,36 +184,63 @@ def test_dtype_choice_for_gguf(tmp_path):
                                atol=1e-4, rtol=0)
 
 
-def _same_fields(ours, ref) -> None:
-    assert list(ours.fields) == list(ref.fields)
-    for key, b in ref.fields.items():
-        a = ours.fields[key]
-        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
-        assert [(p.dtype, p.tobytes()) for p in a.parts] == [(p.dtype, p.tobytes()) for p in b.parts], key
-        assert a.contents() == b.contents(), key
-    assert [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in ours.tensors] == [
-        (t.name, t.tensor_type, t.data_offset, t.data.shape) for t in ref.tensors]
+def _same_contents(ours, ref) -> None:
+    """Our parse of a GGUF file holds what gguf.GGUFReader reads from it: every metadata value,
+    in order, and every tensor with its type, place, shape and bytes."""
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.meta) == list(want)
+    for key, value in want.items():
+        assert ours.meta[key] == value and type(ours.meta[key]) is type(value), key
+        if isinstance(value, list) and value:
+            assert {type(v) for v in ours.meta[key]} == {type(v) for v in value}, key
+    assert (ours.data_offset, ours.alignment) == (ref.data_offset, ref.alignment)
+    assert [(t.name, int(t.tensor_type), t.shape, t.n_bytes, t.data_offset, t.data.dtype, t.data.shape)
+            for t in ours.tensors] == [(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), t.n_bytes,
+                                        t.data_offset, t.data.dtype, t.data.shape) for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.data.tobytes() == b.data.tobytes(), a.name
 
 
-def test_fast_metadata_parsing_equals_gguf_reader(smollm2_path, tmp_path):
-    """The loader parses GGUF metadata arrays in its own loop; the result must be what
-    gguf.GGUFReader itself builds, for the real file and for arrays of every scalar type."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_metadata_parsing_equals_gguf_reader(smollm2_path, tmp_path, endian, native, monkeypatch):
+    """The loader parses GGUF files itself; the result must be what gguf.GGUFReader reads, for
+    the real file and for arrays of every scalar type, in either byte order, with string arrays
+    gathered by the native library or read one by one in Python."""
+    from llaisys.models.loaders import gguf_file
     from llaisys.models.loaders.gguf import open_gguf
 
-    _same_fields(open_gguf(str(smollm2_path)), gguf.GGUFReader(smollm2_path))
+    if not native:
+        monkeypatch.setattr(gguf_file, "_library", [None])
+    if endian == gguf.GGUFEndian.LITTLE:
+        _same_contents(open_gguf(str(smollm2_path)), gguf.GGUFReader(smollm2_path))
     path = tmp_path / "meta.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endian)
     for i, vtype in enumerate([gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT32,
                                gguf.GGUFValueType.INT64, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64,
                                gguf.GGUFValueType.BOOL]):
         values = [True, False, True] if vtype == gguf.GGUFValueType.BOOL else [1, 2, 3, 5][: i % 4 + 1]
         w.add_key_value(f"test.array{i}", values, gguf.GGUFValueType.ARRAY, sub_type=vtype)
     w.add_array("test.strings", ["", "a", "ünï", "日本"])
+    w.add_array("test.zero_bytes", ["a\0b", "\0", "c"])
     w.add_array("test.empty", [])
     w.add_string("test.text", "hello")
+    w.add_float32("test.float", 0.1)
+    w.add_bool("test.flag", True)
+    w.add_uint64("test.big", 2**63)
     w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.add_tensor("h", np.arange(64, dtype=np.float16).reshape(2, 32))
+    w.add_tensor("q", gguf.quants.quantize(np.ones((2, 32), np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _same_fields(open_gguf(str(path)), gguf.GGUFReader(path))
+    _same_contents(open_gguf(str(path)), gguf.GGUFReader(path))
+
+
+def test_ggml_block_sizes_match_the_gguf_package():
+    from llaisys.models.loaders.gguf_file import BLOCK_SIZES, GGMLType
+
+    for t, sizes in BLOCK_SIZES.items():
+        assert gguf.GGMLQuantizationType[GGMLType(t).name] == t
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)] == sizes

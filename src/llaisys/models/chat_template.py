@@ -25,28 +25,12 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from .template_source import ChatTemplate, template_origin  # noqa: F401  (ChatTemplate: imported from here too)
+
 RENDER_TIMEOUT_S = 5.0
 MAX_LOOP_ITERATIONS = 200_000  # chat templates loop over messages and tools: thousands at most
 MAX_CHARS = 8_000_000  # far above any prompt a context window holds
 MAX_POWER_BITS = 1 << 16  # `**` results wider than this many bits are refused
-
-
-class ChatTemplate(str):
-    """Template source text that remembers where it came from, for error messages: a file
-    path, or "GGUF metadata tokenizer.chat_template"."""
-
-    origin: str
-
-    def __new__(cls, source: str, origin: str) -> "ChatTemplate":
-        self = super().__new__(cls, source)
-        self.origin = origin
-        return self
-
-
-def template_origin(source: str) -> str:
-    """How error messages name the template ``source``: with its origin when it has one."""
-    origin = getattr(source, "origin", None)
-    return f"chat template from {origin}" if origin else "chat template"
 
 
 class RenderLimitError(jinja2.TemplateError):

@@ -2,13 +2,15 @@
 q/k/v stacked into one projection, gate/up into another.
 
 A matrix stored in a block format llaisys computes on (Q4_0 ... Q6_K; ``WeightSource.read_raw_rows``)
-stays as stored, a tensor of that DataType. With ``keep_half`` and an F32 model, an F16/BF16
-matrix other than the embedding table (q/k/v, o, gate/up, down, an untied lm_head) stays F16/BF16:
-``linear`` takes such a weight with F32 activations and widens it inside the kernel. The rest is
-converted to the model's dtype. A fused matrix stays as stored when its parts share a type, else
-it is converted whole."""
+stays as stored, a tensor of that DataType; on the CPU, one the file holds unchanged (and a fused
+matrix whose parts lie back to back there) is a frozen view of the file's memory map, not a copy.
+With ``keep_half`` and an F32 model, an F16/BF16 matrix other than the embedding table (q/k/v, o,
+gate/up, down, an untied lm_head) stays F16/BF16: ``linear`` takes such a weight with F32
+activations and widens it inside the kernel. The rest is converted to the model's dtype. A fused
+matrix stays as stored when its parts share a type, else it is converted whole."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -130,10 +132,31 @@ class _Builder:
             (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(src.read_raw_rows(start, stop))
         self.progress.step()
 
+    def _mapped(self, names: Sequence[str], dtype: DataType | None) -> Tensor | None:
+        """Weights ``names`` stacked, as a frozen tensor over their file's memory map, when the
+        model is on the CPU and they lie there as stored (``dtype``), back to back; else None."""
+        if dtype is None or not self.device.is_cpu:
+            return None
+        sources = [self.weights[n] for n in names]
+        if any(s.mapped is None for s in sources):
+            return None
+        data, start = sources[0].mapped
+        end = start
+        for s in sources:
+            if s.mapped[0] is not data or s.mapped[1] != end:
+                return None
+            end += dtype.nbytes_of(math.prod(s.shape))
+        out = Tensor.host_view(data[start:end], (sum(s.shape[0] for s in sources), *sources[0].shape[1:]), dtype)
+        self.progress.step(len(names))
+        return out
+
     def one(self, name: str, half: bool = True) -> Tensor:
         """Weight ``name`` as a tensor; ``half=False``: never kept F16/BF16 (the embedding table)."""
         src = self.weights[name]
         kept = kept_dtype(src)
+        mapped = self._mapped([name], kept)
+        if mapped is not None:
+            return mapped
         float_dtype = self._float_dtype([name]) if half else self.dtype
         out = Tensor.empty(src.shape, float_dtype if kept is None else kept, self.device)
         (self._fill if kept is None else self._fill_raw)(out, name)
@@ -148,6 +171,9 @@ class _Builder:
         rows = sum(s[0] for s in shapes)
         kept = {kept_dtype(self.weights[n]) for n in names}
         dtype = kept.pop() if len(kept) == 1 and None not in kept else None
+        mapped = self._mapped(names, dtype)
+        if mapped is not None:
+            return mapped
         out = Tensor.empty((rows, *shapes[0][1:]), self._float_dtype(names) if dtype is None else dtype, self.device)
         start = 0
         for name, shape in zip(names, shapes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -12,9 +13,9 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .chat_template import ChatTemplate, render_chat
 from .config import is_int
 from .errors import ModelLoadError, read_json_object
+from .template_source import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,12 @@ def byte_alphabet() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+@functools.lru_cache(maxsize=1)
+def _outside_byte_alphabet() -> re.Pattern:
+    """A pattern matching any character that is not in ``byte_alphabet``."""
+    return re.compile("[^" + "".join(re.escape(c) for c in sorted(byte_alphabet().values())) + "]")
 
 
 class Tokenizer:
@@ -105,6 +112,8 @@ class Tokenizer:
         self._require()
         if not self.chat_template:
             raise ValueError("this model has no chat template; give a plain prompt instead of chat messages")
+        from .chat_template import render_chat  # Jinja2 only for models that render chats
+
         variables.setdefault("bos_token", self.bos_token or "")
         variables.setdefault("eos_token", self.eos_token or "")
         return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
@@ -185,13 +194,18 @@ def _kind(value: Any) -> str:
 
 
 def _array(meta: Mapping[str, Any], key: str, source: str, what: str, ok: Callable[[Any], bool]) -> list | None:
-    """``meta[key]`` as an array of ``what``, every item passing ``ok``; None when absent."""
+    """``meta[key]`` as an array of ``what``, every item passing ``ok`` (a test of the item's
+    type); None when absent."""
     value = meta.get(key)
     if value is None:
         return None
-    bad = [v for v in value if not ok(v)][:1] if isinstance(value, list) else [value]
-    if bad:
-        raise ModelLoadError(f"{source}: {key} must be an array of {what}; found {_kind(bad[0])}")
+    if not isinstance(value, list):
+        raise ModelLoadError(f"{source}: {key} must be an array of {what}; found {_kind(value)}")
+    # ``ok`` looks at types only, so one item of each type tells (the vocabulary has ~50k items)
+    bad_types = {t for t in set(map(type, value)) if not ok(next(v for v in value if type(v) is t))}
+    if bad_types:
+        raise ModelLoadError(f"{source}: {key} must be an array of {what}; found "
+                             f"{_kind(next(v for v in value if type(v) in bad_types))}")
     return value
 
 
@@ -244,7 +258,7 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], source: str, **op
 def _merges(meta: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
     """tokenizer.ggml.merges as pairs ("a b" -> ("a", "b"))."""
     merges = [tuple(m.split(" ", 1)) for m in _array(meta, "tokenizer.ggml.merges", source, "strings", _is_str) or ()]
-    if any(len(m) != 2 for m in merges):
+    if not set(map(len, merges)) <= {2}:
         raise ModelLoadError(f"{source}: tokenizer.ggml.merges holds an entry without a space between its two parts")
     return merges  # type: ignore[return-value]
 
@@ -292,7 +306,11 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], source: str)
     spell = byte_alphabet()
     alphabet = set(spell.values())
     # Files spell tokens in the byte alphabet; a token using other characters is respelled from its UTF-8 bytes.
-    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+    if not _outside_byte_alphabet().search("".join(tokens)):  # the usual case, checked for all tokens at once
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
     backend = _bpe(vocab, _merges(meta, source), source, fuse_unk=False, byte_fallback=False)
     pre = _text(meta, "tokenizer.ggml.pre", "default", source)
     split = PRE_TOKENIZER_SPLITS.get(pre)
@@ -368,6 +386,8 @@ def _add_special_tokens(backend: _Backend, tokens: Sequence[str], types: Sequenc
         control += [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == UNKNOWN]
     if control:
         backend.add_special_tokens(control)
+    if USER_DEFINED not in types:
+        return
     vocab = backend.get_vocab(with_added_tokens=False)
     user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab]
     if user:

@@ -126,6 +126,9 @@ class WeightSource:
     # A block-quantized matrix kept as stored: rows [start, stop) as their raw blocks, uint8
     # (stop - start, row_bytes), with the same row fix as read_rows. None: always dequantized.
     read_raw_rows: Callable[[int, int], np.ndarray] | None = None
+    # Where read_raw_rows' bytes lie, unchanged, in a read-only memory map of the file: (the
+    # map, uint8, and the offset of row 0 in it). None: they are copied or fixed on the way.
+    mapped: tuple[np.ndarray, int] | None = None
 
 
 def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -39,13 +39,25 @@ class Storage:
     def host_scratch(cls, nbytes: int) -> "Storage":
         """CPU storage of ``nbytes`` over a new NumPy buffer rather than the CPU caching
         allocator: cheaper to make and drop, for short-lived host copies."""
+        return cls._over(np.empty(nbytes, np.uint8), frozen=False)
+
+    @classmethod
+    def host_view(cls, buffer: np.ndarray) -> "Storage":
+        """Frozen CPU storage over the bytes of ``buffer`` (uint8, 1-D, contiguous) without a
+        copy, such as a read-only memory map of a model file; it keeps ``buffer`` alive."""
+        if buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
+            raise ValueError(f"host_view takes contiguous uint8 bytes (n,), got {buffer.dtype} {buffer.shape}")
+        return cls._over(buffer, frozen=True)
+
+    @classmethod
+    def _over(cls, buffer: np.ndarray, frozen: bool) -> "Storage":
         storage = cls.__new__(cls)
         storage.runtime = get_runtime(_CPU)
-        storage.nbytes = nbytes
-        storage.frozen = False
+        storage.nbytes = buffer.nbytes
+        storage.frozen = frozen
         storage._host = None
-        storage._buffer = np.empty(nbytes, np.uint8)
-        storage.ptr = storage._buffer.ctypes.data
+        storage._buffer = buffer
+        storage.ptr = buffer.ctypes.data
         return storage
 
     @property

@@ -113,6 +113,17 @@ class Tensor:
         return t.load(raw)
 
     @staticmethod
+    def host_view(raw: np.ndarray, shape: "Iterable[int] | int", dtype: "DataType | str") -> "Tensor":
+        """A frozen contiguous CPU tensor of ``shape`` and ``dtype`` over the bytes ``raw``
+        (uint8 (nbytes,)) without a copy: weights left in a read-only memory map of their file."""
+        shape, dtype = _as_shape(shape), as_dtype(dtype)
+        if dtype.is_quantized:
+            _check_block_shape(shape, dtype)
+        if raw.nbytes != dtype.nbytes_of(math.prod(shape)):
+            raise ValueError(f"host_view: {raw.nbytes} bytes do not hold a {dtype.name} tensor {shape}")
+        return Tensor(Storage.host_view(raw), 0, shape, _contiguous_strides(shape), dtype)
+
+    @staticmethod
     def zeros(shape: "Iterable[int] | int", dtype: "DataType | str" = DataType.F32, device: "Device | str | None" = None) -> "Tensor":
         """A contiguous tensor filled with zeros."""
         t = Tensor.empty(shape, dtype, device)
