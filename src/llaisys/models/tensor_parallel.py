@@ -173,11 +173,15 @@ def row_range(src: WeightSource, start: int, stop: int) -> WeightSource:
     else:
         whole = src.read
         read, rows = (lambda: whole()[start:stop]), None
-    raw = None
+    raw, mapped = None, None
     if src.read_raw_rows is not None:
         read_raw = src.read_raw_rows
         raw = lambda a, b: read_raw(start + a, start + b)  # noqa: E731
-    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw)
+        if src.mapped is not None:  # whole rows lie back to back: still a view of the map
+            block, nbytes = BLOCK_SHAPES[src.kind]
+            data, offset = src.mapped
+            mapped = (data, offset + start * (src.shape[1] // block * nbytes))
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=mapped)
 
 
 def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
@@ -200,7 +204,7 @@ def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
         else:
             log.info("%s: columns %d:%d of %s (%s) do not fall on its %d-element blocks; that shard is dequantized",
                      src.file, start, stop, src.file_name, src.kind, block)
-    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw)
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=None)
 
 
 def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightSource:
@@ -224,7 +228,7 @@ def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightS
         raw = lambda a, b: padded(part.read_raw_rows, a, b, zero_raw)  # noqa: E731
     return dataclasses.replace(src, shape=(total, *width), read=lambda: padded(floats, 0, total, zero_float),
                                read_rows=lambda a, b: padded(floats, a, b, zero_float), read_raw_rows=raw,
-                               row_multiple=1)
+                               row_multiple=1, mapped=None)
 
 
 def follow(model) -> None:
