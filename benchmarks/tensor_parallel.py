@@ -134,13 +134,15 @@ def rank_main(args: argparse.Namespace) -> None:
     latency = all_reduce_latency(base, model.config.hidden_size)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
     rss_all = base.comm.gather(rss, root=0) if base.size > 1 else [rss]
+    weights_mib = model.weight_bytes() / 2**20
     if base.rank == 0:
         tok_s = statistics.median(rates)
         print(json.dumps({"ranks": base.size, "decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s,
                           "collective_ms_per_token": 1e3 * statistics.median(comm_shares),
                           "all_reduce_us": 1e6 * latency,
                           "all_reduces_per_token": 2 * model.config.num_hidden_layers + 1,
-                          "peak_rss_mib_per_rank": rss_all, "load_s": load_s}), flush=True)
+                          "peak_rss_mib_per_rank": rss_all, "weight_mib_per_rank": weights_mib,
+                          "load_s": load_s}), flush=True)
 
 
 def main() -> None:
@@ -174,14 +176,15 @@ def main() -> None:
         return
     base = results[0]
     print(f"{'ranks':>5} {'tok/s':>7} {'x 1 rank':>8} {'ms/token':>9} {'in collectives':>15} {'all-reduces':>12} "
-          f"{'RSS MiB per rank':>18}")
+          f"{'RSS MiB per rank':>18} {'weights MiB':>12}")
     for r in results:
         pure = r["all_reduce_us"] * r["all_reduces_per_token"] / 1e3
         print(f"{r['ranks']:>5} {r['decode_tok_s']:>7.2f} {r['decode_tok_s'] / base['decode_tok_s']:>8.2f} "
               f"{r['ms_per_token']:>9.1f} {r['collective_ms_per_token']:>12.2f} ms {pure:>9.2f} ms "
-              f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib_per_rank']):>18}")
+              f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib_per_rank']):>18} {r['weight_mib_per_rank']:>12.0f}")
     print("in collectives: time inside all-reduce/all-gather per token, waiting for the slowest rank included; "
-          "all-reduces: their own cost, (2 L + 1) x the median latency of one with the ranks in step")
+          "all-reduces: their own cost, (2 L + 1) x the median latency of one with the ranks in step; "
+          "RSS counts the pages of the mapped model file a rank touched while loading, weights what it keeps (rank 0's)")
     last = results[-1]
     pure = last["all_reduce_us"] * last["all_reduces_per_token"] / 1e3
     one = base["ms_per_token"]
