@@ -29,9 +29,11 @@ enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_
  * now that 4 rows are read side by side: 8192 up to 4% faster than 4096, nowhere slower). */
 #define LQ_PREFETCH_BYTES 8192
 
-/* M = 1 with fewer weight bytes than this runs on the calling thread alone: such a matrix
- * takes tens of microseconds, and a second thread gained nothing on it (measured). */
-#define LQ_SERIAL_BYTES ((size_t)1 << 20)
+/* M = 1 with fewer weight bytes than this runs on the calling thread alone: waking a second
+ * thread costs a few microseconds. (At 1 MB, SmolLM2-135M's q/k/v (345 KB), attention output
+ * (207 KB) and down (553 KB) projections ran on one thread; on two, q/k/v took 36 us instead
+ * of 71, and a 2-thread decode step ran about 10% faster, measured.) */
+#define LQ_SERIAL_BYTES ((size_t)64 << 10)
 
 /* dotm_max < M <= 32: decoded tiles of W of about this many bytes (they stay in L1 while they
  * meet all the rows of X), within the level's tile_align .. tile_rows rows. */
@@ -157,7 +159,9 @@ static inline void unpack_scales_k4_le(const uint8_t *q, uint8_t sc[8], uint8_t 
  * path below follows exactly, so an output has the same bits whatever M is, wherever its row
  * sits in X and however rows are split among threads (levels differ from each other):
  *   1. each weight decoded to f32 exactly, with the reference's operations (d * q, then + m or
- *      - m: two roundings, never fused);
+ *      - m: two roundings); where the product is exact (a half scale, or a half times a 6-bit
+ *      sub-block scale, times a code of at most 5 bits: 22 significant bits or fewer) a level
+ *      may compute d * q + m with one fma, whose single rounding gives the same bits;
  *   2. one accumulator of `lanes` floats per output: element i goes to lane i % lanes, the
  *      chunks of `lanes` elements added in order (fma at the SIMD levels; a multiply, then an
  *      add, in scalar C), a last partial chunk zero-padded;

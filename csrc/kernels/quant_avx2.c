@@ -147,6 +147,10 @@ AVX2_INLINE void q6_scales(const block_q6_K *b, float out[16]) {
 
 /* ---- decoders (bit-exact: d * q, then + m or - m) ---------------------------------------- */
 
+/* d * q + m (or - m) as one fma: d * q is exact in f32 (a half scale, or a half times a 6-bit
+ * sub-block scale, times a code of at most 5 bits), so the single rounding gives the bits of the
+ * reference's two (quant.h). */
+
 AVX2_INLINE void store_scaled(float *dst, const __m256 v[4], float d) {
     const __m256 dv = _mm256_set1_ps(d);
     for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(dv, v[g]));
@@ -154,12 +158,12 @@ AVX2_INLINE void store_scaled(float *dst, const __m256 v[4], float d) {
 
 AVX2_INLINE void store_affine(float *dst, const __m256 v[4], float d, float m) {
     const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_add_ps(_mm256_mul_ps(dv, v[g]), mv));
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_fmadd_ps(dv, v[g], mv));
 }
 
 AVX2_INLINE void store_shifted(float *dst, const __m256 v[4], float d, float m) {
     const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_sub_ps(_mm256_mul_ps(dv, v[g]), mv));
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + 8 * g, _mm256_fmsub_ps(dv, v[g], mv));
 }
 
 AVX2_INLINE __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -350,10 +354,8 @@ AVX2_INLINE void legacy_weights(const uint8_t *blk, const int kind, float d, flo
     case L_Q5_1: q5_values(((const block_q5_1 *)blk)->qs, ((const block_q5_1 *)blk)->qh, 0, w); break;
     default: q8_values(((const block_q8_0 *)blk)->qs, w); break;
     }
-    for (int g = 0; g < 4; g++) {
-        w[g] = _mm256_mul_ps(dv, w[g]);
-        if (kind == L_Q4_1 || kind == L_Q5_1) w[g] = _mm256_add_ps(w[g], mv);
-    }
+    for (int g = 0; g < 4; g++) /* one fma where there is a min: see store_affine */
+        w[g] = kind == L_Q4_1 || kind == L_Q5_1 ? _mm256_fmadd_ps(dv, w[g], mv) : _mm256_mul_ps(dv, w[g]);
 }
 
 /* The first 4 bytes (d, and m where there is one) of `count` blocks `stride` bytes apart. */
@@ -420,11 +422,10 @@ AVX2_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_
                 const __m256 s0 = _mm256_set1_ps(scale[r][2 * c]), n0 = _mm256_set1_ps(minimum[r][2 * c]);
                 const __m256 s1 = _mm256_set1_ps(scale[r][2 * c + 1]), n1 = _mm256_set1_ps(minimum[r][2 * c + 1]);
                 for (int g = 0; g < 4; g++)
-                    acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(s0, v0[g]), n0), _mm256_loadu_ps(xc + 8 * g),
-                                             acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_fmsub_ps(s0, v0[g], n0), _mm256_loadu_ps(xc + 8 * g), acc[r]);
                 for (int g = 0; g < 4; g++)
-                    acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(s1, v1[g]), n1),
-                                             _mm256_loadu_ps(xc + 32 + 8 * g), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_fmsub_ps(s1, v1[g], n1), _mm256_loadu_ps(xc + 32 + 8 * g),
+                                             acc[r]);
             }
         }
     }
