@@ -16,27 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Callable
 
-
-def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 5) -> float:
-    """Median wall time of one call of ``fn`` over ``repeat`` timed batches of calls."""
-    for _ in range(warmup):
-        fn()
-    # Batches long enough (about 0.2 ms) that the timer's resolution does not matter.
-    start = time.perf_counter()
-    fn()
-    once = time.perf_counter() - start
-    inner = max(1, int(2e-4 / max(once, 1e-9)))
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
+from timing import median_seconds
 
 
 def cases(kv_len: int, torch) -> list[tuple[str, float, Callable[[], object], Callable[[], object] | None]]:

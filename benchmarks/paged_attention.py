@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from typing import Callable
 
 import numpy as np
 
 from llaisys import Tensor, ops
+from timing import per_call_seconds
 from llaisys.kernels.cpu import paged, paged_native
 from llaisys.kernels.quant import native as quant_native
 
@@ -33,17 +33,7 @@ H, KH, D = 9, 3, 64
 def timings(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     """(median, min) wall time of one call of ``fn`` over ``repeat`` timed batches (each about
     2 ms or one call, whichever is longer)."""
-    for _ in range(2):
-        fn()
-    start = time.perf_counter()
-    fn()
-    inner = max(1, int(2e-3 / max(time.perf_counter() - start, 1e-9)))
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
+    times = per_call_seconds(fn, repeat, warmup=2, batch_s=2e-3)
     return statistics.median(times), min(times)
 
 

@@ -22,28 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Callable
 
+from timing import median_seconds
+
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 30, 576, 9, 3, 64, 1536
-
-
-def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 5) -> float:
-    """Median wall time of one call of ``fn`` over ``repeat`` timed batches of calls."""
-    for _ in range(warmup):
-        fn()
-    start = time.perf_counter()
-    fn()
-    once = time.perf_counter() - start
-    inner = max(1, int(2e-4 / max(once, 1e-9)))  # batches of about 0.2 ms
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
 
 
 class Layout:
