@@ -20,7 +20,7 @@ def native_libraries() -> list[Extension]:
         sources = sorted(str(p.relative_to(ROOT)) for p in folder.glob("*.c"))
         if sources:
             libs.append(Extension(
-                f"llaisys._native._{folder.name}", sources, include_dirs=["include", str(folder.relative_to(ROOT))],
+                f"llaisys._native._{folder.name}", sources, include_dirs=["include", "csrc", str(folder.relative_to(ROOT))],
                 extra_compile_args=["-std=c11", "-O3", "-ffp-contract=off", "-fPIC", "-pthread", "-fvisibility=hidden",
                                     "-Wall"],
                 extra_link_args=["-pthread", "-lm"], optional=True))

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/simd_level.h"
+
 #include "quant.h"
 
 /* ---- formats ----------------------------------------------------------------------------- */
@@ -234,30 +236,20 @@ const lq_kernels lq_kernels_scalar = {
 
 /* ---- SIMD level -------------------------------------------------------------------------- */
 
-enum { LEVEL_SCALAR, LEVEL_AVX2, LEVEL_AVX512, LEVEL_COUNT };
-static const char *const LEVEL_NAMES[LEVEL_COUNT] = {"scalar", "avx2", "avx512"};
-
 static const lq_kernels *level_kernels(int level) {
     switch (level) {
-    case LEVEL_SCALAR: return &lq_kernels_scalar;
-    case LEVEL_AVX2: return lq_kernels_avx2();
-    case LEVEL_AVX512: return lq_kernels_avx512();
+    case SIMD_SCALAR: return &lq_kernels_scalar;
+    case SIMD_AVX2: return lq_kernels_avx2();
+    case SIMD_AVX512: return lq_kernels_avx512();
     default: return NULL;
     }
 }
 
 static _Atomic(const lq_kernels *) active; /* NULL until first use */
 
-/* The best level this CPU has, or the one LLAISYS_SIMD names if it is available. */
-static const lq_kernels *initial_kernels(void) {
-    const char *want = getenv("LLAISYS_SIMD");
-    if (want && *want)
-        for (int l = 0; l < LEVEL_COUNT; l++)
-            if (strcmp(want, LEVEL_NAMES[l]) == 0 && level_kernels(l)) return level_kernels(l);
-    for (int l = LEVEL_COUNT - 1; l >= 0; l--)
-        if (level_kernels(l)) return level_kernels(l);
-    return &lq_kernels_scalar;
-}
+static const void *table_of(int level) { return level_kernels(level); }
+
+static const lq_kernels *initial_kernels(void) { return level_kernels(simd_initial_level(table_of)); }
 
 static const lq_kernels *kernels(void) {
     const lq_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
@@ -469,20 +461,12 @@ LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }
 LQ_EXPORT const char *llaisys_quant_simd_level(void) { return kernels()->name; }
 
 /* Bit l set when SIMD level l (0 scalar, 1 avx2, 2 avx512) runs on this CPU. */
-LQ_EXPORT int llaisys_quant_simd_available(void) {
-    int mask = 0;
-    for (int l = 0; l < LEVEL_COUNT; l++)
-        if (level_kernels(l)) mask |= 1 << l;
-    return mask;
-}
+LQ_EXPORT int llaisys_quant_simd_available(void) { return simd_available_mask(table_of); }
 
 /* Use SIMD level `name` from now on; -1 when it does not run on this CPU. */
 LQ_EXPORT int llaisys_quant_set_simd_level(const char *name) {
-    for (int l = 0; l < LEVEL_COUNT; l++) {
-        if (strcmp(name, LEVEL_NAMES[l]) == 0 && level_kernels(l)) {
-            atomic_store_explicit(&active, level_kernels(l), memory_order_release);
-            return LQ_OK;
-        }
-    }
-    return LQ_ERR_TYPE;
+    const int level = simd_level_named(name, table_of);
+    if (level < 0) return LQ_ERR_TYPE;
+    atomic_store_explicit(&active, level_kernels(level), memory_order_release);
+    return LQ_OK;
 }

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/simd_level.h"
+
 #include "ops_body.h"
 
 /* ---- the portable level (whatever vectors the baseline ISA has) --------------------------- */
@@ -22,29 +24,20 @@ const lo_kernels lo_kernels_scalar = {"scalar", norm_scalar, swiglu_scalar, rope
 
 /* ---- choice of level ------------------------------------------------------------------------ */
 
-enum { LEVEL_SCALAR, LEVEL_AVX2, LEVEL_AVX512, LEVEL_COUNT };
-static const char *const LEVEL_NAMES[LEVEL_COUNT] = {"scalar", "avx2", "avx512"};
-
 static const lo_kernels *level_kernels(int level) {
     switch (level) {
-    case LEVEL_SCALAR: return &lo_kernels_scalar;
-    case LEVEL_AVX2: return lo_kernels_avx2();
-    case LEVEL_AVX512: return lo_kernels_avx512();
+    case SIMD_SCALAR: return &lo_kernels_scalar;
+    case SIMD_AVX2: return lo_kernels_avx2();
+    case SIMD_AVX512: return lo_kernels_avx512();
     default: return NULL;
     }
 }
 
 static _Atomic(const lo_kernels *) active; /* NULL until first use */
 
-static const lo_kernels *initial_kernels(void) {
-    const char *want = getenv("LLAISYS_SIMD");
-    if (want && *want)
-        for (int l = 0; l < LEVEL_COUNT; l++)
-            if (strcmp(want, LEVEL_NAMES[l]) == 0 && level_kernels(l)) return level_kernels(l);
-    for (int l = LEVEL_COUNT - 1; l >= 0; l--)
-        if (level_kernels(l)) return level_kernels(l);
-    return &lo_kernels_scalar;
-}
+static const void *table_of(int level) { return level_kernels(level); }
+
+static const lo_kernels *initial_kernels(void) { return level_kernels(simd_initial_level(table_of)); }
 
 static const lo_kernels *kernels(void) {
     const lo_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
@@ -59,22 +52,14 @@ static const lo_kernels *kernels(void) {
 LO_EXPORT const char *llaisys_ops_simd_level(void) { return kernels()->name; }
 
 /* Bit l set when SIMD level l (0 scalar, 1 avx2, 2 avx512) runs on this CPU. */
-LO_EXPORT int llaisys_ops_simd_available(void) {
-    int mask = 0;
-    for (int l = 0; l < LEVEL_COUNT; l++)
-        if (level_kernels(l)) mask |= 1 << l;
-    return mask;
-}
+LO_EXPORT int llaisys_ops_simd_available(void) { return simd_available_mask(table_of); }
 
 /* Use SIMD level `name` from now on; -1 when it does not run on this CPU. */
 LO_EXPORT int llaisys_ops_set_simd_level(const char *name) {
-    for (int l = 0; l < LEVEL_COUNT; l++) {
-        if (strcmp(name, LEVEL_NAMES[l]) == 0 && level_kernels(l)) {
-            atomic_store_explicit(&active, level_kernels(l), memory_order_release);
-            return LO_OK;
-        }
-    }
-    return LO_ERR_SHAPE;
+    const int level = simd_level_named(name, table_of);
+    if (level < 0) return LO_ERR_SHAPE;
+    atomic_store_explicit(&active, level_kernels(level), memory_order_release);
+    return LO_OK;
 }
 
 /* ---- the kernels ---------------------------------------------------------------------------- */
