@@ -286,6 +286,27 @@ def test_attention_query_alone_gives_the_bits_of_the_batch(case, simd, rng):
 
 
 @native
+@pytest.mark.parametrize("case", ["decode smollm2", "prefill smollm2, cache ahead", "gqa 4", "long"])
+def test_attention_gives_the_same_bits_on_any_number_of_threads(case, rng):
+    """Attention splits rows (prefill) or heads (decoding) over the quantized kernels' thread
+    pool; each row and head is still one fixed sequence of operations."""
+    from llaisys.kernels.quant import native as quant
+
+    s, t, h, kh, d, dv = ATTENTION_CASES[case]
+    q, k, v = attention_inputs(s, t, h, kh, d, dv, rng)
+    before = quant.threads()
+    results = {}
+    try:
+        for threads in (1, 2, 3, 5):
+            quant.set_threads(threads)
+            results[threads], = run(NATIVE["self_attention"], fresh((s, h, dv)), (q, k, v), {"scale": 0.125})
+    finally:
+        quant.set_threads(before)
+    for threads in (2, 3, 5):
+        np.testing.assert_array_equal(results[threads], results[1], err_msg=f"{threads} threads")
+
+
+@native
 def test_every_simd_level_gives_the_same_bits(rng):
     levels = native_ops.simd_levels()
     before = native_ops.simd_level()

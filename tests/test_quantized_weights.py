@@ -130,6 +130,31 @@ def test_linear_keeps_the_prepared_weight_with_the_tensor():
     assert w.derived("quant", lambda t: pytest.fail("prepared again")) is prepared
 
 
+@pytest.mark.parametrize("m", [1, 3], ids=lambda m: f"M{m}")
+def test_repeated_linear_reads_the_inputs_of_each_call(m):
+    """A linear repeated on the same tensors runs a native call bound to them the first time
+    (as a replayed decoding step does): each call must still see the current input and bias."""
+    rng = np.random.default_rng(8)
+    raw = quant_bytes("Q4_1", 24, 96, rng)
+    w = Tensor.from_raw(raw, "q4_1").freeze()
+    x_t, b_t = Tensor.empty((m, 96)), Tensor.empty((24,))
+    out, plan = Tensor.empty((m, 24)), ops.Plan()
+    ops.linear(out, x_t, w, b_t, plan=plan)
+    for step in range(3):
+        x = rng.standard_normal((m, 96)).astype(np.float32)
+        bias = rng.standard_normal(24).astype(np.float32)
+        x_t.load(x)
+        b_t.load(bias)
+        plan.run()
+        assert_linear_close(out.numpy(), x, dequantized("Q4_1", raw), bias)
+        ops.linear(out, x_t, w, b_t)  # the same call outside the plan
+        assert_linear_close(out.numpy(), x, dequantized("Q4_1", raw), bias)
+    rows = Tensor.from_numpy(rng.standard_normal((2 * m, 96)).astype(np.float32))
+    strided = rows.slice(0, 0, 2 * m).view(m, 192).slice(1, 0, 96)  # every other row: not one contiguous run
+    ops.linear(out, strided, w, b_t)
+    assert_linear_close(out.numpy(), rows.numpy()[::2], dequantized("Q4_1", raw), b_t.numpy())
+
+
 @pytest.mark.parametrize("act", [DataType.F16, DataType.BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", ["Q4_0", "Q6_K"])
 def test_linear_on_quantized_weight_with_low_precision_activations(name, act):

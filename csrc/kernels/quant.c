@@ -457,6 +457,12 @@ LQ_EXPORT int llaisys_quant_set_threads(int n) { return lq_pool_set_threads(n); 
 
 LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }
 
+/* The pool itself (lq_pool_run), lent to the other native libraries (csrc/ops's attention) so
+ * that one set of workers serves every kernel. */
+LQ_EXPORT void llaisys_quant_pool_run(lq_task_fn task, void *ctx, size_t n_chunks, int slots) {
+    lq_pool_run(task, ctx, n_chunks, slots);
+}
+
 /* Name of the SIMD level in use: "scalar", "avx2" or "avx512". */
 LQ_EXPORT const char *llaisys_quant_simd_level(void) { return kernels()->name; }
 

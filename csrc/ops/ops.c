@@ -84,13 +84,105 @@ LO_EXPORT int llaisys_ops_rope(const lo_rope_args *a, const float *cos, const fl
     return LO_OK;
 }
 
-/* k (T, KH, D) and v (T, KH, Dv) at the strides of `a`. */
+/* ---- threads: the kernels library's pool, lent at load time ------------------------------ */
+
+/* The pool of csrc/kernels (lq_pool_run and its thread count), handed over by the Python
+ * binding when both libraries are built, so the two share one set of workers instead of each
+ * keeping its own. Without it everything runs on the calling thread. */
+typedef void (*lo_task_fn)(void *ctx, size_t chunk, int thread);
+typedef void (*lo_pool_run_fn)(lo_task_fn task, void *ctx, size_t n_chunks, int slots);
+typedef int (*lo_pool_threads_fn)(void);
+
+static _Atomic(lo_pool_run_fn) pool_run;
+static _Atomic(lo_pool_threads_fn) pool_threads;
+
+/* Use `run` (run task(ctx, i, thread) for i < n_chunks on up to `slots` threads numbered from 0,
+ * returning when all have run) and `threads` (how many threads it has) from now on; NULL, NULL
+ * goes back to the calling thread alone. */
+LO_EXPORT void llaisys_ops_use_pool(lo_pool_run_fn run, lo_pool_threads_fn threads) {
+    atomic_store(&pool_threads, run && threads ? threads : NULL);
+    atomic_store(&pool_run, run && threads ? run : NULL);
+}
+
+/* ---- self-attention: rows and heads as parallel tasks ------------------------------------- */
+
+/* Calls that read fewer K/V bytes than this run on the calling thread: waking a worker costs
+ * about what it saves there (csrc/kernels/paged_attention.c measured the same break-even). */
+#define LO_SERIAL_BYTES ((int64_t)96 << 10)
+
+typedef struct {
+    const lo_attention_args *a;
+    const float *k, *v;
+    int64_t t;
+    int64_t row_chunks, rows_per_chunk, head_parts;
+    float *scratch;
+    size_t scratch_floats; /* per thread */
+    const lo_kernels *kern;
+} attention_job;
+
+/* One task: rows [i0, i1) of q and heads [h0, h1), run as one kernel call per KV head those
+ * heads share (a sub-problem with KH = 1): each row and head is computed exactly as in a call
+ * over everything, so the split leaves every bit of the output as it was. Later rows see more
+ * keys, so row chunks go out last first: the short ones finish the job. */
+static void attention_task(void *ctx, size_t chunk, int thread) {
+    const attention_job *job = ctx;
+    const lo_attention_args *a = job->a;
+    const int64_t rc = job->row_chunks - 1 - (int64_t)chunk / job->head_parts, hp = (int64_t)chunk % job->head_parts;
+    const int64_t i0 = rc * job->rows_per_chunk, i1 = i0 + job->rows_per_chunk < a->s ? i0 + job->rows_per_chunk : a->s;
+    const int64_t h0 = hp * a->h / job->head_parts, h1 = (hp + 1) * a->h / job->head_parts, g = a->h / a->kh;
+    float *scratch = job->scratch + (size_t)thread * job->scratch_floats;
+    if (h0 == 0 && h1 == a->h) { /* every head: one call */
+        lo_attention_args sub = *a;
+        sub.out = a->out + i0 * a->out_s0;
+        sub.q = a->q + i0 * a->q_s0;
+        sub.s = i1 - i0;
+        job->kern->attention(&sub, job->k, job->v, job->t - a->s + i1, scratch);
+        return;
+    }
+    for (int64_t hs = h0; hs < h1;) {
+        const int64_t kv = hs / g, he = (kv + 1) * g < h1 ? (kv + 1) * g : h1;
+        lo_attention_args sub = *a;
+        sub.out = a->out + i0 * a->out_s0 + hs * a->out_s1;
+        sub.q = a->q + i0 * a->q_s0 + hs * a->q_s1;
+        sub.s = i1 - i0;
+        sub.h = he - hs;
+        sub.kh = 1;
+        job->kern->attention(&sub, job->k + kv * a->k_s1, job->v + kv * a->v_s1, job->t - a->s + i1, scratch);
+        hs = he;
+    }
+}
+
+/* k (T, KH, D) and v (T, KH, Dv) at the strides of `a`. Many rows (prefill) are split into
+ * chunks of rows; a few (decoding) into ranges of heads. */
 LO_EXPORT int llaisys_ops_self_attention(const lo_attention_args *a, const float *k, const float *v, int64_t t) {
     if (a->s < 0 || t < a->s || a->kh <= 0 || a->h % a->kh || a->d <= 0 || a->dv <= 0) return LO_ERR_SHAPE;
     if (a->s == 0) return LO_OK;
+    const lo_pool_run_fn run = atomic_load(&pool_run);
+    const lo_pool_threads_fn threads_of = atomic_load(&pool_threads);
+    const int64_t keys = a->s * (t - a->s) + a->s * (a->s + 1) / 2;
+    const int64_t kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
+    int64_t threads = run && kv_bytes >= LO_SERIAL_BYTES ? threads_of() : 1;
+    attention_job job = {.a = a, .k = k, .v = v, .t = t, .kern = kernels(), .row_chunks = 1,
+                         .rows_per_chunk = a->s, .head_parts = 1};
+    if (threads > 1 && a->s >= 2 * threads) {
+        job.row_chunks = a->s < 4 * threads ? a->s : 4 * threads;
+        job.rows_per_chunk = (a->s + job.row_chunks - 1) / job.row_chunks;
+        job.row_chunks = (a->s + job.rows_per_chunk - 1) / job.rows_per_chunk;
+    } else if (threads > 1) {
+        job.row_chunks = a->s;
+        job.rows_per_chunk = 1;
+        job.head_parts = threads < a->h ? threads : a->h;
+    }
+    const size_t tasks = (size_t)(job.row_chunks * job.head_parts);
+    if (threads > (int64_t)tasks) threads = (int64_t)tasks;
+    job.scratch_floats = ((size_t)(a->h * (t + a->dv + 1)) + 15) / 16 * 16; /* whole cache lines */
     void *scratch = NULL;
-    if (posix_memalign(&scratch, 64, (size_t)(a->h * (t + a->dv + 1)) * sizeof(float)) != 0) return LO_ERR_MEMORY;
-    kernels()->attention(a, k, v, t, scratch);
+    if (posix_memalign(&scratch, 64, (size_t)threads * job.scratch_floats * sizeof(float)) != 0) return LO_ERR_MEMORY;
+    job.scratch = scratch;
+    if (threads > 1)
+        run(attention_task, &job, tasks, (int)threads);
+    else
+        for (size_t i = 0; i < tasks; i++) attention_task(&job, i, 0);
     free(scratch);
     return LO_OK;
 }

@@ -69,6 +69,7 @@ _SIGNATURES = {
     "llaisys_ops_swiglu": ([_PTR], ctypes.c_int),
     "llaisys_ops_rope": ([_PTR, _PTR, _PTR], ctypes.c_int),
     "llaisys_ops_self_attention": ([_PTR, _PTR, _PTR, _I64], ctypes.c_int),
+    "llaisys_ops_use_pool": ([_PTR, _PTR], None),
     "llaisys_ops_simd_available": ([], ctypes.c_int),
     "llaisys_ops_set_simd_level": ([ctypes.c_char_p], ctypes.c_int),
     "llaisys_ops_simd_level": ([], ctypes.c_char_p),
@@ -79,10 +80,24 @@ def _library() -> "ctypes.CDLL | bool":
     """The native library with its signatures declared, or False when it is not built."""
     global _lib
     if _lib is None:  # declaring twice in a race is harmless
-        _lib = _native.declared("ops", _SIGNATURES, "the native ops (llaisys._native._ops) are not built: rms_norm, "
-                                "rope, swiglu and self_attention run on the slower NumPy kernels; reinstall llaisys "
-                                "with a C compiler") or False
+        lib = _native.declared("ops", _SIGNATURES, "the native ops (llaisys._native._ops) are not built: rms_norm, "
+                               "rope, swiglu and self_attention run on the slower NumPy kernels; reinstall llaisys "
+                               "with a C compiler")
+        if lib:
+            _share_pool(lib)
+        _lib = lib or False
     return _lib
+
+
+def _share_pool(lib: ctypes.CDLL) -> None:
+    """Lend ``lib`` the thread pool of the quantized kernels' library (``csrc/kernels``), so
+    attention runs on the same workers as linear; without that library it runs on the
+    calling thread."""
+    kernels = _native.load("kernels")
+    if kernels is None:
+        return
+    lib.llaisys_ops_use_pool(ctypes.cast(kernels.llaisys_quant_pool_run, _PTR),
+                             ctypes.cast(kernels.llaisys_quant_threads, _PTR))
 
 
 def available() -> bool:

@@ -20,6 +20,7 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -185,6 +186,30 @@ class QuantWeight:
             out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
         _check(status, "linear")
         return out
+
+    def bind(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> "Callable[[], None]":
+        """``linear(x, bias, out)`` checked once, as a function of no arguments that runs it
+        again on the same arrays, reading what x and bias hold at the time: what a replayed
+        decoding step calls, without this module's checks (a few microseconds a call).
+        The arrays must stay where they are (the function keeps them alive)."""
+        if bias is not None:
+            _require_f32(bias, "bias")
+        self.linear(x, bias, out)  # every check, once
+        m, n = x.shape[0], self.n
+        if m == 0 or n == 0:
+            return lambda: None
+        fn = _library().llaisys_quant_linear
+        args = (self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
+                out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
+        kept = (self, x, bias, out)
+
+        def call() -> None:
+            status = fn(*args)
+            if status:
+                _check(status, f"linear of {kept[0]!r}")
+
+        return call
+
 
 def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
     """Check weight bytes raw (N, row_bytes) uint8 in format ``qtype`` once, for repeated use."""
