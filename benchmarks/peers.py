@@ -10,7 +10,12 @@ each engine, each in its own subprocess so that peak memory is per engine:
 Decoding is greedy with end-of-sequence ignored, so every engine makes the same number of
 tokens. Figures are medians over --repeats runs after one warm-up run.
 
-    python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2
+On a shared machine a slow spell can fall on one engine's turn. ``--rounds N`` runs every
+engine N times, taking turns (llaisys, the peers, llaisys, ...), and reports each figure's
+median over the rounds and the median of the rounds' own ratios, with the decode ratio of each
+round beside it.
+
+    python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2 [--rounds 5]
 """
 from __future__ import annotations
 
@@ -143,26 +148,34 @@ def run_engine(engine: str, args: argparse.Namespace, prompt_file: str) -> dict[
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def format_table(results: dict[str, dict[str, Any] | str]) -> str:
-    """One row per figure, one column per engine, then llaisys's ratio to each peer
-    (above 1 means llaisys is better: faster, or less time / memory)."""
-    ok = {e: r for e, r in results.items() if isinstance(r, dict)}
+def format_table(rounds: list[dict[str, dict[str, Any] | str]]) -> str:
+    """One row per figure, one column per engine (the median over rounds), then llaisys's ratio
+    to each peer, the median of the rounds' ratios (above 1 means llaisys is better: faster, or
+    less time / memory)."""
+    engines = list(rounds[0])
+    ok = [e for e in engines if all(isinstance(r[e], dict) for r in rounds)]
     peers = [e for e in ok if e != "llaisys"]
-    head = ["figure"] + list(ok) + [f"llaisys vs {p}" for p in peers if "llaisys" in ok]
+    head = ["figure"] + ok + [f"llaisys vs {p}" for p in peers if "llaisys" in ok]
     rows = [head]
     for key, label, unit, higher in FIGURES:
-        row = [f"{label} ({unit})"] + [f"{ok[e][key]:.1f}" for e in ok]
+        row = [f"{label} ({unit})"] + [f"{statistics.median(r[e][key] for r in rounds):.1f}" for e in ok]
         if "llaisys" in ok:
-            ours = ok["llaisys"][key]
             for p in peers:
-                ratio = ours / ok[p][key] if higher else ok[p][key] / ours
-                row.append(f"{ratio:.2f}x")
+                ratios = [r["llaisys"][key] / r[p][key] if higher else r[p][key] / r["llaisys"][key] for r in rounds]
+                row.append(f"{statistics.median(ratios):.2f}x")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    lines += [f"{e}: {r}" for e, r in results.items() if isinstance(r, str)]
+    if len(rounds) > 1 and "llaisys" in ok:
+        for p in peers:
+            each = ", ".join(f"{r['llaisys']['decode_tok_s'] / r[p]['decode_tok_s']:.2f}" for r in rounds)
+            lines.append(f"decode llaisys vs {p}, round by round: {each}")
+    for e in engines:
+        failed = [r[e] for r in rounds if isinstance(r[e], str)]
+        if failed:
+            lines.append(f"{e}: {failed[0]}")
     return "\n".join(lines)
 
 
@@ -179,13 +192,14 @@ def main() -> int:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
     p.add_argument("--json", action="store_true", help="print all figures as JSON")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.threads < 1 or args.repeats < 1:
-        p.error("--prompt-tokens, --threads and --repeats must be >= 1, --gen-tokens >= 2")
+    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.threads < 1 or args.repeats < 1 or args.rounds < 1:
+        p.error("--prompt-tokens, --threads, --repeats and --rounds must be >= 1, --gen-tokens >= 2")
     if args.worker:
         figures = WORKERS[args.worker](args)
         print(json.dumps({**figures, "peak_rss_mb": peak_rss_mb()}))
@@ -199,18 +213,21 @@ def main() -> int:
         p.error(f"unknown engines {unknown}; expected some of {', '.join(ENGINES)}")
     if "llaisys" not in engines:
         engines.insert(0, "llaisys")  # it writes the prompt the others read
-    results: dict[str, dict[str, Any] | str] = {}
+    rounds: list[dict[str, dict[str, Any] | str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = os.path.join(tmp, "prompt.json")
-        for engine in sorted(engines, key=ENGINES.index):
-            if importlib.util.find_spec(REQUIRES[engine]) is None:
-                results[engine] = f"skipped: {REQUIRES[engine]} is not installed"
-                continue
-            print(f"running {engine}...", file=sys.stderr, flush=True)
-            results[engine] = run_engine(engine, args, prompt_file)
+        for i in range(args.rounds):
+            results: dict[str, dict[str, Any] | str] = {}
+            for engine in sorted(engines, key=ENGINES.index):
+                if importlib.util.find_spec(REQUIRES[engine]) is None:
+                    results[engine] = f"skipped: {REQUIRES[engine]} is not installed"
+                    continue
+                print(f"round {i + 1}/{args.rounds}: running {engine}...", file=sys.stderr, flush=True)
+                results[engine] = run_engine(engine, args, prompt_file)
+            rounds.append(results)
     print(f"{args.model.name}: {args.prompt_tokens} prompt tokens, {args.gen_tokens} generated, "
-          f"{args.threads} threads, median of {args.repeats}")
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
+          f"{args.threads} threads, median of {args.repeats}" + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
+    print(json.dumps(rounds if args.rounds > 1 else rounds[0], indent=2) if args.json else format_table(rounds))
     return 0
 
 
