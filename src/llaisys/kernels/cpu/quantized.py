@@ -110,7 +110,7 @@ def _bound_call(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | No
     if bias is not None and (bias.dtype != np.float32 or bias.strides != (4,)):
         return None
     x2, out2 = _rows(x), out.reshape(-1, out.shape[-1])  # (M, K), (M, N)
-    if not np.shares_memory(x2, x) or np.may_share_memory(out2, x2):  # a copy of x, or out aliasing it
+    if not np.may_share_memory(x2, x) or np.may_share_memory(out2, x2):  # a copy of x, or out aliasing it
         return None
     return qw.bind(x2, bias, out2)
 

@@ -161,6 +161,14 @@ class QuantWeight:
         out: float32 (M, N) with contiguous rows, not overlapping x; a new array if None.
         Returns out.
         """
+        out = self._checked(x, bias, out)
+        if x.shape[0] and self.n:
+            _check(_library().llaisys_quant_linear(*self._arguments(x, bias, out)), "linear")
+        return out
+
+    def _checked(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+        """Raise ValueError unless ``linear(x, bias, out)`` is well formed; returns out (new
+        when None)."""
         _require_f32(x, "x")
         if x.ndim != 2 or x.shape[1] != self.k:
             raise ValueError(f"x must be 2-D (M, K={self.k}) for {self!r}, got shape {x.shape}")
@@ -171,36 +179,32 @@ class QuantWeight:
             if bias.shape != (n,) or bias.strides != (4,):
                 raise ValueError(f"bias must be contiguous of shape {(n,)}, got shape {bias.shape}")
         if out is None:
-            out = np.empty((m, n), np.float32)
-        else:
-            _require_f32(out, "out")
-            if out.shape != (m, n):
-                raise ValueError(f"out must have shape {(m, n)}, got {out.shape}")
-            _rows_contiguous(out, "out")
-            if np.may_share_memory(out, x):
-                raise ValueError("out must not overlap x")
-        if m == 0 or n == 0:
-            return out
-        status = _library().llaisys_quant_linear(
-            self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
-            out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
-        _check(status, "linear")
+            return np.empty((m, n), np.float32)
+        _require_f32(out, "out")
+        if out.shape != (m, n):
+            raise ValueError(f"out must have shape {(m, n)}, got {out.shape}")
+        _rows_contiguous(out, "out")
+        if np.may_share_memory(out, x):
+            raise ValueError("out must not overlap x")
         return out
+
+    def _arguments(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> tuple:
+        """The arguments of ``llaisys_quant_linear`` for checked arrays (M >= 1, N >= 1)."""
+        m, n = x.shape[0], self.n
+        return (self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
+                out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
 
     def bind(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> "Callable[[], None]":
         """``linear(x, bias, out)`` checked once, as a function of no arguments that runs it
         again on the same arrays, reading what x and bias hold at the time: what a replayed
         decoding step calls, without this module's checks (a few microseconds a call).
         The arrays must stay where they are (the function keeps them alive)."""
-        if bias is not None:
-            _require_f32(bias, "bias")
-        self.linear(x, bias, out)  # every check, once
-        m, n = x.shape[0], self.n
-        if m == 0 or n == 0:
+        if out is None:
+            raise ValueError("bind needs the output array")
+        self._checked(x, bias, out)
+        if x.shape[0] == 0 or self.n == 0:
             return lambda: None
-        fn = _library().llaisys_quant_linear
-        args = (self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
-                out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
+        fn, args = _library().llaisys_quant_linear, self._arguments(x, bias, out)
         kept = (self, x, bias, out)
 
         def call() -> None:
