@@ -30,6 +30,40 @@ def test_plan_records_instead_of_running_and_replays():
     np.testing.assert_array_equal(y.numpy(), ops.functional.rms_norm(ops.functional.add(ta, ta), tw, 1e-6).numpy())
 
 
+def test_native_stretches_replay_the_bits_of_the_direct_calls():
+    """Kernels with a native form run a stretch at a time in one native call; the results are
+    the direct calls' bits, rebinding moves a copy's destination, and a call without a native
+    form (add) splits the stretch."""
+    from llaisys.kernels.cpu import native_calls
+
+    if not native_calls.available():
+        pytest.fail("the native ops library is not built; the test suite runs against a built package")
+    rng = np.random.default_rng(1)
+    x, proj, w = _t(rng.standard_normal((1, 64))), _t(rng.standard_normal((1, 64))), _t(rng.standard_normal(64))
+    qk = _t(rng.standard_normal((1, 6, 16)))
+    pos = Tensor.from_numpy(np.array([7], dtype=np.int64))
+    h, total, roped, s = Tensor.zeros((1, 64)), Tensor.zeros((1, 64)), Tensor.zeros((1, 6, 16)), Tensor.zeros((1, 64))
+    cache = Tensor.zeros((4, 2, 16))
+    plan = ops.Plan()
+    ops.add_rms_norm(h, total, x, proj, w, 1e-6, plan=plan)
+    ops.rope(roped, qk, pos, 1e4, plan=plan)
+    ops.rearrange(cache.slice(0, 0, 1), roped.slice(1, 4, 6), plan=plan)
+    ops.add(s, h, x, plan=plan)  # no native form: the stretch ends here
+    ops.rms_norm(h, s, w, 1e-6, plan=plan)
+    plan.run()
+    assert len(plan._program) == 3  # [add_rms_norm, rope, rearrange], add, [rms_norm]
+    want_h1 = ops.functional.add_rms_norm(x, proj, w, 1e-6)[0]
+    want_rope = ops.functional.rope(qk, pos, 1e4)
+    want_h = ops.functional.rms_norm(ops.functional.add(want_h1, x), w, 1e-6)
+    np.testing.assert_array_equal(h.numpy(), want_h.numpy())
+    np.testing.assert_array_equal(roped.numpy(), want_rope.numpy())
+    np.testing.assert_array_equal(cache.numpy()[0], want_rope.numpy()[0, 4:6])
+    pos.load(np.array([9], dtype=np.int64))  # the next step: another position, another cache row
+    plan.rebind(2, outputs=(cache.slice(0, 2, 3),))
+    plan.run()
+    np.testing.assert_array_equal(cache.numpy()[2], ops.functional.rope(qk, pos, 1e4).numpy()[0, 4:6])
+
+
 def test_plan_checks_arguments_when_recording():
     plan = ops.Plan()
     with pytest.raises(ValueError, match="add"):

@@ -365,3 +365,31 @@ def test_simd_env_variable_forces_a_level():
         env = dict(os.environ, LLAISYS_SIMD=want)
         got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         assert got.strip() == (want if want == "scalar" else native.available_simd_levels()[-1])
+
+
+def _linear_in_child(queue, raw, x):
+    queue.put(native.prepare("Q4_1", raw).linear(x))
+
+
+def test_a_forked_child_starts_its_own_thread_pool():
+    """A fork child has the pool's memory but not its worker threads: its calls still give the
+    parent's results, on workers of its own (started at its first call)."""
+    import multiprocessing
+
+    rng = np.random.default_rng(5)
+    raw = make_weights("Q4_1", 4096, 256, rng)  # large enough to be split over threads
+    x = rng.standard_normal((1, 256), dtype=np.float32)
+    before = native.threads()
+    try:
+        native.set_threads(2)
+        want = native.prepare("Q4_1", raw).linear(x)  # the parent's pool is running
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_linear_in_child, args=(queue, raw, x))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        np.testing.assert_array_equal(got, want)
+    finally:
+        native.set_threads(before)

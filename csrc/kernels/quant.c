@@ -453,6 +453,24 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
     return status;
 }
 
+/* llaisys_quant_linear with its arguments in one block, for a replayed list of calls
+ * (csrc/ops: llaisys_ops_run). */
+typedef struct {
+    int64_t type;
+    const void *w;
+    int64_t n, k;
+    const float *x;
+    int64_t ldx, m;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+} lq_linear_call;
+
+LQ_EXPORT int llaisys_quant_linear_call(const void *block) {
+    const lq_linear_call *c = block;
+    return llaisys_quant_linear((int)c->type, c->w, c->n, c->k, c->x, c->ldx, c->m, c->y, c->ldy, c->bias);
+}
+
 LQ_EXPORT int llaisys_quant_set_threads(int n) { return lq_pool_set_threads(n); }
 
 LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }

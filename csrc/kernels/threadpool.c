@@ -39,7 +39,7 @@ static struct {
     atomic_int busy;           /* workers inside the current job (changed under lock) */
     int stop;
     int n_threads;             /* workers + the caller; 0 until first use */
-    pid_t pid;                 /* process that created the workers (a fork child has none) */
+    atomic_int forked;         /* set in a fork child, which has the pool's memory but not its threads */
     pthread_t workers[MAX_THREADS];
 } pool = {
     .submit = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
@@ -142,10 +142,16 @@ static void stop_workers(void) {
     pool.stop = 0;
 }
 
+/* In a fork child: the workers stayed in the parent (asking getpid() on every call instead
+ * costs a system call per kernel call). */
+static void after_fork_in_child(void) { atomic_store(&pool.forked, 1); }
+
 /* Start n - 1 workers (the caller is the n-th thread). Caller holds pool.submit. */
 static int start_workers(int n) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;
     unsigned long gen = atomic_load(&pool.generation);
     int started = 1;
     for (; started < n; started++) {
@@ -153,7 +159,6 @@ static int start_workers(int n) {
         if (pthread_create(&pool.workers[started - 1], NULL, worker_main, &worker_args[started - 1]) != 0) break;
     }
     pool.n_threads = started;
-    pool.pid = getpid();
     return started;
 }
 
@@ -161,7 +166,8 @@ static int start_workers(int n) {
 static void ensure_pool(void) {
     if (pool.n_threads == 0) {
         start_workers(default_threads());
-    } else if (pool.pid != getpid()) {
+    } else if (atomic_load_explicit(&pool.forked, memory_order_relaxed)) {
+        atomic_store(&pool.forked, 0);
         /* A forked child inherits the pool's memory but not its threads. */
         pool.n_threads = 0;
         atomic_store(&pool.busy, 0);
@@ -206,7 +212,8 @@ void lq_pool_run(lq_task_fn task, void *ctx, size_t n_chunks, int slots) {
 int lq_pool_set_threads(int n) {
     if (n <= 0) n = default_threads();
     pthread_mutex_lock(&pool.submit);
-    if (pool.n_threads > 0 && pool.pid == getpid()) stop_workers();
+    if (pool.n_threads > 0 && !atomic_load(&pool.forked)) stop_workers();
+    atomic_store(&pool.forked, 0);
     int started = start_workers(n);
     pthread_mutex_unlock(&pool.submit);
     return started;

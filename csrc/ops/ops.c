@@ -186,3 +186,42 @@ LO_EXPORT int llaisys_ops_self_attention(const lo_attention_args *a, const float
     free(scratch);
     return LO_OK;
 }
+
+/* ---- replay: a list of calls in one native call ------------------------------------------- */
+
+LO_EXPORT int llaisys_ops_rms_norm_call(const void *block) {
+    const lo_norm_call *c = block;
+    return llaisys_ops_rms_norm(c->a, c->w);
+}
+
+LO_EXPORT int llaisys_ops_swiglu_call(const void *block) { return llaisys_ops_swiglu(((const lo_swiglu_call *)block)->a); }
+
+LO_EXPORT int llaisys_ops_rope_call(const void *block) {
+    const lo_rope_call *c = block;
+    return llaisys_ops_rope(c->a, c->cos, c->sin);
+}
+
+LO_EXPORT int llaisys_ops_self_attention_call(const void *block) {
+    const lo_attention_call *c = block;
+    return llaisys_ops_self_attention(c->a, c->k, c->v, c->t);
+}
+
+LO_EXPORT int llaisys_ops_copy_call(const void *block) {
+    const lo_copy_call *c = block;
+    if (c->nbytes < 0) return LO_ERR_SHAPE;
+    memmove(c->dst, c->src, (size_t)c->nbytes);
+    return LO_OK;
+}
+
+/* Run calls[0 .. n) in order; stop at the first that returns a nonzero status, returning it
+ * with its index in *failed. */
+LO_EXPORT int llaisys_ops_run(const lo_call *calls, int64_t n, int64_t *failed) {
+    for (int64_t i = 0; i < n; i++) {
+        const int status = calls[i].fn(calls[i].block);
+        if (status) {
+            *failed = i;
+            return status;
+        }
+    }
+    return LO_OK;
+}

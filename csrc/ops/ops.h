@@ -69,6 +69,22 @@ typedef struct {
     double scale;
 } lo_attention_args;
 
+/* A recorded list of kernel calls replayed in one native call (llaisys_ops_run): each call is a
+ * function taking one argument block. The blocks of the kernels here carry the argument struct
+ * (built once) and the pointers that change from call to call; csrc/kernels adds quantized
+ * linear (llaisys_quant_linear_call). */
+typedef int (*lo_call_fn)(const void *block);
+typedef struct {
+    lo_call_fn fn;
+    const void *block;
+} lo_call;
+
+typedef struct { const lo_norm_args *a; const float *w; } lo_norm_call;
+typedef struct { const lo_swiglu_args *a; } lo_swiglu_call;
+typedef struct { const lo_rope_args *a; const float *cos, *sin; } lo_rope_call;
+typedef struct { const lo_attention_args *a; const float *k, *v; int64_t t; } lo_attention_call;
+typedef struct { void *dst; const void *src; int64_t nbytes; } lo_copy_call; /* memmove */
+
 /* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */
 typedef struct {
     const char *name;

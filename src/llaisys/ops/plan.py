@@ -6,6 +6,10 @@ calls in order on the same tensors, so a model's decoding step pays for its chec
 lookups and view creation once. Tensors whose place changes between replays (the rows of a
 KV cache a step writes and reads) are swapped in with ``rebind``, which must keep what the
 recorded checks saw true (device, dtype, rank; shapes that still fit the op).
+
+Kernels that can be called as a C function on an argument block (``native_call``; see
+``kernels.cpu.native_calls``) are replayed a stretch at a time, in one native call each, with
+no Python between them; the others are called one by one as recorded.
 """
 from __future__ import annotations
 
@@ -20,15 +24,19 @@ Call = list  # [kernel, outputs tuple, inputs tuple, attrs dict]
 class Plan:
     """Checked op calls, each ``[kernel, outputs, inputs, attrs]``, run in recording order."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("calls", "_native", "_program")
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
+        self._native: list[Any] = []  # per call: its NativeCall, False (none), or None (not asked yet)
+        self._program: list[Callable[[], None]] | None = None  # the steps of a replay, made at the first
 
     def append(self, kernel: Callable[[tuple, tuple, dict], None], outputs: tuple, inputs: tuple,
                attrs: dict[str, Any]) -> None:
         """Record one resolved kernel call (the ops do this when given ``plan=``)."""
         self.calls.append([kernel, tuple(outputs), tuple(inputs), attrs])
+        self._native.append(None)
+        self._program = None
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -41,8 +49,37 @@ class Plan:
             call[1] = outputs
         if inputs is not None:
             call[2] = inputs
+        native = self._native[index]
+        if native and not (native.rebind is not None and native.rebind(call[1], call[2])):
+            self._native[index] = None  # made anew, with the stretch it belongs to, at the next run
+            self._program = None
 
     def run(self) -> None:
         """Run every recorded call in order."""
-        for kernel, outputs, inputs, attrs in self.calls:
-            kernel(outputs, inputs, attrs)
+        for step in self._program if self._program is not None else self._compile():
+            step()
+
+    def _compile(self) -> list[Callable[[], None]]:
+        """The replay's steps: each stretch of calls with native forms as one native call, each
+        other call on its own (reading its entry in ``calls``, so a rebind needs nothing here)."""
+        program: list[Callable[[], None]] = []
+        stretch: list[Any] = []
+        for i, call in enumerate(self.calls):
+            if self._native[i] is None:
+                make = getattr(call[0], "native_call", None)
+                self._native[i] = (make(call[1], call[2], call[3]) if make is not None else None) or False
+            native = self._native[i]
+            if native and (not stretch or native.runner is stretch[0].runner):
+                stretch.append(native)
+                continue
+            if stretch:
+                program.append(stretch[0].runner(stretch))
+                stretch = []
+            if native:
+                stretch.append(native)
+            else:
+                program.append(lambda call=call: call[0](call[1], call[2], call[3]))
+        if stretch:
+            program.append(stretch[0].runner(stretch))
+        self._program = program
+        return program

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _native
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS, f32
@@ -50,3 +51,34 @@ def rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
         ctypes.memmove(out.data_ptr, src.data_ptr, out.nbytes)
         return
     out.host_array()[...] = src.host_array()
+
+
+class _CopyCall(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("nbytes", ctypes.c_int64)]  # lo_copy_call
+
+
+def native_rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                     attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
+    """``rearrange`` of two dense tensors as a memmove block, for a replayed plan; rebinding it
+    to other dense tensors of the same size moves its pointers (None: not dense)."""
+    from . import native_calls
+
+    out, src = outputs[0], inputs[0]
+    if not native_calls.available() or not (out.is_contiguous() and src.is_contiguous()):
+        return None
+    lib = _native.load("ops")
+    block = _CopyCall(out.data_ptr, src.data_ptr, out.nbytes)
+    layout = (out.shape, out.strides, src.shape, src.strides)  # dense, so any views of this layout are
+
+    def rebind(outputs: tuple, inputs: tuple) -> bool:
+        out2, src2 = outputs[0], inputs[0]
+        if (out2.shape, out2.strides, src2.shape, src2.strides) != layout:
+            return False
+        block.dst, block.src = out2.data_ptr, src2.data_ptr
+        return True
+
+    return native_calls.NativeCall("rearrange", native_calls.address(lib, "llaisys_ops_copy_call"), block,
+                                   keep=(out, src), rebind=rebind)
+
+
+rearrange.native_call = native_rearrange  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _native
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
-from . import attention, elementwise, norm_rope
+from . import attention, elementwise, native_calls, norm_rope
 
 if TYPE_CHECKING:
     from ...tensor import Tensor
@@ -345,6 +345,108 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     if status:
         _failed("self_attention", status)
 
+
+# ---- the same calls as argument blocks, for a replayed plan (``native_calls``) ------------------
+class _NormCall(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("w", _PTR)]  # lo_norm_call
+
+
+class _SwigluCall(ctypes.Structure):
+    _fields_ = [("a", _PTR)]  # lo_swiglu_call
+
+
+class _RopeCall(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("cos", _PTR), ("sin", _PTR)]  # lo_rope_call
+
+
+class _AttentionCall(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("k", _PTR), ("v", _PTR), ("t", _I64)]  # lo_attention_call
+
+
+def _call_of(name: str, function: str, block: ctypes.Structure, keep: Any, **hooks: Any) -> native_calls.NativeCall:
+    return native_calls.NativeCall(name, native_calls.address(_lib, function), block, keep=keep, **hooks)
+
+
+def native_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                    attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``rms_norm`` as an argument block (None where the NumPy kernel would run)."""
+    (out,), (x, w) = outputs, inputs
+    args = _norm_args(out, None, x, None, attrs["eps"])
+    if args is None or not native_calls.available() or not _weight_ok(w, outputs):
+        return None
+    return _call_of("rms_norm", "llaisys_ops_rms_norm_call", _NormCall(ctypes.addressof(args), _ptr(w)), (args, w))
+
+
+def native_add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                        attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``add_rms_norm`` as an argument block (None where the NumPy kernel would run)."""
+    (out, total), (a, b, w) = outputs, inputs
+    args = _norm_args(out, total, a, b, attrs["eps"])
+    if args is None or not native_calls.available() or not _weight_ok(w, outputs):
+        return None
+    return _call_of("add_rms_norm", "llaisys_ops_rms_norm_call", _NormCall(ctypes.addressof(args), _ptr(w)),
+                   (args, w))
+
+
+def native_swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                  attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``swiglu`` as an argument block (None where the NumPy kernel would run)."""
+    args = _swiglu_args(outputs[0], *inputs)
+    if args is None or not native_calls.available():
+        return None
+    return _call_of("swiglu", "llaisys_ops_swiglu_call", _SwigluCall(ctypes.addressof(args)), args)
+
+
+def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``rope`` as an argument block whose cos/sin tables are those of the positions ``pos``
+    holds at each replay (set by its refresh, before the replay's first kernel runs)."""
+    (out,), (x, pos) = outputs, inputs
+    args = _rope_args(out, x)
+    if args is None or not native_calls.available():
+        return None
+    block, d, theta = _RopeCall(ctypes.addressof(args)), x.shape[2], attrs["theta"]
+    kept = [args, None]  # the argument struct, the table in use
+
+    def refresh() -> None:
+        key = (pos.host_array().tobytes(), d, theta)
+        kept[1] = table = _tables.get(key) or _table(key)
+        block.cos, block.sin = table[2], table[3]
+
+    refresh()
+    return _call_of("rope", "llaisys_ops_rope_call", block, kept, refresh=refresh)
+
+
+def native_self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                          attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``self_attention`` as an argument block; rebinding it to other K/V rows of the same
+    layout (a cache one position on) only moves its pointers and key count."""
+    (out,), (q, k, v) = outputs, inputs
+    if k.storage is out.storage or v.storage is out.storage or not native_calls.available():
+        return None
+    args = _attention_args(out, q, k, v, attrs["scale"])
+    if args is None:
+        return None
+    block = _AttentionCall(ctypes.addressof(args), _ptr(k), _ptr(v), k.shape[0])
+    layout = (q, k.strides, v.strides, k.shape[1:], v.shape[1:])
+
+    def rebind(outputs: tuple, inputs: tuple) -> bool:
+        q2, k2, v2 = inputs
+        if outputs[0] is not out or (q2, k2.strides, v2.strides, k2.shape[1:], v2.shape[1:]) != layout:
+            return False
+        if k2.storage is out.storage or v2.storage is out.storage:
+            return False
+        block.k, block.v, block.t = _ptr(k2), _ptr(v2), k2.shape[0]
+        return True
+
+    return _call_of("self_attention", "llaisys_ops_self_attention_call", block, (args, k, v), rebind=rebind)
+
+
+rms_norm.native_call = native_rms_norm  # type: ignore[attr-defined]
+add_rms_norm.native_call = native_add_rms_norm  # type: ignore[attr-defined]
+swiglu.native_call = native_swiglu  # type: ignore[attr-defined]
+rope.native_call = native_rope  # type: ignore[attr-defined]
+self_attention.native_call = native_self_attention  # type: ignore[attr-defined]
 
 KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "swiglu": swiglu,
            "self_attention": self_attention}

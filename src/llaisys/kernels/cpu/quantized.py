@@ -19,6 +19,7 @@ import numpy as np
 
 from ...runtime.dtypes import QUANTIZED_TYPES, DataType
 from ..quant import native, reference
+from . import native_calls
 from ..registry import register_kernel
 from ._common import FLOATS, f32
 
@@ -96,10 +97,11 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return a2
 
 
-def _bound_call(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | None") -> "Callable[[], None] | None":
-    """The native call of this linear bound to the tensors' memory (``QuantWeight.bind``), or
-    None where the general path must run: no native library, a non-F32 input or output, an
-    input whose rows are not one contiguous run at one stride, an output aliasing the input."""
+def _bindable(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | None") -> tuple | None:
+    """(weight, x (M, K), bias (N,) or None, out (M, N)) as arrays over the tensors' memory, for a
+    native call made once and repeated; None where the general path must run: no native
+    library, a non-F32 input or output, an input whose rows are not one contiguous run at one
+    stride, an output aliasing the input."""
     qw = w_t.derived("quant", _prepare)
     if not isinstance(qw, native.QuantWeight):
         return None
@@ -112,7 +114,27 @@ def _bound_call(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | No
     x2, out2 = _rows(x), out.reshape(-1, out.shape[-1])  # (M, K), (M, N)
     if not np.may_share_memory(x2, x) or np.may_share_memory(out2, x2):  # a copy of x, or out aliasing it
         return None
-    return qw.bind(x2, bias, out2)
+    return qw, x2, bias, out2
+
+
+def _bound_call(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | None") -> "Callable[[], None] | None":
+    """The native call of this linear bound to the tensors' memory (``QuantWeight.bind``), or
+    None where the general path must run (``_bindable``)."""
+    parts = _bindable(out_t, x_t, w_t, b_t)
+    return None if parts is None else parts[0].bind(*parts[1:])
+
+
+def native_linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                  attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
+    """``linear`` as a C function and its argument block, for a replayed plan (None: the
+    ordinary call must run)."""
+    parts = _bindable(outputs[0], *inputs)
+    if parts is None or not native_calls.available():
+        return None
+    made = parts[0].call_block(*parts[1:])
+    if made is None:
+        return None
+    return native_calls.NativeCall(f"linear of {parts[0]!r}", made[0], made[1], keep=parts)
 
 
 def linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
@@ -156,6 +178,7 @@ def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
     out[...] = w_t.derived("quant", _prepare).rows(index)  # (S, D) float32
 
 
+linear.native_call = native_linear  # type: ignore[attr-defined]
 register_kernel("linear", "cpu", dtypes=FLOATS, weight_dtypes=QUANTIZED_TYPES, kernel=linear)
 register_kernel("linear", "cpu", dtypes=(DataType.F32,), weight_dtypes=(DataType.F16, DataType.BF16), kernel=linear)
 register_kernel("embedding", "cpu", dtypes=FLOATS, weight_dtypes=QUANTIZED_TYPES, kernel=embedding)

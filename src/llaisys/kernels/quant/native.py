@@ -215,6 +215,26 @@ class QuantWeight:
         return call
 
 
+    def call_block(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> "tuple[int, LinearCall] | None":
+        """``linear(x, bias, out)`` checked once, as the address of ``llaisys_quant_linear_call``
+        and its argument block (for a replayed list of calls, ``kernels.cpu.native_calls``), or
+        None when there is nothing to compute (M or N is 0). The arrays must stay where they are."""
+        self._checked(x, bias, out)
+        if x.shape[0] == 0 or self.n == 0:
+            return None
+        lib = _library()
+        return (ctypes.cast(lib.llaisys_quant_linear_call, ctypes.c_void_p).value,
+                LinearCall(*self._arguments(x, bias, out)))
+
+
+class LinearCall(ctypes.Structure):
+    """``lq_linear_call`` of csrc/kernels/quant.c: llaisys_quant_linear's arguments in one block."""
+
+    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("m", ctypes.c_int64), ("y", ctypes.c_void_p),
+                ("ldy", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
 def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
     """Check weight bytes raw (N, row_bytes) uint8 in format ``qtype`` once, for repeated use."""
     return QuantWeight(qtype, raw)
