@@ -56,6 +56,13 @@ def test_native_stretches_replay_the_bits_of_the_direct_calls():
     want_rope = ops.functional.rope(qk, pos, 1e4)
     want_h = ops.functional.rms_norm(ops.functional.add(want_h1, x), w, 1e-6)
     np.testing.assert_array_equal(h.numpy(), want_h.numpy())
+    import torch  # and against PyTorch: rms_norm(rms_norm(x + proj) + x)
+
+    def norm(a):
+        return a / torch.sqrt((a * a).mean(-1, keepdim=True) + 1e-6) * torch.from_numpy(w.numpy()).double()
+
+    xd, pd = torch.from_numpy(x.numpy()).double(), torch.from_numpy(proj.numpy()).double()
+    np.testing.assert_allclose(h.numpy(), norm(norm(xd + pd) + xd).numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(roped.numpy(), want_rope.numpy())
     np.testing.assert_array_equal(cache.numpy()[0], want_rope.numpy()[0, 4:6])
     pos.load(np.array([9], dtype=np.int64))  # the next step: another position, another cache row

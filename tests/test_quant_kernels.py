@@ -391,5 +391,6 @@ def test_a_forked_child_starts_its_own_thread_pool():
         child.join(timeout=60)
         assert child.exitcode == 0
         np.testing.assert_array_equal(got, want)
+        assert_linear_close(got, x, gguf_dequantize("Q4_1", raw), None, "forked child")
     finally:
         native.set_threads(before)
