@@ -278,33 +278,22 @@ static void *alloc_floats(size_t n) {
     return posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) == 0 ? p : NULL;
 }
 
-/* M = 1 with a fused kernel: rows [n0, n1) of y, a tile at a time. */
-static void linear_chunk_dot(void *arg, size_t chunk, int thread) {
+/* Up to dotm_max rows of X with a fused kernel (each weight decoded in registers, once for all
+ * of them): rows [n0, n1) of y, dot_rows rows of W at a time; M = 1 through `dot`. */
+static void linear_chunk_fused(void *arg, size_t chunk, int thread) {
     (void)thread;
     const linear_job *j = arg;
-    const lq_dot_fn dot = j->kern->dot[j->fmt->index];
     const size_t tile = (size_t)j->kern->dot_rows;
     size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
     if (n1 > j->n) n1 = j->n;
     for (size_t t0 = n0; t0 < n1; t0 += tile) {
         const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
+        const uint8_t *w = j->w + t0 * j->row_bytes;
         const float *bias = j->bias ? j->bias + t0 : NULL;
-        dot(j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->k, j->y + t0, bias);
-    }
-}
-
-/* A few rows of X with a fused kernel: each weight decoded once, in registers, for all of them. */
-static void linear_chunk_dotm(void *arg, size_t chunk, int thread) {
-    (void)thread;
-    const linear_job *j = arg;
-    const lq_dotm_fn dotm = j->kern->dotm[j->fmt->index];
-    const size_t tile = (size_t)j->kern->dot_rows;
-    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
-    if (n1 > j->n) n1 = j->n;
-    for (size_t t0 = n0; t0 < n1; t0 += tile) {
-        const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
-        dotm(j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->ldx, j->m, j->k, j->y + t0, j->ldy,
-             j->bias ? j->bias + t0 : NULL);
+        if (j->m == 1)
+            j->kern->dot[j->fmt->index](w, j->row_bytes, rows, j->x, j->k, j->y + t0, bias);
+        else
+            j->kern->dotm[j->fmt->index](w, j->row_bytes, rows, j->x, j->ldx, j->m, j->k, j->y + t0, j->ldy, bias);
     }
 }
 
@@ -422,11 +411,11 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
     if (m == 1 && j.kern->dot[f->index]) {
         const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
         j.rows_per_chunk = chunk_rows(j.n, j.k, (size_t)j.kern->dot_rows, (size_t)slots);
-        lq_pool_run(linear_chunk_dot, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, slots);
+        lq_pool_run(linear_chunk_fused, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, slots);
     } else if (m <= j.kern->dotm_max && j.kern->dotm[f->index]) {
         j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, (size_t)j.kern->dot_rows, (size_t)threads);
         const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
-        lq_pool_run(linear_chunk_dotm, &j, n_chunks, n_chunks < (size_t)threads ? (int)n_chunks : threads);
+        lq_pool_run(linear_chunk_fused, &j, n_chunks, n_chunks < (size_t)threads ? (int)n_chunks : threads);
     } else {
         /* Many rows of X: 4x taller tiles of W (L2-sized), so X streams through the cache 4x
          * less often (measured: up to 20% faster at M = 512). Up to 32 rows: a tile of about

@@ -69,7 +69,7 @@ def batch(calls: Sequence[NativeCall]) -> Callable[[], None]:
     run, so a rebound block takes effect at the next."""
     run = _runner()
     table = (_Call * len(calls))(*[(c.fn, ctypes.addressof(c.block)) for c in calls])
-    refreshes = [c.refresh for c in calls if c.refresh is not None]
+    refreshes = list(dict.fromkeys(c.refresh for c in calls if c.refresh is not None))  # a shared call refreshes once
     failed = ctypes.c_int64()
     count = len(calls)
 

@@ -46,6 +46,7 @@ def _library() -> ctypes.CDLL:
                 signatures = {
                     "llaisys_quant_dequantize": [cint, ptr, i64, i64, ptr],
                     "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr],
+                    "llaisys_quant_linear_call": [ptr],
                     "llaisys_quant_set_threads": [cint],
                     "llaisys_quant_threads": [],
                     "llaisys_quant_simd_available": [],
@@ -201,19 +202,18 @@ class QuantWeight:
         The arrays must stay where they are (the function keeps them alive)."""
         if out is None:
             raise ValueError("bind needs the output array")
-        self._checked(x, bias, out)
-        if x.shape[0] == 0 or self.n == 0:
+        made = self.call_block(x, bias, out)
+        if made is None:
             return lambda: None
-        fn, args = _library().llaisys_quant_linear, self._arguments(x, bias, out)
-        kept = (self, x, bias, out)
+        kept = (self, x, bias, out, made[1])  # the block points into the arrays
+        fn, address = _library().llaisys_quant_linear_call, ctypes.addressof(made[1])
 
         def call() -> None:
-            status = fn(*args)
+            status = fn(address)
             if status:
                 _check(status, f"linear of {kept[0]!r}")
 
         return call
-
 
     def call_block(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> "tuple[int, LinearCall] | None":
         """``linear(x, bias, out)`` checked once, as the address of ``llaisys_quant_linear_call``
