@@ -30,6 +30,21 @@ def test_plan_records_instead_of_running_and_replays():
     np.testing.assert_array_equal(y.numpy(), ops.functional.rms_norm(ops.functional.add(ta, ta), tw, 1e-6).numpy())
 
 
+@pytest.fixture
+def native_ops_registered():
+    """The native small-op kernels registered for the test (LLAISYS_NATIVE_OPS=0 leaves the
+    NumPy ones), and the registration there was before put back."""
+    from llaisys import DataType
+    from llaisys.kernels import find_kernel
+    from llaisys.kernels.cpu import native_ops
+
+    was_native = find_kernel("rms_norm", "cpu", DataType.F32) is native_ops.rms_norm
+    native_ops.register(native=True)
+    yield
+    native_ops.register(native=was_native)
+
+
+@pytest.mark.usefixtures("native_ops_registered")
 def test_native_stretches_replay_the_bits_of_the_direct_calls():
     """Kernels with a native form run a stretch at a time in one native call; the results are
     the direct calls' bits, rebinding moves a copy's destination, and a call without a native
