@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import types
 
 import numpy as np
@@ -130,8 +131,37 @@ def test_unexpected_tensor_is_named(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("name,what", [
+    ("rope_freqs.weight", "Llama 3 rope scaling"),
+    ("rope_factors_long.weight", "LongRoPE scaling factors"),
+])
+def test_gguf_rope_tensors_are_refused_by_name(tmp_path, name, what):
+    """Llama 3.x files carry their rope scaling as rope_freqs.weight (per-frequency divisors):
+    skipping it would run the model with the wrong rotary frequencies."""
+    tensors = _gguf_tensors()
+    tensors[name] = np.full(4, 2.0, np.float32)  # (Dh / 2,)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, "llama", tensors, config=CFG)
+    with pytest.raises(ModelLoadError, match=rf"llama3\.gguf: the file carries {re.escape(name)} \({what}\), "
+                                             r"which llaisys does not apply yet"):
+        load_model(path)
+
+
+def test_every_gguf_tensor_is_used_or_refused():
+    """No GGUF tensor name is skipped silently: the table ignores none."""
+    from llaisys.models.architectures import get, names
+
+    for arch in names():
+        table = get(arch).gguf_names
+        assert table.ignored.match("rope_freqs.weight") is None
+        assert "rope_freqs.weight" in table.refused
+
+
 @pytest.mark.parametrize("meta,message", [
     ({"rope_scaling_type": gguf.RopeScalingType.YARN}, r"rope\.scaling\.type='yarn' is not supported"),
+    ({"rope_scaling_type": gguf.RopeScalingType.LINEAR, "rope_scaling_factor": 2.0},
+     r"rope\.scaling\.type='linear' is not supported"),
+    ({"rope_scaling_factor": 4.0}, r"llama\.rope\.scaling\.factor=4\.0 asks for linear rope scaling"),
     ({"rope_dimension_count": 4}, r"rope\.dimension_count=4 rotates part of each head"),
 ])
 def test_unsupported_gguf_settings(tmp_path, meta, message):
@@ -141,6 +171,22 @@ def test_unsupported_gguf_settings(tmp_path, meta, message):
         "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-5, **meta})
     with pytest.raises(ModelLoadError, match=r"setting\.gguf: .*" + message):
         load_model(path)
+
+
+def test_gguf_old_linear_scale_key_is_refused(tmp_path):
+    path = _kv_gguf(tmp_path / "scale.gguf", {"llama.rope.scale_linear": (2.0, T.FLOAT32, None)})
+    with pytest.raises(ModelLoadError, match=r"scale\.gguf: llama\.rope\.scale_linear=2\.0 asks for linear rope scaling"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("meta", [
+    {"rope_scaling_factor": 1.0},
+    {"rope_scaling_type": gguf.RopeScalingType.NONE, "rope_scaling_factor": 8.0},  # llama.cpp: no scaling
+])
+def test_gguf_rope_settings_that_change_nothing_load(tmp_path, meta):
+    path = tmp_path / "setting.gguf"
+    write_gguf(path, "llama", _gguf_tensors(), config=CFG, meta=meta)
+    assert load_model(path).config.rope_theta == 10000.0
 
 
 def test_missing_hyper_parameter(tmp_path):
@@ -323,6 +369,15 @@ def test_the_base_folder_loads(tmp_path):
     ({**HF_CONFIG, "intermediate_size": -5}, r"config\.json: intermediate_size must be a positive integer, got -5"),
     ({**HF_CONFIG, "hidden_size": "32"}, r"config\.json: hidden_size must be a positive integer, got '32'"),
     ({**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"config\.json: rope type 'llama3' is not supported"),
+    ({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"config\.json: rope type 'linear' is not supported \(rope_scaling\)"),
+    ({**HF_CONFIG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     r"config\.json: rope type 'yarn' is not supported \(rope_parameters\)"),
+    ({**HF_CONFIG, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     r"config\.json: rope_parameters holds per-layer-type entries \('full_attention'\)"),
+    ({**HF_CONFIG, "rope_scaling": [1, 2]}, r"config\.json: rope_scaling must be an object, got \[1, 2\]"),
+    ({**HF_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": None}},
+     r"config\.json: rope_theta must be a positive number, got None"),
     ({**HF_CONFIG, "hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
 ])
 def test_bad_config_json(tmp_path, config, message):
@@ -435,6 +490,16 @@ def test_layer_index_with_a_leading_zero_is_not_layer_0(tmp_path):
      r"tokenizer_config\.json: chat_template must be a string or a list of"),
     ({"tokenizer_config.json": b'{"eos_token": 2}'},
      r"tokenizer_config\.json: eos_token must be a string or an object with a string 'content', got 2"),
+    ({"tokenizer_config.json": b'{"added_tokens_decoder": [1]}'},
+     r"tokenizer_config\.json: added_tokens_decoder must be an object of token id -> token, got \[1\]"),
+    ({"tokenizer_config.json": b'{"added_tokens_decoder": {"x": {"content": "<a>"}}}'},
+     r"tokenizer_config\.json: added_tokens_decoder has key 'x'; expected a token id"),
+    ({"tokenizer_config.json": b'{"added_tokens_decoder": {"5": {"content": 5}}}'},
+     r"tokenizer_config\.json: added_tokens_decoder\['5'\] must be a string or an object with a string 'content'"),
+    ({"tokenizer_config.json": b'{"added_tokens_decoder": {"5": {"content": "<a>", "special": "yes"}}}'},
+     r"tokenizer_config\.json: added_tokens_decoder\['5'\] has special='yes'; expected only 'content' and the flags"),
+    ({"tokenizer_config.json": b'{"extra_special_tokens": "<a>"}'},
+     r"tokenizer_config\.json: extra_special_tokens must be a list of tokens, got '<a>'"),
     ({"generation_config.json": b'{"eos_token_id": "x"}'}, r"generation_config\.json: eos_token_id must be a token id .*found 'x'"),
     ({"generation_config.json": b'{"eos_token_id": [1, 2.0]}'}, r"generation_config\.json: eos_token_id .*found 2\.0"),
 ])
@@ -523,3 +588,33 @@ def test_forward_and_cache_errors(good_gguf):
         twin.forward([1], cache)
     with pytest.raises(TypeError, match="KVCache"):
         model.forward([1], None)
+
+
+@pytest.mark.parametrize("value,error,message", [
+    (1.5, TypeError, r"KVCache\.length must be an integer in \[0, 4\], got 1\.5 \(float\)"),
+    (True, TypeError, r"KVCache\.length must be an integer in \[0, 4\], got True \(bool\)"),
+    ("2", TypeError, r"KVCache\.length must be an integer in \[0, 4\], got '2' \(str\)"),
+    (None, TypeError, r"KVCache\.length must be an integer in \[0, 4\], got None"),
+    (np.float64(2.0), TypeError, r"KVCache\.length must be an integer in \[0, 4\], got .*2\.0"),
+    (-1, ValueError, r"KVCache\.length must be an integer in \[0, 4\], got -1"),
+    (5, ValueError, r"KVCache\.length must be an integer in \[0, 4\], got 5"),
+])
+def test_cache_length_is_checked_when_set(good_gguf, value, error, message):
+    model = load_model(good_gguf)
+    cache = model.new_cache(4)
+    model.forward([1, 2], cache)
+    with pytest.raises(error, match=message):
+        cache.length = value
+    assert cache.length == 2  # unchanged
+
+
+def test_cache_length_set_in_range_is_kept(good_gguf):
+    model = load_model(good_gguf)
+    cache = model.new_cache(4)
+    full = model.forward([1, 2, 3], cache)
+    cache.length = np.int64(2)  # NumPy integers are integers
+    assert type(cache.length) is int and cache.length == 2
+    # the third token again, from position 2 (a decoding step: its sums run in another order)
+    np.testing.assert_allclose(model.forward([3], cache), full, atol=1e-4, rtol=0)
+    cache.length = 4
+    assert cache.free == 0

@@ -204,3 +204,40 @@ def test_kv_cache_truncate_and_reuse(case):
     np.testing.assert_allclose(got, want, atol=F32_ATOL, rtol=0)
     cache.reset()
     assert cache.length == 0
+
+
+# config.json rope entries that disagree -> the rope_theta transformers 5 runs with
+# (``convert_rope_params_to_dict``: rope_scaling, when non-empty, replaces rope_parameters; the
+# table's rope_theta comes first, then the flat key, then 10000).
+DEFAULT = {"rope_type": "default"}
+ROPE_CONFLICTS = {  # name: (architecture, config.json rope entries, the rope_theta transformers uses)
+    "flat_and_parameters": ("llama", dict(rope_theta=5000.0, rope_parameters={**DEFAULT, "rope_theta": 700.0}), 700.0),
+    "flat_and_scaling": ("qwen2", dict(rope_theta=5000.0, rope_scaling={**DEFAULT, "rope_theta": 900.0}), 900.0),
+    "parameters_and_scaling": ("llama", dict(rope_parameters={**DEFAULT, "rope_theta": 700.0},
+                                             rope_scaling={**DEFAULT, "rope_theta": 900.0}), 900.0),
+    "scaling_without_theta": ("qwen2", dict(rope_parameters={**DEFAULT, "rope_theta": 700.0},
+                                            rope_scaling={"type": "default"}), 10000.0),
+    "scaling_without_theta_flat": ("llama", dict(rope_theta=500.0, rope_parameters={**DEFAULT, "rope_theta": 700.0},
+                                                 rope_scaling={"type": "default"}), 500.0),
+    "parameters_without_theta": ("qwen2", dict(rope_theta=500.0, rope_parameters=DEFAULT), 500.0),
+    "scaling_replaces_llama3_parameters": ("llama", dict(
+        rope_theta=500.0, rope_scaling=DEFAULT,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 700.0, "factor": 8.0}), 500.0),
+}
+
+
+@pytest.mark.parametrize("case_name", list(ROPE_CONFLICTS))
+def test_conflicting_rope_theta_follows_transformers(tmp_path, case_name):
+    arch, rope, theta = ROPE_CONFLICTS[case_name]
+    _build(arch, dict(tie_word_embeddings=False), seed=13).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    raw = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("rope_theta", "rope_parameters")}
+    path.write_text(json.dumps({**raw, **rope}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert ref.config.rope_parameters["rope_type"] == "default"
+    assert ref.config.rope_parameters["rope_theta"] == theta  # the case is what it says
+    model = load_model(tmp_path)
+    assert model.config.rope_theta == theta
+    ids = _prompt(24, seed=14)
+    np.testing.assert_allclose(model.forward(ids, model.new_cache(32), all_logits=True), _hf_logits(ref, ids),
+                               atol=F32_ATOL, rtol=0, err_msg=case_name)

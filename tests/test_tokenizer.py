@@ -196,3 +196,74 @@ def test_merges_from_scores_with_a_very_long_token(tmp_path):
     _write(path, tokens, [2, 1, 1, 1, 1], scores=[0.0, 0.0, 0.0, -1.0, -2.0], model="llama")
     ours = Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
     assert ours.encode("ab", add_special_tokens=False) == [3]
+
+
+# ---- a model folder whose special tokens are declared only in tokenizer_config.json ----------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DECLARED = {  # tokenizer_config.json's added_tokens_decoder, as transformers writes it (ids past the vocabulary)
+    "<|im_start|>": dict(special=True, lstrip=False, rstrip=False, normalized=False, single_word=False),
+    "<|im_end|>": dict(special=True, lstrip=False, rstrip=True, normalized=False, single_word=False),
+    "<tool_call>": dict(special=False, lstrip=True, rstrip=False, normalized=False, single_word=False),
+    "word": dict(special=False, lstrip=False, rstrip=False, normalized=True, single_word=True),
+    "SHOUT": dict(special=False, normalized=True),  # flags left out take the library's defaults
+}
+MARKED_TEXTS = [
+    "<|im_start|>user\nhello<|im_end|>   \nbye",
+    "x<|im_end|>y<|im_start|>",
+    "a <tool_call> b  <tool_call>",
+    "sword word words, word.",
+    "SHOUT shout Shout",
+    "<|im_start|<|im_end|>>",
+]
+
+
+def _folder_tokenizer(folder, config: dict, lowercase: bool = False) -> None:
+    """A byte-level BPE tokenizer.json with no added tokens, and ``config`` as tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("w", "o"), ("wo", "r"), ("wor", "d")]
+    tokens = list(byte_alphabet().values()) + [a + b for a, b in merges]
+    backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    if lowercase:
+        backend.normalizer = normalizers.Lowercase()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("lowercase", [False, True], ids=["plain", "lowercase_normalizer"])
+@pytest.mark.parametrize("config", [
+    {"added_tokens_decoder": {str(263 + i): {"content": t, **flags} for i, (t, flags) in enumerate(DECLARED.items())},
+     "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE},
+    # ids out of order and with gaps: transformers adds them in id order, at the next free ids
+    {"added_tokens_decoder": {"900": {"content": "<|im_end|>", "special": True}, "300": {"content": "<tool_call>"},
+                              "500": {"content": "<|im_start|>", "special": True}}, "chat_template": CHAT_TEMPLATE},
+    # named special tokens and extra ones that no added_tokens_decoder declares
+    {"bos_token": "<|im_start|>", "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "lstrip": True,
+                                                "rstrip": False, "normalized": False, "single_word": False},
+     "additional_special_tokens": ["<tool_call>"], "chat_template": CHAT_TEMPLATE},
+    # a named token declared as not special is made special
+    {"added_tokens_decoder": {"263": {"content": "<|im_end|>", "special": False, "lstrip": True}},
+     "eos_token": "<|im_end|>", "extra_special_tokens": {"image_token": "<|im_start|>"}, "chat_template": CHAT_TEMPLATE},
+], ids=["added_tokens_decoder", "sparse_ids", "named_and_additional", "named_made_special"])
+def test_tokens_declared_in_tokenizer_config_match_transformers(tmp_path, config, lowercase):
+    _folder_tokenizer(tmp_path, config, lowercase)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_folder(tmp_path)
+    assert ours.vocab_size == len(ref)
+    msgs = [{"role": "user", "content": "hello word"}, {"role": "assistant", "content": "<tool_call> SHOUT"}]
+    chat = ours.apply_chat_template(msgs)
+    assert chat == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    for text in MARKED_TEXTS + [chat]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False), text
+    assert ours.eos_token_ids == ([ref.eos_token_id] if ref.eos_token_id is not None else [])
+    assert ours.bos_token_id == ref.bos_token_id
+    assert len(ours.encode("<|im_start|>")) == 1  # the markers are one token each, not text

@@ -124,18 +124,30 @@ def json_flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> b
     return value
 
 
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
 def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
-    """rope_theta from either the flat key or ``rope_parameters``/``rope_scaling`` (transformers 5)."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for table in (params, scaling):
-        if not isinstance(table, Mapping):
-            raise ModelLoadError(f"{source}: rope_parameters/rope_scaling must be an object, got {table!r}")
-        kind = table.get("rope_type", table.get("type", "default"))
-        if kind != "default":
-            raise ModelLoadError(f"{source}: rope type {kind!r} is not supported; expected 'default' (plain rotary embeddings)")
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
-    return theta
+    """rope_theta as transformers 5 reads it (``convert_rope_params_to_dict``): the rope table
+    is ``rope_scaling`` when it is non-empty, otherwise ``rope_parameters``; its ``rope_theta``
+    comes first, then the flat ``rope_theta``, then 10000. A rope type other than "default" in
+    that table is refused by name, as is a table of per-layer-type entries."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], Mapping):
+            raise ModelLoadError(f"{source}: {key} must be an object, got {raw[key]!r}")
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    table = raw.get(key) or {}
+    nested = [name for name, value in table.items() if isinstance(value, Mapping)]
+    if nested:
+        raise ModelLoadError(f"{source}: {key} holds per-layer-type entries ({', '.join(map(repr, nested))}), "
+                             f"which llaisys does not apply; expected one table of rope parameters")
+    kind = table.get("rope_type", table.get("type", "default"))
+    if kind != "default":
+        raise ModelLoadError(f"{source}: rope type {kind!r} is not supported ({key}); llaisys applies only "
+                             f"'default' (plain rotary embeddings)")
+    if "rope_theta" in table:
+        return table["rope_theta"]
+    return raw.get("rope_theta", DEFAULT_ROPE_THETA)
 
 
 def config_from_hf(raw: Any, source: str) -> ModelConfig:

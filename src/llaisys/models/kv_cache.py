@@ -5,6 +5,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
+
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
@@ -32,6 +34,21 @@ class KVCache:
         self.k_layers = [self.k.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
         self.v_layers = [self.v.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
         self.passes: dict = {}  # the owner's recorded passes over this cache, by token count (see CausalLM)
+
+    @property
+    def length(self) -> int:
+        """How many positions are filled; the next forward pass writes from here on."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        # checked here: a bad length would otherwise reach the native kernels as a bad row range
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"KVCache.length must be an integer in [0, {self.max_tokens}], "
+                            f"got {value!r} ({type(value).__name__})")
+        if not 0 <= value <= self.max_tokens:
+            raise ValueError(f"KVCache.length must be an integer in [0, {self.max_tokens}], got {value}")
+        self._length = int(value)
 
     def rows(self, layer: int, start: int, end: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Views of ``layer`` for a pass writing positions ``start:end``: keys and values

@@ -136,6 +136,7 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: not a readable tokenizer ({exc})") from exc
         cfg_path = folder / "tokenizer_config.json"
         cfg = read_json_object(cfg_path)
+        _add_config_tokens(backend, cfg, cfg_path)
         template = _folder_chat_template(folder, cfg)
         eos = _token_content(cfg, "eos_token", cfg_path)
         return cls(backend, bos_token=_token_content(cfg, "bos_token", cfg_path), eos_tokens=[eos] if eos else [],
@@ -270,6 +271,66 @@ def _token_content(cfg: Mapping[str, Any], key: str, path: Path) -> str | None:
     if content is not None and not isinstance(content, str):
         raise ModelLoadError(f"{path}: {key} must be a string or an object with a string 'content', got {value!r}")
     return content
+
+
+# tokenizer_config.json keys naming special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order)
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+ADDED_TOKEN_FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")
+
+
+def _added_token(value: Any, path: Path, key: str) -> AddedToken:
+    """An ``AddedToken`` from a string (a special token) or an object ``{"content": ...,
+    "special": ..., "lstrip": ..., ...}`` (``"__type": "AddedToken"`` allowed), as
+    tokenizer_config.json writes them."""
+    if isinstance(value, str):
+        return AddedToken(value, special=True)
+    fields = {k: v for k, v in value.items() if k != "__type"} if isinstance(value, dict) else {}
+    if not isinstance(fields.get("content"), str):
+        raise ModelLoadError(f"{path}: {key} must be a string or an object with a string 'content', got {value!r:.200}")
+    for name, flag in fields.items():
+        if name != "content" and (name not in ADDED_TOKEN_FLAGS or not isinstance(flag, bool)):
+            raise ModelLoadError(f"{path}: {key} has {name}={flag!r}; expected only 'content' and the flags "
+                                 f"{', '.join(ADDED_TOKEN_FLAGS)} (true or false)")
+    return AddedToken(**fields)
+
+
+def _add_config_tokens(backend: _Backend, cfg: Mapping[str, Any], path: Path) -> None:
+    """Register the tokens tokenizer_config.json declares, as transformers does when it loads a
+    folder: ``added_tokens_decoder`` entries (in id order, each with its own flags; the backend
+    gives each its id, as in transformers), then the named special tokens (``eos_token`` ...)
+    and ``extra_special_tokens``/``additional_special_tokens`` that are not added tokens yet, as
+    special tokens. Without this a chat template's markers would be encoded as plain text."""
+    declared = cfg.get("added_tokens_decoder") or {}
+    if not isinstance(declared, dict):
+        raise ModelLoadError(f"{path}: added_tokens_decoder must be an object of token id -> token, got {declared!r:.200}")
+    entries = []
+    for index, value in declared.items():
+        if not (isinstance(index, str) and index.isascii() and index.isdigit()):
+            raise ModelLoadError(f"{path}: added_tokens_decoder has key {index!r}; expected a token id (digits)")
+        entries.append((int(index), _added_token(value, path, f"added_tokens_decoder[{index!r}]")))
+    present = {repr(t) for t in backend.get_added_tokens_decoder().values()}
+    tokens = [t for _, t in sorted(entries, key=lambda e: e[0]) if repr(t) not in present]
+    named = []
+    for key in NAMED_SPECIAL_TOKENS:
+        if cfg.get(key) is not None:
+            named.append(_added_token(cfg[key], path, key))
+    extra = cfg.get("extra_special_tokens") or cfg.get("additional_special_tokens") or []
+    extra = list(extra.values()) if isinstance(extra, dict) else extra
+    if not isinstance(extra, list):
+        raise ModelLoadError(f"{path}: extra_special_tokens must be a list of tokens, got {extra!r:.200}")
+    extra = [_added_token(t, path, "extra_special_tokens") for t in extra]
+    known = {t.content for t in backend.get_added_tokens_decoder().values()} | {t.content for t in tokens}
+    for token in named + extra:
+        if token.content not in known:
+            token.special = True
+            tokens.append(token)
+            known.add(token.content)
+    names = {t.content for t in named}
+    for token in tokens:
+        if token.content in names:
+            token.special = True
+    if tokens:
+        backend.add_tokens(tokens)
 
 
 def _read_text(path: Path) -> str:

@@ -11,7 +11,7 @@ o (D, H*Dh), o_bias (D,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -66,7 +66,14 @@ GGUF_LAYER = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
 }
-GGUF_IGNORED = re.compile(r"^rope_freqs\.weight$")
+GGUF_IGNORED = re.compile(r"(?!)")  # nothing: every tensor of a GGUF file is used or refused
+# Tensors that change what the model computes in ways llaisys does not apply yet: refused by
+# name (skipping them would run the model with the wrong rotary frequencies).
+GGUF_REFUSED = {
+    "rope_freqs.weight": "Llama 3 rope scaling",
+    "rope_factors_long.weight": "LongRoPE scaling factors",
+    "rope_factors_short.weight": "LongRoPE scaling factors",
+}
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,10 @@ class NameTable:
     globals: Mapping[str, str]
     layer_prefix: str  # with "{i}" for the layer index
     layer: Mapping[str, str]
-    ignored: re.Pattern
+    ignored: re.Pattern  # buffers the model recomputes exactly, skipped
     layer_count_key: str  # the key giving the number of layers, with "{arch}" for the architecture
+    # known names llaisys does not apply -> what they carry; a file holding one is refused
+    refused: Mapping[str, str] = field(default_factory=dict)
 
     def to_ours(self, name: str) -> str | None:
         """Our name for the file's ``name``; None when the table does not know it."""
@@ -103,7 +112,7 @@ class NameTable:
 
 
 HF_NAMES = NameTable(HF_GLOBAL, HF_LAYER_PREFIX, HF_LAYER, HF_IGNORED, "num_hidden_layers")
-GGUF_NAMES = NameTable(GGUF_GLOBAL, GGUF_LAYER_PREFIX, GGUF_LAYER, GGUF_IGNORED, "{arch}.block_count")
+GGUF_NAMES = NameTable(GGUF_GLOBAL, GGUF_LAYER_PREFIX, GGUF_LAYER, GGUF_IGNORED, "{arch}.block_count", GGUF_REFUSED)
 
 
 def is_layer_index(text: str) -> bool:
@@ -166,10 +175,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def map_names(file_tensors: Mapping[str, WeightSource], table: NameTable, source: str,
               arch: str) -> dict[str, WeightSource]:
-    """Rename a file's tensors to ours; a name the table does not know is an error naming it
-    (and ``arch``, the architecture whose table it is)."""
+    """Rename a file's tensors to ours; a name the table does not know, or one it lists as
+    refused, is an error naming it (and ``arch``, the architecture whose table it is)."""
     out: dict[str, WeightSource] = {}
     for name, src in file_tensors.items():
+        if name in table.refused:
+            raise ModelLoadError(
+                f"{src.file}: the file carries {name} ({table.refused[name]}), which llaisys does not apply "
+                f"yet; refusing to run the {arch} model without it"
+            )
         ours = table.to_ours(name)
         if ours is None:
             if table.ignored.match(name):

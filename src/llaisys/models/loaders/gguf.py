@@ -82,9 +82,15 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             raise ModelLoadError(f"{path}: {arch}.{key} holds per-layer values {value[:4]}...; expected one number")
         if value is not None:
             values[name] = value
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in ("none", None):
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none'")
+    # llama.cpp reads a scaling factor without a scaling type as linear scaling
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = meta.get(key)
+        if scaling is None and factor is not None and factor != 1.0:
+            raise ModelLoadError(f"{path}: {key}={factor!r} asks for linear rope scaling, which llaisys does not "
+                                 f"apply; expected no factor, 1.0, or {arch}.rope.scaling.type='none'")
     if "vocab_size" not in values:
         values["vocab_size"] = _vocab_size(meta, tensors)
     values["tie_word_embeddings"] = architecture.gguf_names.to_file("lm_head") not in tensors
