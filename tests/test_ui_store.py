@@ -5,6 +5,7 @@ The API runs through FastAPI's TestClient on a bare app with only ``ui.mount``: 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 from pathlib import Path
@@ -375,8 +376,6 @@ def test_api_key_guards_the_api_only(tmp_path: Path) -> None:
 
 
 def test_page_uses_only_its_own_files(client) -> None:
-    import re
-
     html = client.get("/").text
     refs = re.findall(r'(?:src|href)="([^"]*)"', html)
     assert refs and all(r.startswith("ui/") or r.startswith("data:") for r in refs), refs  # no CDN
@@ -384,3 +383,165 @@ def test_page_uses_only_its_own_files(client) -> None:
     for ref in refs:
         if ref.startswith("ui/"):
             assert client.get("/" + ref).status_code == 200, ref
+
+
+# ---------------------------------------------------------------- bad data: meta types, deep JSON
+
+BAD_META = {"tokens_per_s": "fast"}
+
+
+@pytest.mark.parametrize("meta, message", [
+    (BAD_META, "meta.tokens_per_s must be a number >= 0 or null, got 'fast'"),
+    ({"completion_tokens": 2.5}, "meta.completion_tokens must be an integer >= 0"),
+    ({"prompt_tokens": True}, "meta.prompt_tokens must be an integer >= 0"),
+    ({"ttft_s": -1}, "meta.ttft_s must be a number >= 0"),
+    ({"status": "exploded"}, "meta.status must be one of streaming, done, stopped, error"),
+    ({"error": {"message": "x"}}, "meta.error must be a string"),
+    ({"sampling": {"temperature": "hot"}}, "meta.sampling must be an object of numbers"),
+    ({"deep": json.loads("[" * 20 + "]" * 20)}, "nests more than 16 levels"),
+])
+def test_meta_types_are_checked(store: ConversationStore, meta: dict, message: str) -> None:
+    cid = store.create_conversation()["id"]
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        store.add_message(cid, "assistant", "x", meta=meta)
+    mid = store.add_message(cid, "assistant", "x", meta={"status": "done"})["id"]
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        store.update_message(cid, mid, {"meta": meta})
+    assert store.get_conversation(cid)["messages"][0]["meta"] == {"status": "done"}
+
+
+def test_meta_keeps_good_values_and_free_keys(store: ConversationStore) -> None:
+    cid = store.create_conversation()["id"]
+    meta = {"status": "done", "model": None, "finish_reason": "length", "prompt_tokens": 7, "completion_tokens": 3,
+            "tokens_per_s": 12, "ttft_s": 0.25, "error": "", "sampling": {"temperature": 0.3, "max_tokens": 512},
+            "mine": {"anything": [1, "two"]}}
+    assert store.add_message(cid, "assistant", "x", meta=meta)["meta"] == meta
+
+
+def test_import_refuses_bad_meta_types(store: ConversationStore) -> None:
+    document = {"conversation": {"title": "bad", "messages": [
+        {"id": "q", "role": "user", "content": "hi"},
+        {"id": "a", "parent_id": "q", "role": "assistant", "content": "hello", "meta": BAD_META}]}}
+    with pytest.raises(TypeError, match=re.escape("conversations[0]: messages[1].meta.tokens_per_s must be a "
+                                                  "number >= 0 or null, got 'fast'")):
+        store.import_conversations(document)
+    assert store.list_conversations() == []
+
+
+def test_stored_meta_of_a_wrong_type_is_dropped_when_read(store: ConversationStore) -> None:
+    # rows written before the checks (or by hand): the API never hands the page a wrong type
+    cid = store.create_conversation()["id"]
+    a = store.add_message(cid, "assistant", "kept", meta={"status": "done"})["id"]
+    b = store.add_message(cid, "assistant", "kept too")["id"]
+    with sqlite3.connect(store.path) as db:
+        db.execute("UPDATE messages SET meta = ? WHERE id = ?",
+                   (json.dumps({"status": "done", "tokens_per_s": "fast", "completion_tokens": [3], "x": "free"}), a))
+        db.execute("UPDATE messages SET meta = ? WHERE id = ?", ('"not an object"', b))
+    by_id = {m["id"]: m for m in store.get_conversation(cid)["messages"]}
+    assert by_id[a]["meta"] == {"status": "done", "x": "free"} and by_id[a]["content"] == "kept"
+    assert by_id[b]["meta"] == {}
+    assert store.update_message(cid, a, {"meta": {"ttft_s": 0.5}})["meta"] == {"status": "done", "x": "free",
+                                                                               "ttft_s": 0.5}
+    (made,) = store.import_conversations(store.export_conversation(cid))  # a clean export imports again
+    assert len(store.get_conversation(made["id"])["messages"]) == 2
+
+
+def test_api_refuses_bad_meta_types(client) -> None:
+    document = {"conversation": {"title": "bad", "messages": [
+        {"id": "a", "role": "assistant", "content": "hello", "meta": BAD_META}]}}
+    r = client.post("/api/conversations/import", json=document)
+    assert r.status_code == 400, r.text
+    assert "messages[0].meta.tokens_per_s must be a number >= 0 or null, got 'fast'" in r.json()["error"]["message"]
+    assert client.get("/api/conversations").json()["data"] == []
+    cid = client.post("/api/conversations").json()["id"]
+    r = client.post(f"/api/conversations/{cid}/messages", json={"role": "assistant", "content": "x", "meta": BAD_META})
+    assert r.status_code == 400 and "tokens_per_s" in r.json()["error"]["message"]
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * DEEP + b"]" * DEEP,
+    b'{"a":' * DEEP + b"1" + b"}" * DEEP,
+    b'{"meta": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    b"[" * DEEP,  # not even valid JSON
+], ids=["array", "object", "inside", "unclosed"])
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/api/conversations"), ("POST", "/api/conversations/import"), ("PATCH", "{c}"),
+    ("POST", "{c}/messages"), ("PATCH", "{c}/messages/{m}"),
+])
+def test_api_refuses_deeply_nested_json(client, method: str, path: str, body: bytes) -> None:
+    cid = client.post("/api/conversations").json()["id"]
+    mid = client.post(f"/api/conversations/{cid}/messages", json={"role": "user", "content": "q"}).json()["id"]
+    path = path.replace("{c}", f"/api/conversations/{cid}").replace("{m}", mid)
+    r = client.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    assert f"at most {ui_module().MAX_JSON_DEPTH} levels" in r.json()["error"]["message"]
+
+
+def ui_module():
+    from llaisys.server import ui
+
+    return ui
+
+
+def test_brackets_in_strings_and_modest_nesting_are_fine(client) -> None:
+    title = "[[[{{{" * 100
+    r = client.post("/api/conversations", json={"title": title[:200]})
+    assert r.status_code == 201 and r.json()["title"] == title[:200]
+    cid = r.json()["id"]
+    meta = {"x": json.loads("[" * 10 + "]" * 10), "quote": 'a "[" b \\ ['}
+    r = client.post(f"/api/conversations/{cid}/messages", json={"role": "assistant", "content": "]]]" * 100,
+                                                                "meta": meta})
+    assert r.status_code == 201 and r.json()["meta"] == meta
+
+
+@pytest.mark.parametrize("text, depth", [
+    (b"1", 0), (b"[]", 1), (b'{"a": [1, {"b": []}]}', 4), (b'["]]]", "[[[", "\\"[", [[]]]', 3),
+    (b"[" * 100 + b"]" * 100, 100),
+])
+def test_json_depth(text: bytes, depth: int) -> None:
+    assert ui_module().json_depth(text) == depth
+
+
+# ---------------------------------------------------------------- the page's defaults
+
+def test_settings_route_serves_the_models_defaults(tmp_path: Path) -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llaisys.generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
+    from llaisys.server import ui
+
+    app = FastAPI()
+    ui.mount(app, SimpleNamespace(db_path=tmp_path / "s.sqlite3", api_key=None))
+    with TestClient(app) as c:
+        r = c.get("/api/settings")  # the UI alone: no model
+        assert r.status_code == 503 and "no model" in r.json()["error"]["message"]
+        app.state.service = SimpleNamespace(status="loading", model=None)
+        r = c.get("/api/settings")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+
+        model = SimpleNamespace(generation_defaults={})
+        app.state.service = SimpleNamespace(status="ready", model=model, max_model_len=8192)
+        fallback = sampling_defaults({})
+        assert c.get("/api/settings").json() == {"temperature": fallback["temperature"], "top_p": fallback["top_p"],
+                                                 **fallback, "max_tokens": CHAT_MAX_TOKENS, "max_model_len": 8192}
+        model.generation_defaults = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                     "max_new_tokens": 9}
+        assert c.get("/api/settings").json() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                 "max_tokens": CHAT_MAX_TOKENS, "max_model_len": 8192}
+        model.generation_defaults = {"do_sample": False}
+        got = c.get("/api/settings").json()
+        assert got["temperature"] == 0.0 and got["top_p"] is None  # None: the server's default
+
+        app.state.service = SimpleNamespace(status="failed", model=None, failure=lambda: "the model failed to load: x")
+        r = c.get("/api/settings")
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+
+
+def test_settings_route_wants_the_key(tmp_path: Path) -> None:
+    with make_client(tmp_path, api_key="sesame") as c:
+        assert c.get("/api/settings").status_code == 401
+        assert c.get("/api/settings", headers={"Authorization": "Bearer sesame"}).status_code == 503

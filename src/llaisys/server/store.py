@@ -32,6 +32,8 @@ ROLES = ("user", "assistant")
 MAX_TITLE = 200          # characters
 MAX_CONTENT = 1 << 20    # characters of a message or a system prompt
 MAX_META = 64 << 10      # characters of a message's meta as JSON
+MAX_META_DEPTH = 16      # levels of arrays and objects in a message's meta
+STATUSES = ("streaming", "done", "stopped", "error")  # an answer's meta.status
 AUTO_TITLE = 60          # characters of the first user message that become an untitled chat's title
 
 # Sampling settings a conversation may keep: name -> (kind, low, high, low inclusive).
@@ -119,14 +121,90 @@ def check_settings(value: Any) -> dict[str, Any]:
     return out
 
 
-def check_meta(value: Any) -> dict[str, Any]:
-    """A message's meta: a JSON object of at most MAX_META characters."""
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_amount(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _is_sampling(v: Any) -> bool:
+    return isinstance(v, Mapping) and all(isinstance(k, str) and (x is None or (
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))) for k, x in v.items())
+
+
+# The meta keys the page writes and reads: name -> (test, what is expected). None is allowed for
+# each (no value); other keys are kept as they come.
+META_FIELDS: dict[str, tuple[Any, str]] = {
+    "status": (lambda v: v in STATUSES, f"one of {', '.join(STATUSES)}"),
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "finish_reason": (lambda v: isinstance(v, str), "a string"),
+    "error": (lambda v: isinstance(v, str), "a string"),
+    "prompt_tokens": (_is_count, "an integer >= 0"),
+    "completion_tokens": (_is_count, "an integer >= 0"),
+    "tokens_per_s": (_is_amount, "a number >= 0"),
+    "ttft_s": (_is_amount, "a number >= 0"),
+    "sampling": (_is_sampling, "an object of numbers"),
+}
+
+
+def _depth(value: Any) -> int:
+    """Levels of lists and dicts in ``value`` (0: a scalar), counted without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, level = todo.pop()
+        items = v.values() if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else None
+        if items is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_META_DEPTH:  # deeper is refused anyway: stop looking
+            todo.extend((x, level + 1) for x in items)
+    return deepest
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_meta(value: Any, name: str = "meta") -> dict[str, Any]:
+    """A message's meta: a JSON object of at most MAX_META characters, nested at most
+    MAX_META_DEPTH levels, whose keys of META_FIELDS hold what they should (or None). ``name``
+    is how errors call it."""
     if not isinstance(value, Mapping):
-        raise TypeError(f"meta must be an object, got {type(value).__name__}")
-    text = json.dumps(value, allow_nan=False)
+        raise TypeError(f"{name} must be an object, got {type(value).__name__}")
+    if _depth(value) > MAX_META_DEPTH:
+        raise ValueError(f"{name} nests more than {MAX_META_DEPTH} levels deep")
+    for key, v in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be strings, got {key!r}")
+        test, expected = META_FIELDS.get(key, (None, ""))
+        if test is not None and v is not None and not test(v):
+            raise TypeError(f"{name}.{key} must be {expected} or null, got {_short(v)}")
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not plain JSON: {exc}") from None
     if len(text) > MAX_META:
-        raise ValueError(f"meta is {len(text)} characters of JSON; at most {MAX_META} are allowed")
+        raise ValueError(f"{name} is {len(text)} characters of JSON; at most {MAX_META} are allowed")
     return dict(value)
+
+
+def clean_meta(value: Any) -> dict[str, Any]:
+    """``value`` with the keys of META_FIELDS that hold something else dropped ({} for a value
+    that is no object): how a stored meta is read, so rows written before these checks (or by
+    hand) never reach the page with a wrong type."""
+    if not isinstance(value, Mapping):
+        return {}
+    out = {}
+    for key, v in value.items():
+        test = META_FIELDS.get(key, (None, ""))[0]
+        if v is None or test is None or test(v):
+            out[key] = v
+        else:
+            logger.debug("dropped meta.%s = %r: not %s", key, v, META_FIELDS[key][1])
+    return out
 
 
 def check_role(value: Any) -> str:
@@ -235,7 +313,7 @@ class ConversationStore:
     def _message(row: sqlite3.Row) -> dict[str, Any]:
         return {"id": row["id"], "conversation_id": row["conversation_id"], "parent_id": row["parent_id"],
                 "role": row["role"], "content": row["content"], "created": row["created"],
-                "meta": json.loads(row["meta"])}
+                "meta": clean_meta(json.loads(row["meta"]))}
 
     @staticmethod
     def _summary(row: sqlite3.Row) -> dict[str, Any]:
@@ -370,7 +448,7 @@ class ConversationStore:
         patch = check_meta(changes["meta"]) if "meta" in changes else {}
         with self._transaction() as db:
             row = self._message_row(db, cid, mid)
-            meta = json.loads(row["meta"])
+            meta = clean_meta(json.loads(row["meta"]))
             meta.update(patch)
             meta = check_meta({k: v for k, v in meta.items() if v is not None})
             db.execute("UPDATE messages SET content = ?, meta = ? WHERE id = ?",
@@ -446,7 +524,7 @@ class ConversationStore:
                 msg = {"id": check_id(f"messages[{j}].id", m.get("id"), nullable=False),
                        "parent_id": check_id(f"messages[{j}].parent_id", m.get("parent_id")),
                        "role": check_role(m.get("role")), "content": check_content(m.get("content")),
-                       "meta": check_meta(m.get("meta") or {}),
+                       "meta": check_meta(m.get("meta") or {}, f"messages[{j}].meta"),
                        "created": float(mcreated) if isinstance(mcreated, (int, float))
                        and not isinstance(mcreated, bool) else now}
                 if msg["id"] in depth:

@@ -4,13 +4,16 @@ API behind them.
 ``mount(app, options)`` adds
 
 * ``GET /``: the chat page (``static/index.html``), and ``/ui/*``: its script and style;
-* ``/api/conversations...``: the REST API over ``store.ConversationStore`` (see docs/server.md).
+* ``/api/conversations...``: the REST API over ``store.ConversationStore`` (see docs/server.md);
+* ``GET /api/settings``: the sampling defaults the page sends unless the user sets its own (the
+  loaded model's, as the CLI uses them; 503 while the model loads).
 
 The page itself talks to the server's ``/v1/chat/completions`` (streamed) and saves what it
 sends and receives through the API. With ``options.api_key`` set, every ``/api`` call needs
 ``Authorization: Bearer <key>`` (the page asks for the key once); the page and its files do not.
-Errors are the server's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
-field, 401 missing or wrong key, 404 unknown id, 415 a body that is not sent as JSON.
+Errors are the server's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON (or
+JSON nested deeper than MAX_JSON_DEPTH) or field, 401 missing or wrong key, 404 unknown id, 415 a
+body that is not sent as JSON, 503 no model (yet) for ``/api/settings``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from ..generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
 from .store import ConversationStore, NotFoundError
 
 logger = logging.getLogger(__name__)
@@ -38,23 +43,38 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'se
                            "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 
 Handler = Callable[..., Awaitable[Any]]
+# Nesting a request body may have (the export format needs 4 levels plus a message's meta): the
+# JSON parser recurses once per level, so a body nested 100000 deep would end in a RecursionError.
+MAX_JSON_DEPTH = 64
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 _ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 415: "unsupported_media_type"}
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The server's error shape (OpenAI's): {"error": {"message", "type", "param", "code"}}."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     body = {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-            "param": None, "code": _ERROR_CODES.get(status)}
+            "param": None, "code": code or _ERROR_CODES.get(status)}
     return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of the JSON text ``raw`` nest (0: a scalar), counted
+    without recursion: brackets inside strings are skipped, the others summed as +1/-1."""
+    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw))
+    return max(accumulate(1 if c in b"[{" else -1 for c in brackets), default=0)
 
 
 def _key_matches(request: Request, key: str) -> bool:
@@ -76,10 +96,16 @@ async def _json_body(request: Request, empty: Any = None) -> dict[str, Any]:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise _HTTPError(415, f"send the body as Content-Type: application/json, not {media or 'no type'!r}")
+    # a body with few brackets cannot nest deeply: only count levels when there are many
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(raw)) > MAX_JSON_DEPTH:
+        raise _HTTPError(400, f"the JSON body nests {depth} levels deep; "
+                              f"at most {MAX_JSON_DEPTH} levels are allowed")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _HTTPError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # malformed JSON that the count above misread
+        raise _HTTPError(400, f"the JSON body nests too deeply; at most {MAX_JSON_DEPTH} levels are allowed") from None
     if not isinstance(body, dict):
         raise _HTTPError(400, f"the body must be a JSON object, got {type(body).__name__}")
     return body
@@ -93,6 +119,26 @@ def _fields(body: dict[str, Any], allowed: tuple[str, ...], required: tuple[str,
     if missing:
         raise _HTTPError(400, f"missing field(s) {', '.join(missing)}")
     return body
+
+
+def page_defaults(service: Any) -> dict[str, Any]:
+    """What the page sends when the user sets nothing: the sampling defaults of the model that
+    ``service`` (the app's ModelService) serves, as the CLI takes them (its generation_config.json,
+    else FALLBACK_SAMPLING), ``max_tokens`` CHAT_MAX_TOKENS and ``max_model_len`` (the context, or
+    None). Raises a 503 _HTTPError while there is no model."""
+    status = getattr(service, "status", None)
+    if service is None or status is None:
+        raise _HTTPError(503, "this server serves no model, so it has no sampling defaults", "no_model")
+    if status == "failed":
+        raise _HTTPError(503, service.failure(), "engine_unavailable")
+    if status == "loading" or getattr(service, "model", None) is None:
+        raise _HTTPError(503, "the model is still loading; try again shortly", "model_loading")
+    out: dict[str, Any] = {"temperature": None, "top_p": None}  # None: the server's default
+    out.update(sampling_defaults(getattr(service.model, "generation_defaults", None)))
+    out["max_tokens"] = CHAT_MAX_TOKENS
+    no_engine = hasattr(service, "engine") and service.engine is None  # the context is the engine's
+    out["max_model_len"] = None if no_engine else getattr(service, "max_model_len", None)
+    return out
 
 
 def _attachment_name(title: str) -> str:
@@ -121,7 +167,7 @@ def mount(app: Any, options: Any) -> None:
             try:
                 return await handler(request, *args, **kwargs)
             except _HTTPError as exc:
-                return _error(exc.status, str(exc))
+                return _error(exc.status, str(exc), exc.code)
             except NotFoundError as exc:
                 return _error(404, exc.args[0] if exc.args else "not found")
             except (ValueError, TypeError) as exc:
@@ -197,6 +243,11 @@ def mount(app: Any, options: Any) -> None:
         return JSONResponse(document, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     app.include_router(router)
+
+    @app.get("/api/settings", tags=["chat UI"], response_model=None)
+    @endpoint
+    async def settings_defaults(request: Request) -> Any:
+        return page_defaults(getattr(request.app.state, "service", None))
 
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html",

@@ -4,16 +4,27 @@
 // A conversation is a tree of messages; the page shows the path from the first message to the
 // conversation's active leaf. Sending saves the user message first, then creates the assistant
 // message and saves its text as it streams (every SAVE_EVERY_MS and at the end, stopped or not).
+// Each request carries the model's sampling defaults (api/settings, as the CLI uses them) and a
+// max_tokens, under what the user set for the chat. A reload mid-answer keeps it, marked stopped.
 (function () {
   "use strict";
 
   const MD = window.LlaisysMarkdown;
   const SAVE_EVERY_MS = 1000;
   const KEY_STORAGE = "llaisys.apiKey";
+  const STREAM_STORAGE = "llaisys.streaming"; // sessionStorage: the answer this tab streams, for after a reload
+  const KEEPALIVE_MAX = 60000; // bytes: browsers cap what keepalive requests in flight carry at 64 KiB
   const SETTINGS = ["temperature", "top_p", "max_tokens", "seed"];
   const INTEGER_SETTINGS = new Set(["max_tokens", "seed"]);
 
+  const SHOWN_DEFAULTS = ["temperature", "top_p", "max_tokens"];
+
   const $ = (id) => document.getElementById(id);
+  const isNum = (v) => typeof v === "number" && Number.isFinite(v);
+  const isObj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+  // A message's meta as an object, whatever was stored (an imported file may carry anything).
+  const metaOf = (m) => (isObj(m.meta) ? m.meta : {});
+  const textOf = (v) => (typeof v === "string" ? v : v === undefined || v === null ? "" : String(v));
   const el = (tag, cls, text) => {
     const e = document.createElement(tag);
     if (cls) e.className = cls;
@@ -28,6 +39,8 @@
     branchLeaf: new Map(), // message id -> leaf last shown under it, to come back to a branch
     stream: null,        // the answer being generated: {convId, msg, controller, content, ...}
     model: null,
+    defaults: null,      // api/settings: the model's sampling defaults and max_tokens
+    leaving: false,      // the page is being unloaded: a failing stream is cut by that, not by an error
     apiKey: localStorage.getItem(KEY_STORAGE) || null,
     keyPrompt: null,     // the pending API key dialog, shared by concurrent 401s
     search: "",
@@ -198,29 +211,59 @@
     $("model-name").textContent = state.model || "";
     $("system-prompt").value = conv ? conv.system_prompt : "";
     for (const k of SETTINGS) {
-      const v = conv && conv.settings[k];
-      $("set-" + k).value = v === undefined || v === null ? "" : String(v);
+      const v = conv && isObj(conv.settings) ? conv.settings[k] : undefined;
+      $("set-" + k).value = isNum(v) ? String(v) : "";
     }
     $("settings-error").hidden = true;
+    showDefaults();
+  }
+
+  // The settings panel shows the model's defaults in its empty fields.
+  function showDefaults() {
+    const d = state.defaults || {};
+    const shown = [];
+    for (const k of SHOWN_DEFAULTS) {
+      const v = d[k];
+      $("set-" + k).placeholder = isNum(v) ? String(v) : "default";
+      if (isNum(v)) shown.push((k === "max_tokens" ? "max tokens" : k) + " " + v);
+    }
+    $("settings-defaults").textContent = shown.length
+      ? "Empty fields use the model's defaults: " + shown.join(", ") + "."
+      : "Empty fields use the server's defaults.";
   }
 
   function statsText(meta) {
     const parts = [];
-    if (meta.completion_tokens !== undefined) parts.push(meta.completion_tokens + " tokens");
-    if (meta.tokens_per_s !== undefined) parts.push(meta.tokens_per_s.toFixed(1) + " tok/s");
-    if (meta.ttft_s !== undefined) parts.push("first token " + meta.ttft_s.toFixed(2) + " s");
+    if (isNum(meta.completion_tokens)) parts.push(meta.completion_tokens + " tokens");
+    if (isNum(meta.tokens_per_s)) parts.push(meta.tokens_per_s.toFixed(1) + " tok/s");
+    if (isNum(meta.ttft_s)) parts.push("first token " + meta.ttft_s.toFixed(2) + " s");
     return parts.join(" · ");
   }
 
   function statusOf(m) {
     if (state.stream && state.stream.msg.id === m.id) return "streaming";
-    const s = m.meta && m.meta.status;
+    const s = metaOf(m).status;
+    if (typeof s !== "string" || !/^[a-z_]{1,20}$/.test(s)) return undefined; // also a CSS class
     return s === "streaming" ? "interrupted" : s; // a stream this page is not running: cut short
+  }
+
+  // A message that cannot be rendered (a bug, or data no check foresaw) still shows its text.
+  function safeMessageEl(m) {
+    try {
+      return messageEl(m);
+    } catch (e) {
+      console.error("could not render message", m && m.id, e);
+      const box = el("article", "msg " + (m.role === "user" ? "user" : "assistant"));
+      box.dataset.id = textOf(m.id);
+      box.appendChild(el("div", "msg-role", m.role === "user" ? "You" : "Assistant"));
+      box.appendChild(el("div", "msg-body", textOf(m.content)));
+      return box;
+    }
   }
 
   function messageEl(m) {
     const streaming = state.stream && state.stream.msg.id === m.id;
-    const content = streaming ? state.stream.content : m.content;
+    const content = streaming ? state.stream.content : textOf(m.content);
     const box = el("article", "msg " + m.role + (streaming ? " streaming" : ""));
     box.dataset.id = m.id;
     box.appendChild(el("div", "msg-role", m.role === "user" ? "You" : "Assistant"));
@@ -255,7 +298,7 @@
     } else {
       const copy = el("button", "copy-message", "Copy");
       copy.type = "button";
-      copy.addEventListener("click", () => copyText(streaming ? state.stream.content : m.content, copy));
+      copy.addEventListener("click", () => copyText(streaming ? state.stream.content : textOf(m.content), copy));
       const again = el("button", "regenerate-button", "Regenerate");
       again.type = "button";
       again.disabled = !!state.stream;
@@ -263,8 +306,9 @@
       foot.append(copy, again);
       const status = statusOf(m);
       if (status && status !== "done") foot.appendChild(el("span", "msg-status " + status, status));
-      if (m.meta && m.meta.error) foot.appendChild(el("span", "msg-error", m.meta.error));
-      const stats = m.meta ? statsText(m.meta) : "";
+      const meta = metaOf(m);
+      if (typeof meta.error === "string" && meta.error) foot.appendChild(el("span", "msg-error", meta.error));
+      const stats = statsText(meta);
       if (stats && !streaming) foot.appendChild(el("span", "msg-stats", stats));
     }
     box.appendChild(foot);
@@ -280,7 +324,7 @@
     if (!path.length) {
       box.appendChild(el("div", "empty-chat", "Send a message to start."));
     }
-    for (const m of path) box.appendChild(messageEl(m));
+    for (const m of path) box.appendChild(safeMessageEl(m));
     if (atBottom || state.stream) box.scrollTop = box.scrollHeight;
   }
 
@@ -389,8 +433,8 @@
     const body = box.querySelector(".msg-body");
     const foot = box.querySelector(".msg-foot");
     const area = el("textarea", "edit-input");
-    area.value = m.content;
-    area.rows = Math.min(12, Math.max(2, m.content.split("\n").length));
+    area.value = textOf(m.content);
+    area.rows = Math.min(12, Math.max(2, area.value.split("\n").length));
     const save = el("button", "edit-send primary", "Send");
     const cancel = el("button", "edit-cancel", "Cancel");
     save.type = cancel.type = "button";
@@ -429,17 +473,56 @@
     await generate(user);
   }
 
-  function requestBody(userMsg) {
+  // The model's defaults (api/settings); an Error saying why when the server has none (yet).
+  async function loadDefaults() {
+    const res = await authFetch("api/settings", {});
+    if (!res.ok) throw new Error("no sampling defaults from the server: " + await errorText(res));
+    const d = await res.json();
+    state.defaults = isObj(d) ? d : {};
+    showDefaults();
+    return state.defaults;
+  }
+
+  // The request for an answer to ``userMsg``: the model's defaults (every sampling value and
+  // max_tokens, so an answer never runs on for minutes unasked) under the chat's own settings.
+  async function requestBody(userMsg) {
     const conv = state.conv;
+    const defaults = state.defaults || await loadDefaults();
     const messages = [];
-    if (conv.system_prompt.trim()) messages.push({ role: "system", content: conv.system_prompt });
-    for (const m of pathTo(userMsg.id)) messages.push({ role: m.role, content: m.content });
+    if (textOf(conv.system_prompt).trim()) messages.push({ role: "system", content: conv.system_prompt });
+    for (const m of pathTo(userMsg.id)) messages.push({ role: m.role, content: textOf(m.content) });
     const body = { messages, stream: true, stream_options: { include_usage: true } };
     if (state.model) body.model = state.model;
-    for (const k of SETTINGS) {
-      if (conv.settings[k] !== undefined && conv.settings[k] !== null) body[k] = conv.settings[k];
+    for (const [k, v] of Object.entries(defaults)) {
+      if (k !== "max_model_len" && isNum(v)) body[k] = v;
     }
+    const own = isObj(conv.settings) ? conv.settings : {};
+    for (const k of SETTINGS) {
+      if (isNum(own[k])) body[k] = own[k];
+    }
+    if (!isNum(own.max_tokens) && isNum(body.max_tokens)) await fitContext(body, defaults.max_model_len);
     return body;
+  }
+
+  // Lower the default max_tokens where the conversation leaves less room in the context (the
+  // server refuses a prompt plus max_tokens above it). Only a long chat asks the server to count:
+  // a token is at least one byte, so bytes plus room for the template bound the prompt's tokens.
+  async function fitContext(body, context) {
+    if (!isNum(context)) return;
+    const encoder = new TextEncoder();
+    const bound = body.messages.reduce((n, m) => n + encoder.encode(m.content).length + 32, 64);
+    if (bound + body.max_tokens <= context) return;
+    try {
+      const res = await authFetch("tokenize", {
+        method: "POST", headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ model: body.model, messages: body.messages }),
+      });
+      if (!res.ok) return; // the chat request will say what is wrong
+      const count = (await res.json()).count;
+      if (isNum(count)) body.max_tokens = Math.max(1, Math.min(body.max_tokens, context - count));
+    } catch (e) {
+      console.warn("could not count the prompt's tokens", e);
+    }
   }
 
   // Read an SSE body, calling onData with each parsed ``data:`` object until [DONE] or the end.
@@ -478,18 +561,37 @@
     return s.saving;
   }
 
+  // The meta an answer ends with: how it ended, its speed, and what it was sampled with.
+  function finalMeta(s, status, error) {
+    const meta = { status, model: state.model || null, finish_reason: s.finish };
+    if (error) meta.error = error;
+    if (s.sampling) meta.sampling = s.sampling;
+    if (s.tFirst !== null) meta.ttft_s = (s.tFirst - s.t0) / 1000;
+    if (s.usage) {
+      if (isNum(s.usage.prompt_tokens)) meta.prompt_tokens = s.usage.prompt_tokens;
+      if (isNum(s.usage.completion_tokens)) meta.completion_tokens = s.usage.completion_tokens;
+      // decode speed: the tokens after the first over the time from the first token to the last
+      const dt = (s.tLast - s.tFirst) / 1000;
+      if (s.usage.completion_tokens > 1 && dt > 0) meta.tokens_per_s = (s.usage.completion_tokens - 1) / dt;
+    }
+    return meta;
+  }
+
   // Answer ``userMsg``: a new assistant message under it, streamed from the server and saved as it grows.
   async function generate(userMsg) {
     if (state.stream || !userMsg) return;
     const conv = state.conv;
-    const body = requestBody(userMsg);
     const msg = await api("POST", "/" + encodeURIComponent(conv.id) + "/messages",
       { role: "assistant", content: "", parent_id: userMsg.id, meta: { status: "streaming", model: state.model } });
     const s = {
       convId: conv.id, msg, controller: new AbortController(), content: "", saving: null, lastSave: 0,
-      t0: performance.now(), tFirst: null, tLast: null, usage: null, finish: null,
+      t0: performance.now(), tFirst: null, tLast: null, usage: null, finish: null, sampling: null,
+      final: null, exitSaved: false,
     };
     state.stream = s;
+    try { // a reload cuts this stream: the next page of this tab finds it here and marks it stopped
+      sessionStorage.setItem(STREAM_STORAGE, JSON.stringify({ conv: s.convId, msg: msg.id }));
+    } catch (_) { /* no storage: the save on pagehide is all there is */ }
     addLocal(msg);
     conv.active_leaf = msg.id;
     setBusy(true);
@@ -497,6 +599,10 @@
     let status = "done";
     let error = null;
     try {
+      const body = await requestBody(userMsg);
+      s.sampling = {};
+      for (const [k, v] of Object.entries(body)) if (isNum(v)) s.sampling[k] = v;
+      s.t0 = performance.now();
       const res = await authFetch("v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json" },
         body: JSON.stringify(body), signal: s.controller.signal,
@@ -518,20 +624,17 @@
         if (chunk.usage) s.usage = chunk.usage;
       });
     } catch (e) {
-      if (s.controller.signal.aborted) status = "stopped";
+      // a page going away aborts its fetches ("network error"): that is a stop, not a failure
+      if (s.controller.signal.aborted || state.leaving) status = "stopped";
       else { status = "error"; error = e.message || String(e); }
     }
-    const meta = { status, model: state.model || null, finish_reason: s.finish };
-    if (error) meta.error = error;
-    if (s.tFirst !== null) meta.ttft_s = (s.tFirst - s.t0) / 1000;
-    if (s.usage) {
-      meta.prompt_tokens = s.usage.prompt_tokens;
-      meta.completion_tokens = s.usage.completion_tokens;
-      // decode speed: the tokens after the first over the time from the first token to the last
-      const dt = (s.tLast - s.tFirst) / 1000;
-      if (s.usage.completion_tokens > 1 && dt > 0) meta.tokens_per_s = (s.usage.completion_tokens - 1) / dt;
+    const meta = s.final = finalMeta(s, status, error);
+    let saved = null;
+    if (state.leaving) saveOnExit(); // only a keepalive request outlives the page
+    else {
+      saved = await saveStream(s, meta);
+      try { sessionStorage.removeItem(STREAM_STORAGE); } catch (_) { /* no storage */ }
     }
-    const saved = await saveStream(s, meta);
     state.stream = null;
     setBusy(false);
     const local = state.byId.get(msg.id);
@@ -544,14 +647,42 @@
     if (state.stream) state.stream.controller.abort();
   }
 
-  // A page closed mid-answer: save what came, marked stopped (keepalive outlives the page).
+  // A page closed or reloaded mid-answer: save what came, marked stopped (a keepalive request
+  // outlives the page, up to 64 KiB; past that the last save's text stays and only the mark goes).
   function saveOnExit() {
+    state.leaving = true;
     const s = state.stream;
-    if (!s) return;
-    fetch("api/conversations/" + encodeURIComponent(s.convId) + "/messages/" + encodeURIComponent(s.msg.id), {
-      method: "PATCH", keepalive: true, headers: authHeaders({ "Content-Type": "application/json" }),
-      body: JSON.stringify({ content: s.content, meta: { status: "stopped" } }),
-    }).catch(() => {});
+    if (!s || s.exitSaved) return;
+    s.exitSaved = true;
+    const meta = s.final || finalMeta(s, "stopped", null); // an answer that ended is saved as it ended
+    let body = JSON.stringify({ content: s.content, meta });
+    if (new TextEncoder().encode(body).length > KEEPALIVE_MAX) body = JSON.stringify({ meta });
+    try {
+      fetch("api/conversations/" + encodeURIComponent(s.convId) + "/messages/" + encodeURIComponent(s.msg.id), {
+        method: "PATCH", keepalive: true, headers: authHeaders({ "Content-Type": "application/json" }), body,
+      }).catch(() => {});
+    } catch (_) { /* refused at once: the next load of this tab marks it (settleInterrupted) */ }
+  }
+
+  // The answer this tab was streaming when it was reloaded: marked stopped if the save on the way
+  // out did not land (its text is what the last save kept).
+  async function settleInterrupted() {
+    let mark = null;
+    try {
+      mark = JSON.parse(sessionStorage.getItem(STREAM_STORAGE) || "null");
+      sessionStorage.removeItem(STREAM_STORAGE);
+    } catch (_) { return; }
+    if (!isObj(mark) || typeof mark.conv !== "string" || typeof mark.msg !== "string") return;
+    try {
+      const conv = await api("GET", "/" + encodeURIComponent(mark.conv));
+      const m = conv.messages.find((x) => x.id === mark.msg);
+      if (m && metaOf(m).status === "streaming") {
+        await api("PATCH", "/" + encodeURIComponent(mark.conv) + "/messages/" + encodeURIComponent(mark.msg),
+          { meta: { status: "stopped" } });
+      }
+    } catch (e) {
+      console.warn("could not mark the interrupted answer stopped", e); // deleted since, or offline
+    }
   }
 
   async function copyText(text, button) {
@@ -707,7 +838,14 @@
     });
     $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
     $("key-dialog").addEventListener("cancel", (e) => e.preventDefault()); // the key is needed to go on
+    // beforeunload comes first: the fetches may be cut before pagehide
+    window.addEventListener("beforeunload", () => {
+      if (!state.stream) return;
+      state.leaving = true;
+      setTimeout(() => { state.leaving = false; }, 5000); // still here: it was no unload after all
+    });
     window.addEventListener("pagehide", saveOnExit);
+    window.addEventListener("pageshow", (e) => { if (e.persisted) state.leaving = false; }); // back from the cache
   }
 
   async function start() {
@@ -716,9 +854,11 @@
     setConversation(draft());
     renderHeader();
     renderMessages();
+    await settleInterrupted();
     await refreshList();
     if (m) await openConversation(decodeURIComponent(m[1]));
     loadModel();
+    loadDefaults().catch((e) => console.warn(e.message)); // asked again at the first answer
     document.body.dataset.ready = "1"; // for tests: the page has loaded what it shows
   }
 
