@@ -419,8 +419,9 @@ def test_malformed_json(url):
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json" and "JSON" in err["message"]
-    r = post(f"{url}/v1/completions", json_body=[1, 2])
-    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    for body in (b"[1, 2]", b"5", b"null", b'"text"'):
+        r = post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"], body
     r = get(f"{url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
@@ -558,5 +559,8 @@ def test_cli_serve_options_and_failed_load(tmp_path):
         args.func(args)
     # the server starts, the model fails to load in the background, the command returns 1
     args = parser.parse_args(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0", "--api-key", "k",
-                              "--allowed-origins", "*", "--max-seqs", "4", "--kv-cache-tokens", "256"])
+                              "--allowed-origins", "*", "--max-seqs", "4", "--kv-cache-tokens", "256",
+                              "--allowed-hosts", "myhost.lan", "*.example.com", "--max-choices", "8",
+                              "--max-body-bytes", "100000", "--header-timeout", "5", "--body-timeout", "5",
+                              "--max-connections", "50"])
     assert args.func(args) == 1

@@ -119,25 +119,37 @@ async def chat_completion(service: ModelService, req: ChatCompletionRequest, req
     """Answer POST /v1/chat/completions."""
     service.require_ready()
     service.check_model(req.model)
-    ids = service.chat_ids(req.messages)
-    requested, field_name = req.token_limit
-    max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
-    jobs = [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
-    return await _respond(service, ChatFormat(service), req, jobs, request)
+    service.check_choices(1, req.n)
+
+    def prepare() -> list[Job]:  # worker thread: renders and tokenizes
+        ids = service.chat_ids(req.messages)
+        requested, field_name = req.token_limit
+        max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
+        return [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
+
+    return await _respond(service, ChatFormat(service), req, await service.in_worker(prepare), request)
 
 
 async def completion(service: ModelService, req: CompletionRequest, request: Request) -> Response:
     """Answer POST /v1/completions (one prompt or several, n choices each)."""
     service.require_ready()
     service.check_model(req.model)
-    jobs = []
-    for p, prompt in enumerate(req.prompts):
-        ids = service.prompt_ids(prompt)
-        requested, field_name = req.token_limit
-        max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
-        jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
-                 for i in range(req.n)]
-    return await _respond(service, CompletionFormat(service), req, jobs, request)
+    prompts = req.prompts
+    service.check_choices(len(prompts), req.n)
+
+    def prepare() -> list[Job]:  # worker thread: tokenizes, in the prompts' order
+        jobs = []
+        for p, prompt in enumerate(prompts):
+            requested, field_name = req.token_limit
+            if not isinstance(prompt, str):  # token ids: their count is known before they are checked
+                service.completion_budget(len(prompt), requested, field_name, "prompt")
+            ids = service.prompt_ids(prompt)
+            max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
+            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
+                     for i in range(req.n)]
+        return jobs
+
+    return await _respond(service, CompletionFormat(service), req, await service.in_worker(prepare), request)
 
 
 async def _respond(service: ModelService, fmt: ChatFormat, req: SamplingRequest, jobs: list[Job],

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 # OpenAI's error types by status
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         421: "invalid_request_error", 503: "server_error", 500: "server_error"}
 
 
 class APIError(Exception):
@@ -25,6 +26,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None) -> None:
+        # a lone surrogate from the request (say, in an unknown model's name) could not be sent as UTF-8
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,9 +39,12 @@ class APIError(Exception):
         """The JSON body: {"error": {...}}."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        """The error as a JSON response with its status."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+    def response(self, close: bool = False) -> JSONResponse:
+        """The error as a JSON response with its status; ``close``: with ``Connection: close``
+        (a request whose body is left unread)."""
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if close:
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def sse(self) -> str:
@@ -91,7 +97,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         if kind == "value_error":
             return bad_request(msg)
         raw = first.get("input")
-        if isinstance(raw, (bytes, str)):  # a body sent without Content-Type: application/json
+        if isinstance(raw, bytes):  # a body sent without Content-Type: application/json (a str is a JSON string)
             try:
                 json.loads(raw)
             except ValueError as exc:

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .protocol import MAX_N
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: 128 prompts of 8k token ids as JSON fit; a 10 MB upload does not
+
 
 @dataclass(slots=True)
 class ServerOptions:
@@ -11,12 +15,19 @@ class ServerOptions:
     model: a Hugging Face folder or .gguf file (None: the bundled SmolLM2), loaded with
     ``dtype`` and ``device`` unless the app is given a model or a loader. api_key: when set,
     the API routes want ``Authorization: Bearer <api_key>``. allowed_origins: origins CORS lets
-    in (none: CORS off; "*" any). chat_template: a Jinja file used instead of the model's own.
-    served_model_name: the name clients pass as ``model`` (default: the model file's name).
+    in (none: CORS off; "*" any). allowed_hosts: Host header names accepted besides localhost,
+    IP addresses and ``host`` ("*": any; "*.example.com": its subdomains). chat_template: a
+    Jinja file used instead of the model's own. served_model_name: the name clients pass as
+    ``model`` (default: the model file's name).
     max_seqs / kv_cache_tokens / max_batched_tokens: the engine's (see docs/engine.md).
+    max_choices: engine requests one API call may make, prompts × n (None: max(max_seqs, 128)).
     db_path: the SQLite file of the chat UI's conversations (None: the UI's default).
     shutdown_timeout_s: on SIGINT/SIGTERM, how long running requests may go on before they
     are ended with an error saying the server is shutting down.
+    max_body_bytes: largest request body (413 above). header_timeout_s: time a connection has
+    to send a request's headers (then it is closed). body_timeout_s: time a request has to
+    send its whole body (408 after). max_connections: open connections at most (more are
+    refused with 503 at once; None: 7/8 of the process's descriptor limit).
     """
 
     model: str | None = None
@@ -26,28 +37,43 @@ class ServerOptions:
     port: int = 8000
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     chat_template: str | None = None
     served_model_name: str | None = None
     max_seqs: int = 64
     kv_cache_tokens: int | None = None
     max_batched_tokens: int = 512
+    max_choices: int | None = None
     db_path: str | None = None
     shutdown_timeout_s: float = 30.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.allowed_origins, str):
-            self.allowed_origins = (self.allowed_origins,)
-        self.allowed_origins = tuple(self.allowed_origins)
-        for name in ("max_seqs", "max_batched_tokens"):
+        for name in ("allowed_origins", "allowed_hosts"):
+            value = getattr(self, name)
+            setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for name in ("max_seqs", "max_batched_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerOptions.{name} must be a positive integer, got {value!r}")
-        if self.kv_cache_tokens is not None and (not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1):
-            raise ValueError(f"ServerOptions.kv_cache_tokens must be a positive integer or None, "
-                             f"got {self.kv_cache_tokens!r}")
+        for name in ("kv_cache_tokens", "max_choices", "max_connections"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"ServerOptions.{name} must be a positive integer or None, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerOptions.port must be in [0, 65535], got {self.port}")
         if self.api_key == "":
             raise ValueError("ServerOptions.api_key must not be empty (None: no key)")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"ServerOptions.shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerOptions.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def choices_limit(self) -> int:
+        """Engine requests (prompts × n) one API call may make."""
+        return self.max_choices if self.max_choices is not None else max(self.max_seqs, MAX_N)

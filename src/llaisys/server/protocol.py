@@ -4,20 +4,80 @@ As in OpenAI's API, a value of the wrong type is an error (no "0.5" for a number
 boolean) and fields the server does not know are ignored. Ranges are OpenAI's (vLLM's for
 the fields it adds: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids). Responses are plain dicts built in ``llaisys.server.completions``.
+
+Bodies are parsed by ``load_json_body``, which also refuses what JSON allows but nothing
+downstream can take: strings with a lone UTF-16 surrogate (``"\\ud800"``, which cannot be
+encoded as UTF-8) and nesting deeper than ``MAX_JSON_DEPTH``.
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..generation.config import MAX_LOGPROBS  # top tokens per step: 20, as OpenAI
+from .errors import APIError, bad_request
 
 MAX_N = 128  # choices per request, as OpenAI
+MAX_JSON_DEPTH = 64  # nesting of a request body; OpenAI's bodies need fewer than 10 levels
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenId = Annotated[int, Field(ge=0)]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def load_json_body(raw: bytes | str) -> Any:
+    """The JSON value of a request body. Raises json.JSONDecodeError for malformed JSON, and a
+    400 APIError for nesting deeper than MAX_JSON_DEPTH or a string (or key) with a lone
+    surrogate, naming where (``messages[0].content``)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:  # nested deeper than the interpreter's stack allows
+        raise bad_request(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                          code="json_too_deep") from None
+    _check_json(value)
+    return value
+
+
+def _check_json(value: Any) -> None:
+    """Walk ``value`` without recursion; a 400 APIError at the first problem found."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise _surrogate_error(path)
+            continue
+        if not isinstance(node, (dict, list)):  # a number, true, false or null
+            continue
+        if depth > MAX_JSON_DEPTH:
+            field = re.match(r"[^.\[]*", path)[0] or None  # the top-level field it is under
+            raise bad_request(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)"
+                              + (f" under {field}" if field else ""), param=field, code="json_too_deep")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, item in items:
+            if isinstance(key, str):
+                if _SURROGATE.search(key):
+                    raise _surrogate_error(path, key)
+                where = f"{path}.{key}" if path else key
+            else:
+                where = f"{path}[{key}]"
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, where, depth + 1))
+
+
+def _surrogate_error(path: str, key: str | None = None) -> APIError:
+    if key is not None:  # shown escaped: the key itself cannot be written as UTF-8
+        path = f"{path}.{key}" if path else key
+        path = path.encode("utf-8", "backslashreplace").decode("utf-8")
+    what = f"the key '{path}'" if key is not None else path or "the body"
+    return bad_request(f"{what}: the text has a lone UTF-16 surrogate (such as \"\\ud800\" without its pair), "
+                       "which is not valid Unicode; send UTF-8 text", param=path or None, code="invalid_unicode")
 
 
 class Strict(BaseModel):

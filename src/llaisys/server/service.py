@@ -3,18 +3,21 @@ steps from an API request to engine requests (prompt ids, length checks, Generat
 
 Every touch of the engine goes through the EngineThread's queue; this object only keeps what
 the event loop needs: the model's tokenizer and limits, the requests in flight (to end them
-at shutdown) and the metrics.
+at shutdown) and the metrics. Rendering and tokenizing prompts run in worker threads
+(``in_worker``), so a long prompt does not hold up the event loop and the other requests.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..engine import AsyncRequestStream, EngineThread, LLMEngine
 from ..generation import GenerationConfig, encode_prompt
@@ -27,6 +30,8 @@ from .protocol import ChatMessage, SamplingRequest
 log = logging.getLogger(__name__)
 
 Loader = Callable[[], Any]
+T = TypeVar("T")
+PROMPT_THREADS = min(4, os.cpu_count() or 1)  # threads rendering and tokenizing prompts
 # GenerationConfig field -> the API field that sets it
 API_FIELDS = {"max_new_tokens": "max_tokens", "eos_token_ids": "stop_token_ids"}
 # OpenAI's default sampling, under the model's generation_config.json (as vLLM does)
@@ -75,14 +80,18 @@ class ModelService:
         self.ready = threading.Event()
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.draining = False
+        self.ending = asyncio.Event()  # set when the running requests are ended (shutdown)
         self._inflight: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token_text: dict[int, str] = {}
+        self._longest_token: int | None = None
+        self._workers = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="llaisys-prompt")
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start loading (in a thread unless the model is here already) and the engine thread."""
         self._loop = loop
+        self.ending = asyncio.Event()  # one of this loop's
         if self.model is not None:
             self._start_engine()
         else:
@@ -116,9 +125,10 @@ class ModelService:
         log.info("serving %s as %r", getattr(self.model, "source", self.model), self.model_name)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (requests still in it end with reason "abort")."""
+        """Stop the engine thread (requests still in it end with reason "abort") and the workers."""
         if self.engine is not None:
             self.engine.stop(timeout)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def status(self) -> str:
@@ -156,6 +166,19 @@ class ModelService:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
+    def check_choices(self, prompts: int, n: int) -> None:
+        """400 when ``prompts`` × ``n`` (one engine request each) is above the server's limit."""
+        limit = self.options.choices_limit
+        if prompts * n > limit:
+            asked = f"{prompts} prompts × n = {n}, {prompts * n} choices" if prompts > 1 else f"n = {n} choices"
+            raise bad_request(f"this request asks for {asked}; this server takes at most {limit} per request "
+                              "(--max-choices): send fewer prompts or a smaller n", param="n" if n > 1 else "prompt",
+                              code="too_many_choices")
+
+    async def in_worker(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in a worker thread (rendering, tokenizing), the event loop serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
+
     # ---- model facts -------------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
@@ -173,6 +196,17 @@ class ModelService:
         """Tokens the engine's KV pool holds."""
         assert self.engine is not None
         return self.engine.engine.blocks.capacity_tokens
+
+    @property
+    def longest_token(self) -> int:
+        """Characters of the vocabulary's longest token (0: unknown): no token holds more text."""
+        if self._longest_token is None:
+            get_vocab = getattr(getattr(self.tokenizer, "backend", None), "get_vocab", None)
+            try:
+                self._longest_token = max(map(len, get_vocab(with_added_tokens=True)), default=0) if get_vocab else 0
+            except (TypeError, ValueError):
+                self._longest_token = 0
+        return self._longest_token
 
     def token_text(self, token_id: int) -> str:
         """The text of one token alone (special tokens written out), as logprobs show it."""
@@ -198,18 +232,43 @@ class ModelService:
         except (TypeError, ValueError) as exc:
             raise bad_request(str(exc), param="messages") from exc
 
-    def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt ids of ``messages``; the template writes any BOS, so none is added."""
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of ``text``. Through the tokenizers library's batch call, which lets other
+        threads run meanwhile (its single-text call holds the GIL, and so the event loop, for as
+        long as it works: seconds for megabytes). 400 for a model without a tokenizer."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend", None)
         try:
-            ids = list(self.tokenizer.encode(self.chat_text(messages), add_special_tokens=False))
-        except ValueError as exc:  # a model without a tokenizer
-            raise bad_request(str(exc), param="messages") from exc
+            if getattr(tok, "missing", None) is None and hasattr(backend, "encode_batch"):
+                return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from exc
+
+    def refuse_overlong(self, text: str, what: str) -> None:
+        """400 at once for a text that cannot fit the context whatever its tokens (more characters
+        than the context's tokens can hold at the longest token's length), before tokenizing it."""
+        context, longest = self.max_model_len, self.longest_token
+        if longest and len(text) > context * longest:
+            raise bad_request(f"This model's maximum context length is {context} tokens. However, your {what} has "
+                              f"{len(text)} characters, more than {context} tokens can hold (a token is at most "
+                              f"{longest} characters). Please reduce the length of the {what}.", param=what,
+                              code="context_length_exceeded")
+
+    def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Prompt ids of ``messages``; the template writes any BOS, so none is added (worker thread)."""
+        text = self.chat_text(messages)
+        self.refuse_overlong(text, "messages")
+        ids = self.encode(text, False, "messages")
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", param="messages")
         return ids
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Ids of a text prompt (with the tokenizer's special tokens) or checked token ids."""
+        """Ids of a text prompt (with the tokenizer's special tokens) or checked token ids (worker thread)."""
+        if isinstance(prompt, str):
+            self.refuse_overlong(prompt, param)
+            prompt = self.encode(prompt, True, param)
         try:
             return encode_prompt(self.model, prompt)
         except (TypeError, ValueError) as exc:
@@ -288,7 +347,9 @@ class ModelService:
             self.engine.call(lambda: self.metrics.aborted(request_id))
 
     def abort_all(self) -> None:
-        """End every request in flight with reason "abort" (their streams see it)."""
+        """End every request in flight with reason "abort" (their streams see it), and the waits
+        for request bodies (event loop)."""
+        self.ending.set()
         if self.engine is None:
             return
         ids = list(self._inflight)
@@ -303,6 +364,12 @@ class ModelService:
         self.draining = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._loop.call_later, timeout, self.abort_all)
+
+    def end_now(self) -> None:
+        """Refuse new requests and abort the running ones now (a second signal). Any thread."""
+        self.draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.abort_all)
 
     async def stats(self) -> None:
         """Refresh the metrics' gauges from the engine (between two steps)."""
