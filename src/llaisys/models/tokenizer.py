@@ -91,11 +91,15 @@ class Tokenizer:
     # ---- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in it are recognised. With
-        ``add_special_tokens`` the tokenizer's own additions (a BOS, for some models) are made."""
+        ``add_special_tokens`` the tokenizer's own additions (a BOS, for some models) are made.
+
+        Through the library's batch call: its single-text call holds the GIL for as long as it
+        works (seconds for megabytes), stalling every other thread; the batch call gives the
+        same ids and lets them run."""
         self._require()
         if not isinstance(text, str):
             raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: "Sequence[int] | np.ndarray", skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; special tokens left out when ``skip_special_tokens``."""

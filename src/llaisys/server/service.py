@@ -233,15 +233,10 @@ class ModelService:
             raise bad_request(str(exc), param="messages") from exc
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of ``text``. Through the tokenizers library's batch call, which lets other
-        threads run meanwhile (its single-text call holds the GIL, and so the event loop, for as
-        long as it works: seconds for megabytes). 400 for a model without a tokenizer."""
-        tok = self.tokenizer
-        backend = getattr(tok, "backend", None)
+        """Token ids of ``text`` (``Tokenizer.encode`` lets the event loop run meanwhile); 400
+        for a model without a tokenizer."""
         try:
-            if getattr(tok, "missing", None) is None and hasattr(backend, "encode_batch"):
-                return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from exc
 
