@@ -1,20 +1,32 @@
-"""Decode speed of a model on a plugin device with no kernels, next to the CPU.
+"""Decode speed of a model on plugin devices, next to the CPU.
 
-Every op on a kernel-less plugin device runs through the CPU fallback: its inputs are copied
-to the host, the CPU kernel runs, its outputs are copied back. The model's weights are frozen,
-so each keeps one host copy and a decoding step copies only activations; this measures what
-that costs. Devices:
+A decoding step is a recorded plan replayed in a few native calls: a plugin's own kernels run
+from C inside the stretches, and so does the CPU fallback of an op the plugin lacks (its
+inputs copied to the host through the plugin's copy functions, the CPU kernel, its outputs
+copied back) where the CPU kernel has a native form. The model's weights are frozen, so each
+keeps one host copy and a decoding step copies only activations. Devices:
 
-  cpu        the CPU backend (the reference)
-  minimal    tests/plugins/contract_devices.c: devices, memory, synchronous copies and memory
-             stats only; no streams, no events, no kernels
-  reference  the reference plugin (plugins/custom_cpu) with its kernels unregistered
+  cpu           the CPU backend (the reference)
+  minimal       tests/plugins/contract_devices.c: devices, memory, synchronous copies and memory
+                stats only; no streams, no events, no kernels
+  reference     the reference plugin (plugins/custom_cpu) with its own kernels (float32: the
+                quantized linear and embedding still take the CPU fallback)
+  reference-nk  the reference plugin with its kernels unregistered (not with `reference`: one
+                process loads the plugin once)
 
 Each run prefills a prompt, then decodes greedily with the KV cache; only the decode is
-timed. The devices take turns token by token, so a busy machine slows each alike; the figure
-is the median tokens/s over --repeats runs after one warm-up run.
+timed. Each run's cache is new, so its first decoded token records the decoding step, which
+costs a plugin device more than the CPU (its native calls, descriptors and host buffers are
+built then). The devices take turns token by token, so a busy machine slows each alike; the
+figure is the median tokens/s over --repeats runs after one warm-up run.
 
     python benchmarks/plugin_fallback.py [--model PATH] [--tokens 32] [--repeats 5] [--threads N]
+        [--devices cpu,minimal,reference] [--python-dispatch]
+
+The table gives each device's decode tokens/s and its ratio to the CPU's in the same run, and,
+from ``ops.Plan.profile`` of the recorded decoding step, the step's time and its dispatch
+part (outside the kernels: Python, crossings into C, the fallback's copies, calls made from
+Python). On a shared machine compare ratios within one run, not figures across runs.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMAL_SOURCE = ROOT / "tests" / "plugins" / "contract_devices.c"
-DEVICES = ("cpu", "minimal", "reference")
+DEVICES = ("cpu", "minimal", "reference", "reference-nk")
 
 
 def load_device(name: str, build_dir: str) -> str:
@@ -42,9 +54,10 @@ def load_device(name: str, build_dir: str) -> str:
     if name == "minimal":
         path = build_plugin(MINIMAL_SOURCE, Path(build_dir) / "libfallback_dev.so", ['DEVICE_TYPE="fallback_dev"'])
         return f"{llaisys.load_plugin(path).name}:0"
-    if name == "reference":
+    if name in ("reference", "reference-nk"):
         plugin = llaisys.load_plugin(build_reference_plugin())
-        llaisys.kernels.unregister_kernels(plugin.name)  # every op takes the CPU fallback
+        if name == "reference-nk":
+            llaisys.kernels.unregister_kernels(plugin.name)  # every op takes the CPU fallback
         return f"{plugin.name}:0"
     raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICES)}")
 
@@ -66,27 +79,60 @@ def decode_run(models: dict[str, Any], prompt: list[int], tokens: int) -> dict[s
     return {name: tokens / seconds for name, seconds in spent.items()}
 
 
+def dispatch_ms(models: dict[str, Any], prompt: list[int], runs: int = 20) -> dict[str, tuple[float, float, str]]:
+    """Per device: (decode step ms, of which kernels ms, how the step replays), from
+    ``ops.Plan.profile`` of the recorded decoding step: the rest of the step is dispatch
+    (Python, crossings into C, the fallback's copies, calls made from Python)."""
+    out = {}
+    for name, model in models.items():
+        cache = model.new_cache(len(prompt) + 4)
+        model.forward(prompt, cache)
+        model.forward([1], cache)
+        plan = cache.passes[1].plan
+        profile, stats = plan.profile(runs), plan.stats()
+        how = f"{stats.native}/{stats.calls} calls in {stats.stretches} native stretches, {stats.python} from Python"
+        out[name] = (profile.total * 1e3, profile.kernels * 1e3, how)
+    return out
+
+
 def measure(devices: list[str], model_path: str | None, prompt_tokens: int, tokens: int, repeats: int) -> dict[str, float]:
     """Median decode tokens/s on each device over ``repeats`` runs, after a warm-up run."""
     from llaisys.models import load_model
 
+    if "reference" in devices and "reference-nk" in devices:
+        raise ValueError("reference and reference-nk load the same plugin; measure them in separate runs")
     with tempfile.TemporaryDirectory() as build_dir:
         models = {name: load_model(model_path, device=load_device(name, build_dir)) for name in devices}
     vocab = next(iter(models.values())).config.vocab_size
     prompt = [(7 * i + 1) % vocab for i in range(prompt_tokens)]
     decode_run(models, prompt, tokens)  # warm-up; makes the weights' host copies
     runs = [decode_run(models, prompt, tokens) for _ in range(repeats)]
-    return {name: statistics.median(run[name] for run in runs) for name in devices}
+    return {name: statistics.median(run[name] for run in runs) for name in devices}, dispatch_ms(models, prompt)
+
+
+def python_dispatch() -> None:
+    """Make recorded calls on devices other than the CPU run from Python, one by one."""
+    from llaisys.kernels.cpu import native_calls
+
+    native_call_of = native_calls.native_call_of
+
+    def cpu_only(kernel, outputs, inputs, attrs):
+        return native_call_of(kernel, outputs, inputs, attrs) if outputs[0].device.is_cpu else None
+
+    native_calls.native_call_of = cpu_only
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Decode tokens/s on kernel-less plugin devices next to the CPU.")
+    parser = argparse.ArgumentParser(description="Decode tokens/s on plugin devices next to the CPU.")
     parser.add_argument("--model", default=None, help="a .gguf file or model folder (default: the bundled SmolLM2)")
     parser.add_argument("--devices", default="cpu,minimal,reference", help=f"comma-separated, from {', '.join(DEVICES)}")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per run (default 32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per device (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="BLAS threads (default: the library's own)")
+    parser.add_argument("--python-dispatch", action="store_true",
+                        help="replay every call on a plugin device from Python (plugin kernels through ctypes, the "
+                             "fallback's copies in Python), as before plugin calls ran in native stretches")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if args.threads:  # before NumPy's BLAS starts its thread pool
@@ -95,15 +141,22 @@ def main() -> None:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if "cpu" not in devices:
         devices.insert(0, "cpu")
-    rates = measure(devices, args.model, args.prompt_tokens, args.tokens, args.repeats)
+    if args.python_dispatch:
+        python_dispatch()
+    rates, steps = measure(devices, args.model, args.prompt_tokens, args.tokens, args.repeats)
     if args.json:
-        print(json.dumps({"decode_tok_s": rates, "ratio_to_cpu": {d: r / rates["cpu"] for d, r in rates.items()}}))
+        print(json.dumps({"decode_tok_s": rates, "ratio_to_cpu": {d: r / rates["cpu"] for d, r in rates.items()},
+                          "step_ms": {d: v[0] for d, v in steps.items()},
+                          "step_kernels_ms": {d: v[1] for d, v in steps.items()}}))
         return
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     print(f"decode of {args.tokens} tokens after {args.prompt_tokens}, median of {args.repeats}{load}")
-    print(f"{'device':10} {'tok/s':>8} {'vs cpu':>7}")
+    print("step: the recorded decoding step's time per token; kernels: its part inside kernels (timed in C);\n"
+          "dispatch: the rest (Python, crossings into C, the fallback's copies, calls made from Python)")
+    print(f"{'device':12} {'tok/s':>8} {'vs cpu':>7} {'step ms':>8} {'kernels':>8} {'dispatch':>9}  replay")
     for name, rate in rates.items():
-        print(f"{name:10} {rate:8.2f} {rate / rates['cpu']:7.2f}")
+        step, kernels, how = steps[name]
+        print(f"{name:12} {rate:8.2f} {rate / rates['cpu']:7.2f} {step:8.2f} {kernels:8.2f} {step - kernels:9.3f}  {how}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llaisys import ops
+from llaisys import DataType, ops
+from llaisys.ops.plan import ReplayStats
 from llaisys.tensor import Tensor
 
 
@@ -48,7 +49,7 @@ def native_ops_registered():
 def test_native_stretches_replay_the_bits_of_the_direct_calls():
     """Kernels with a native form run a stretch at a time in one native call; the results are
     the direct calls' bits, rebinding moves a copy's destination, and a call without a native
-    form (add) splits the stretch."""
+    form (argmax) splits the stretch."""
     from llaisys.kernels.cpu import native_calls
 
     if not native_calls.available():
@@ -63,14 +64,18 @@ def test_native_stretches_replay_the_bits_of_the_direct_calls():
     ops.add_rms_norm(h, total, x, proj, w, 1e-6, plan=plan)
     ops.rope(roped, qk, pos, 1e4, plan=plan)
     ops.rearrange(cache.slice(0, 0, 1), roped.slice(1, 4, 6), plan=plan)
-    ops.add(s, h, x, plan=plan)  # no native form: the stretch ends here
+    ops.add(s, h, x, plan=plan)
+    idx, val = Tensor.zeros((1,), dtype=DataType.I64), Tensor.zeros((1,))
+    ops.argmax(idx, val, s, plan=plan)  # no native form: the stretch ends here
     ops.rms_norm(h, s, w, 1e-6, plan=plan)
     plan.run()
-    assert len(plan._program) == 3  # [add_rms_norm, rope, rearrange], add, [rms_norm]
+    assert len(plan._program) == 3  # [add_rms_norm, rope, rearrange, add], argmax, [rms_norm]
+    assert plan.stats() == ReplayStats(calls=6, native=5, stretches=2, python=1)
     want_h1 = ops.functional.add_rms_norm(x, proj, w, 1e-6)[0]
     want_rope = ops.functional.rope(qk, pos, 1e4)
     want_h = ops.functional.rms_norm(ops.functional.add(want_h1, x), w, 1e-6)
     np.testing.assert_array_equal(h.numpy(), want_h.numpy())
+    assert idx.numpy()[0] == np.argmax(ops.functional.add(want_h1, x).numpy())
     import torch  # and against PyTorch: rms_norm(rms_norm(x + proj) + x)
 
     def norm(a):
@@ -111,3 +116,31 @@ def test_replayed_decoding_matches_one_pass(model):
             np.testing.assert_allclose(model.forward([ids[5 + i - 3]], b), full[5 + i - 3], rtol=1e-4, atol=1e-4)
     a.truncate(4)  # a replay after a truncation writes and reads the rows it should
     np.testing.assert_allclose(model.forward([ids[4]], a), full[4], rtol=1e-4, atol=1e-4)
+
+
+def test_stretch_goes_on_after_a_status_its_call_accepts():
+    """A nonzero status goes to the failing call's ``fail`` hook (a plugin's C_WARNING is logged
+    and accepted there): the stretch goes on with the next call; without a hook it raises,
+    naming the call."""
+    import ctypes
+
+    from llaisys import _native
+    from llaisys.kernels.cpu import native_calls
+
+    if not native_calls.available():
+        pytest.fail("the native ops library is not built; the test suite runs against a built package")
+    seen: list[int] = []
+    copy_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+        lambda device, dst, src, n: seen.append(n) or (1 if n == 1 else 0))  # the first returns C_WARNING
+    trampoline = native_calls.address(_native.load("ops"), "llaisys_ops_plugin_copy_call")
+
+    def call(n: int, fail=None) -> native_calls.NativeCall:
+        block = native_calls._CopyCall(ctypes.cast(copy_fn, ctypes.c_void_p).value, 0, 0, 0, n)
+        return native_calls.NativeCall(f"copy {n}", trampoline, block, fail=fail)
+
+    accepted: list[int] = []
+    native_calls.batch([call(1, fail=accepted.append), call(2), call(3)])()
+    assert seen == [1, 2, 3] and accepted == [1]
+    with pytest.raises(RuntimeError, match="copy 1 failed with status 1 in a replayed plan"):
+        native_calls.batch([call(1), call(2)])()
+    assert seen == [1, 2, 3, 1]

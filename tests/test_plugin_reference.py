@@ -3,8 +3,10 @@ device API semantics through the llaisys runtime, its C kernels against PyTorch,
 collectives, and the conformance check."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -321,6 +323,96 @@ def test_model_on_plugin_matches_transformers(plugin, no_fallback, tmp_path):
     assert tokens == greedy.tolist()
 
 
+# ---- recorded plans: plugin kernels inside native stretches ---------------------------------
+def decode_logits(device: str, steps: int = 6, python_replay: bool = False, model_path=None):
+    """Logits (steps, V) of a greedy decode of ``model_path`` (default: the random Qwen2 of the
+    check) on ``device`` after a short prompt, and the decode step's plan. ``python_replay``:
+    every recorded call runs from Python (no native forms), the reference the stretches must
+    equal bit for bit."""
+    from unittest import mock
+
+    from llaisys.kernels.cpu import native_calls
+    from llaisys.models import load_model
+
+    if model_path is None:
+        model = random_model_on(device)
+    else:
+        model = load_model(model_path, device=device)
+    no_native = mock.patch.object(native_calls, "native_call_of", lambda *args: None)
+    with no_native if python_replay else contextlib.nullcontext():
+        cache = model.new_cache(4 + steps)
+        logits = [model.forward([3, 17, 42, 5], cache)]
+        while len(logits) < steps:
+            logits.append(model.forward([int(np.argmax(logits[-1]))], cache))
+    return np.stack(logits), cache.passes[1].plan
+
+
+def random_model_on(device: str):
+    import tempfile
+
+    from llaisys.models import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_random_qwen2(folder)
+        return load_model(folder, device=device)
+
+
+def test_plan_runs_plugin_kernels_in_native_stretches(plugin, no_fallback, monkeypatch):
+    """A decode step recorded on the plugin's device (every op a plugin kernel) replays as one
+    native call with no kernel called from Python, bit for bit as the calls run one by one
+    from Python."""
+    kernel_calls = []  # the Python wrapper of a plugin kernel checks each call's status
+    check = plugin.backend.check_status
+    monkeypatch.setattr(plugin.backend, "check_status", lambda *a: (kernel_calls.append(a[0]), check(*a)))
+    logits, plan = decode_logits(DEV)
+    stats = plan.stats()
+    assert (stats.python, stats.stretches, stats.native) == (0, 1, stats.calls), stats
+    before = len(kernel_calls)
+    plan.run()
+    assert len(kernel_calls) == before  # a replay calls no kernel from Python
+    want, python_plan = decode_logits(DEV, python_replay=True)
+    assert python_plan.stats().python == python_plan.stats().calls
+    assert len(kernel_calls) > before + python_plan.stats().calls  # which does call them from Python
+    np.testing.assert_array_equal(logits, want)
+    cpu, _ = decode_logits("cpu")
+    np.testing.assert_allclose(logits, cpu, rtol=1e-4, atol=1e-4)
+    assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
+
+
+def test_native_stretch_raises_the_plugin_status(plugin):
+    """A plugin kernel failing inside a stretch raises PluginAPIError naming it, as the call
+    from Python does."""
+    x = dev(np.ones((2, 8), np.float32))
+    w = Tensor.from_numpy(np.ones(8, np.float32), DEV)
+    out = Tensor.empty((2, 8), DataType.F32, DEV)
+    plan = llaisys.ops.Plan()
+    llaisys.ops.rms_norm(out, x, w, 1e-6, plan=plan)
+    plan.run()
+    assert plan.stats().stretches == 1
+    np.testing.assert_allclose(out.numpy(), np.ones((2, 8)), rtol=1e-5)
+    # the kernels refuse a descriptor of the wrong data type: make the recorded one wrong
+    native = plan._native[0]
+    native.keep[0].descs[0].dtype = abi.to_c_dtype(DataType.F64)
+    with pytest.raises(PluginAPIError, match=r"kernel rms_norm on custom_cpu:1 returned C_ERROR"):
+        plan.run()
+
+
+def test_bundled_model_keeps_the_cpu_text_on_the_plugin(plugin):
+    """The bundled (quantized) model: the plugin's kernels and the CPU fallback of the
+    quantized linear, all in one native stretch, give what the Python replay gives, and the
+    CPU's greedy tokens."""
+    from llaisys.models import default_model_path
+
+    path = default_model_path()
+    logits, plan = decode_logits(DEV, steps=5, model_path=path)
+    stats = plan.stats()
+    assert stats.stretches == 1 and stats.python == 1, stats  # the quantized embedding's NumPy fallback
+    want, _ = decode_logits(DEV, steps=5, python_replay=True, model_path=path)
+    np.testing.assert_array_equal(logits, want)
+    cpu, _ = decode_logits("cpu", steps=5, model_path=path)
+    assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
+
+
 # ---- the conformance check ------------------------------------------------------------------
 def test_conformance_check_passes(plugin):
     report = run_check(build_reference_plugin(), device_index=1)
@@ -336,6 +428,10 @@ def test_conformance_check_passes(plugin):
     assert "1048589 bytes (allocated as 512, 512, 512, 4608, 1049088)" in details["allocate/free odd sizes"]
     assert details["copies (async)"].startswith("2097159 bytes")
     assert "2-layer Qwen2 logits (6, 96)" in details["model vs CPU"]
+    # the dispatch overhead per token, the device's next to the CPU's
+    assert re.fullmatch(r"[0-9.]+ ms per token on custom_cpu:1 \((\d+)/\1 calls of the 2-layer decode step in 1 "
+                        r"native stretch\(es\), 0 from Python; step [0-9.]+ ms\), cpu [0-9.]+ ms \(\d+/\d+ native; "
+                        r"step [0-9.]+ ms\)", details["dispatch per token"]), details["dispatch per token"]
 
 
 def test_check_command_exit_status(plugin, tmp_path):
@@ -343,6 +439,12 @@ def test_check_command_exit_status(plugin, tmp_path):
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "OK:" in ok.stdout and "stream order" in ok.stdout
+    full = subprocess.run([sys.executable, "-m", "llaisys.cli.plugin", "check", str(build_reference_plugin())],
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stdout + full.stderr
+    line = next(line for line in full.stdout.splitlines() if line.split()[:3] == ["dispatch", "per", "token"])
+    assert re.search(r"pass +[0-9.]+ ms per token on custom_cpu:0 .* cpu [0-9.]+ ms", line), line
+    assert "WARNING" not in full.stderr
     bad = tmp_path / "libnot_a_plugin.so"
     bad.write_bytes(b"not an ELF file")
     failed = subprocess.run([sys.executable, "-m", "llaisys.cli.plugin", "check", str(bad)],
@@ -351,4 +453,5 @@ def test_check_command_exit_status(plugin, tmp_path):
     assert "cannot be opened" in failed.stdout and FAIL in failed.stdout
     bad_option = subprocess.run([sys.executable, "-m", "llaisys.cli.plugin", "check", str(bad), "--timeout", "-1"],
                                 capture_output=True, text=True, timeout=120)
-    assert bad_option.returncode == 1 and "--timeout must be >= 0 seconds, got -1" in bad_option.stderr
+    # a usage error (an option out of range) exits 2, as argparse does
+    assert bad_option.returncode == 2 and "--timeout must be >= 0 seconds, got -1" in bad_option.stderr

@@ -213,6 +213,14 @@ LO_EXPORT int llaisys_ops_copy_call(const void *block) {
     return LO_OK;
 }
 
+/* out = a + b over n dense floats; out may be a or b (each element is read before it is written). */
+LO_EXPORT int llaisys_ops_add_call(const void *block) {
+    const lo_add_call *c = block;
+    if (c->n < 0) return LO_ERR_SHAPE;
+    for (int64_t i = 0; i < c->n; i++) c->out[i] = c->a[i] + c->b[i];
+    return LO_OK;
+}
+
 /* Run calls[0 .. n) in order; stop at the first that returns a nonzero status, returning it
  * with its index in *failed. */
 LO_EXPORT int llaisys_ops_run(const lo_call *calls, int64_t n, int64_t *failed) {

@@ -84,6 +84,7 @@ typedef struct { const lo_swiglu_args *a; } lo_swiglu_call;
 typedef struct { const lo_rope_args *a; const float *cos, *sin; } lo_rope_call;
 typedef struct { const lo_attention_args *a; const float *k, *v; int64_t t; } lo_attention_call;
 typedef struct { void *dst; const void *src; int64_t nbytes; } lo_copy_call; /* memmove */
+typedef struct { float *out; const float *a, *b; int64_t n; } lo_add_call;  /* dense out = a + b */
 
 /* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */
 typedef struct {

@@ -29,6 +29,12 @@
  * (strides in elements, possibly 0 for broadcast dimensions); outputs do not overlap inputs
  * unless the op is elementwise and they are the same tensor. When `stream` is NULL the
  * kernel must have finished when it returns.
+ *
+ * A model's recorded passes call kernels from C, one after another with no Python between
+ * them: the descriptors and attributes are built once and reused (rewritten in place when
+ * the tensors of a call move), on the thread that replays the pass, with a NULL stream, as
+ * a call from Python is. Register kernels under ALL_LAYOUT (or STRIDED): llaisys asks for
+ * no other layout, so a kernel registered under NHWC, NCHW, NCDHW or NDHWC is refused.
  */
 #ifndef LLAISYS_KERNEL_EXT_H
 #define LLAISYS_KERNEL_EXT_H

@@ -86,6 +86,10 @@ KERNEL(k_swiglu) {
   float *po = (float *)out->data;
   const float *pg = (const float *)gate->data, *pu = (const float *)up->data;
   int64_t n = numel(out);
+  if (is_contiguous(out) && is_contiguous(gate) && is_contiguous(up)) {
+    for (int64_t i = 0; i < n; ++i) po[i] = pu[i] * (pg[i] / (1.0f + expf(-pg[i])));
+    return C_SUCCESS;
+  }
   for (int64_t i = 0; i < n; ++i) {
     float g = pg[offset_like(gate, out, i)];
     po[offset_like(out, out, i)] = pu[offset_like(up, out, i)] * (g / (1.0f + expf(-g)));
@@ -225,6 +229,18 @@ KERNEL(k_rope) {
   return C_SUCCESS;
 }
 
+/* a . b over n elements in double: four interleaved partial sums (four independent chains of
+   additions instead of one; a fixed order, so every call gives the same bits), then
+   (s0 + s1) + (s2 + s3). */
+static double dot_f64(const float *a, int64_t a_stride, const float *b, int64_t b_stride, int64_t n) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t d = 0;
+  for (; d + 4 <= n; d += 4)
+    for (int j = 0; j < 4; ++j) s[j] += (double)a[(d + j) * a_stride] * b[(d + j) * b_stride];
+  for (; d < n; ++d) s[d % 4] += (double)a[d * a_stride] * b[d * b_stride];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 KERNEL(k_self_attention) {
   PROLOGUE(1, 3, 1);
   Desc out = outs[0], q = ins[0], k = ins[1], v = ins[2];
@@ -233,7 +249,8 @@ KERNEL(k_self_attention) {
   int64_t total = k->shape[0], kv_heads = k->shape[1], dim_v = v->shape[2];
   if (kv_heads == 0 || heads % kv_heads || total < seq) return C_ERROR;
   int64_t group = heads / kv_heads;
-  double *p = (double *)malloc((size_t)(total ? total : 1) * sizeof *p);
+  /* scores (total), then the output row's sums (dim_v) */
+  double *p = (double *)malloc((size_t)(total + dim_v + 1) * sizeof *p), *acc = p + total;
   if (!p) return C_FAILED;
   const float *pq = (const float *)q->data, *pk = (const float *)k->data,
               *pv = (const float *)v->data;
@@ -246,19 +263,22 @@ KERNEL(k_self_attention) {
       double top = -INFINITY, sum = 0.0;
       for (int64_t t = 0; t < visible; ++t) {
         const float *kv = pk + t * k->strides[0] + kh * k->strides[1];
-        double dot = 0.0;
-        for (int64_t d = 0; d < dim; ++d) dot += (double)qv[d * q->strides[2]] * kv[d * k->strides[2]];
-        p[t] = dot * scale;
+        p[t] = dot_f64(qv, q->strides[2], kv, k->strides[2], dim) * scale;
         if (p[t] > top) top = p[t];
       }
       for (int64_t t = 0; t < visible; ++t) sum += p[t] = exp(p[t] - top);
       float *ov = po + s * out->strides[0] + h * out->strides[1];
-      for (int64_t d = 0; d < dim_v; ++d) {
-        double acc = 0.0;
-        for (int64_t t = 0; t < visible; ++t)
-          acc += p[t] * pv[t * v->strides[0] + kh * v->strides[1] + d * v->strides[2]];
-        ov[d * out->strides[2]] = (float)(acc / sum);
+      /* row by row of v (its memory order); each acc[d] still sums over t in order */
+      for (int64_t d = 0; d < dim_v; ++d) acc[d] = 0.0;
+      for (int64_t t = 0; t < visible; ++t) {
+        const float *vr = pv + t * v->strides[0] + kh * v->strides[1];
+        const double pt = p[t];
+        if (v->strides[2] == 1)
+          for (int64_t d = 0; d < dim_v; ++d) acc[d] += pt * vr[d];
+        else
+          for (int64_t d = 0; d < dim_v; ++d) acc[d] += pt * vr[d * v->strides[2]];
       }
+      for (int64_t d = 0; d < dim_v; ++d) ov[d * out->strides[2]] = (float)(acc[d] / sum);
     }
   }
   free(p);

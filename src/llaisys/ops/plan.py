@@ -9,16 +9,53 @@ recorded checks saw true (device, dtype, rank; shapes that still fit the op).
 
 Kernels that can be called as a C function on an argument block (``native_call``; see
 ``kernels.cpu.native_calls``) are replayed a stretch at a time, in one native call each, with
-no Python between them; the others are called one by one as recorded.
+no Python between them; the others are called one by one as recorded. On a plugin's device
+that covers the plugin's own kernels (one C signature, ``kernel_ext.h``) and the CPU fallback
+of an op it lacks whose CPU kernel has a native form (the host copies through the plugin's
+copy functions, then the CPU kernel).
 """
 from __future__ import annotations
 
+import ctypes
+import statistics
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
+
+from ..kernels.cpu import native_calls
 
 if TYPE_CHECKING:
     from ..tensor import Tensor
 
 Call = list  # [kernel, outputs tuple, inputs tuple, attrs dict]
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    """How a plan replays: its recorded ``calls``, how many of them run inside native
+    stretches (``native``) in how many ``stretches``, and how many are called from Python."""
+
+    calls: int
+    native: int
+    stretches: int
+    python: int
+
+
+@dataclass(frozen=True)
+class ReplayProfile:
+    """Seconds per replay, median of the runs: ``total``, and the part spent inside kernels
+    (``kernels``: the calls of native stretches, each timed in C, less the copies of a native
+    CPU fallback). ``dispatch`` = total - kernels: Python, crossings into C, refreshes, the
+    fallback's copies, and the whole of every call made from Python (its kernel time cannot
+    be told apart from the wrapper around it)."""
+
+    total: float
+    kernels: float
+
+    @property
+    def dispatch(self) -> float:
+        """Seconds per replay outside the kernels."""
+        return max(self.total - self.kernels, 0.0)
 
 
 class Plan:
@@ -59,6 +96,34 @@ class Plan:
         for step in self._program if self._program is not None else self._compile():
             step()
 
+    def stats(self) -> ReplayStats:
+        """How the replay runs (compiles it first if needed)."""
+        program = self._program if self._program is not None else self._compile()
+        stretches = [step for step in program if isinstance(step, native_calls.Stretch)]
+        native = sum(1 for n in self._native if n)
+        return ReplayStats(len(self.calls), native, len(stretches), len(self.calls) - native)
+
+    def profile(self, runs: int = 5) -> ReplayProfile:
+        """Replay ``runs`` times (the plan's effects happen each time) timing each replay and,
+        in C, each call of its native stretches; the medians."""
+        program = self._program if self._program is not None else self._compile()
+        stretches = [step for step in program if isinstance(step, native_calls.Stretch)]
+        totals, kernels = [], []
+        try:
+            for _ in range(max(runs, 1)):
+                for st in stretches:
+                    st.profile = (ctypes.c_int64 * len(st))()
+                start = time.perf_counter()
+                for step in program:
+                    step()
+                totals.append(time.perf_counter() - start)
+                kernels.append(sum(ns for st in stretches for call, ns in zip(st.calls, st.profile) if call.kernel)
+                               / 1e9)
+        finally:
+            for st in stretches:
+                st.profile = None
+        return ReplayProfile(statistics.median(totals), statistics.median(kernels))
+
     def _compile(self) -> list[Callable[[], None]]:
         """The replay's steps: each stretch of calls with native forms as one native call, each
         other call on its own (reading its entry in ``calls``, so a rebind needs nothing here)."""
@@ -66,8 +131,7 @@ class Plan:
         stretch: list[Any] = []
         for i, call in enumerate(self.calls):
             if self._native[i] is None:
-                make = getattr(call[0], "native_call", None)
-                self._native[i] = (make(call[1], call[2], call[3]) if make is not None else None) or False
+                self._native[i] = native_calls.native_call_of(call[0], call[1], call[2], call[3]) or False
             native = self._native[i]
             if native and (not stretch or native.runner is stretch[0].runner):
                 stretch.append(native)

@@ -6,6 +6,15 @@ what it registers (nothing enters the registry yet, so a failure leaves nothing 
 ``install_kernels`` then registers a Python wrapper per (op, dtype). The wrapper turns the
 op's Tensors into ``LlaisysTensorDesc`` (data pointer, C_DataType, shape, strides in
 elements) and calls the C function synchronously (stream NULL).
+
+Every kernel has the one C signature of ``kernel_ext.h``, so a call recorded in an
+``ops.Plan`` is also offered as a native call (``native_call``): its descriptors, attributes
+and device handle are built once, and the plan runs it from C inside a stretch with the
+calls around it (``csrc/ops/plugin_calls.c``); a rebind rewrites the descriptors in place.
+
+Layouts: the runtime asks only for ``ANY`` (the ops take strided tensors of any layout), so
+a kernel registered under ``ANY`` or ``STRIDED`` serves every call, and one registered under
+NHWC, NCHW, NCDHW or NDHWC would never run: it is refused at registration, naming it.
 """
 from __future__ import annotations
 
@@ -29,7 +38,9 @@ log = logging.getLogger(__name__)
 KNOWN_OPS = ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu")
 
 # C_DataLayout -> registry Layout; ANY (= ALL_LAYOUT) and STRIDED both take any strided tensor.
-_LAYOUTS = {0: Layout.ANY, 1: Layout.NHWC, 2: Layout.NCHW, 3: Layout.NCDHW, 4: Layout.NDHWC, 5: Layout.ANY}  # same values; STRIDED registers as ANY
+# The layouts of images (NHWC ...) are refused: dispatch never asks for them.
+_LAYOUTS = {0: Layout.ANY, 5: Layout.ANY}  # STRIDED registers as ANY
+_UNUSED_LAYOUTS = {1: "NHWC", 2: "NCHW", 3: "NCDHW", 4: "NDHWC"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ def collect_kernels(lib: ctypes.CDLL, backend: "PluginBackend") -> list[PluginKe
                 raise ValueError("an empty op name")
             if owner.lower() != name:
                 raise ValueError(f"kernel {op!r} for backend {owner!r}, but this plugin's device type is {name!r}")
+            if layout in _UNUSED_LAYOUTS:
+                raise ValueError(f"kernel {op!r} ({abi.c_dtype_name(dtype)}) registered under layout "
+                                 f"{_UNUSED_LAYOUTS[layout]}, which llaisys never asks for, so it would never "
+                                 "run: register it under ALL_LAYOUT (any strided tensor)")
             if layout not in _LAYOUTS:
                 raise ValueError(f"kernel {op!r} with unknown C_DataLayout {layout}")
             if not fn:
@@ -116,7 +131,105 @@ def _wrap(kernel: PluginKernel, backend: "PluginBackend") -> Callable[[tuple, tu
 
     run.__name__ = f"{backend.device_type.name}_{kernel.op}"
     run.__doc__ = f"{kernel.op} ({kernel.dtype.name}) by the C kernel of plugin {backend.library}"
+    run.native_call = functools.partial(_native_call, kernel, backend)  # type: ignore[attr-defined]
     return run
+
+
+class _KernelCall(ctypes.Structure):
+    """``lo_plugin_kernel_call`` of csrc/ops/plugin_calls.c."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("device", ctypes.c_void_p), ("outputs", ctypes.c_void_p),
+                ("num_outputs", ctypes.c_size_t), ("inputs", ctypes.c_void_p), ("num_inputs", ctypes.c_size_t),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_size_t)]
+
+
+class _Descs:
+    """Descriptors of a fixed list of tensors (None: a NULL entry) that own their shape and
+    stride arrays, so a rebind can rewrite them in place."""
+
+    __slots__ = ("descs", "ptrs", "entries", "tensors")
+
+    def __init__(self, tensors: Sequence["Tensor | None"]):
+        n = max(len(tensors), 1)
+        self.descs = (abi.LlaisysTensorDesc * n)()
+        self.ptrs = (ctypes.c_void_p * n)()
+        self.entries: list[tuple | None] = []  # per tensor: (desc, shape array, strides array, dtype, rank)
+        self.tensors = list(tensors)  # the tensors described now
+        base = ctypes.addressof(self.descs)
+        for i, t in enumerate(tensors):
+            if t is None:
+                self.entries.append(None)
+                continue
+            rank = len(t.shape)
+            dims = ctypes.c_int64 * max(rank, 1)
+            shape, strides = dims(*t.shape), dims(*t.strides)
+            desc = self.descs[i]  # a view of the array's element
+            desc.data, desc.dtype, desc.ndim, desc.shape, desc.strides = (
+                t.data_ptr, abi.to_c_dtype(t.dtype), rank, shape, strides)
+            self.ptrs[i] = base + i * _DESC_SIZE
+            self.entries.append((desc, shape, strides, t.dtype, rank))
+
+    def follow(self, tensors: Sequence["Tensor | None"]) -> bool:
+        """Point the descriptors at ``tensors`` (same dtypes and ranks); False when they differ
+        (then nothing is changed)."""
+        if len(tensors) != len(self.tensors):
+            return False
+        for t, old, entry in zip(tensors, self.tensors, self.entries):
+            if t is old:
+                continue
+            if (t is None) != (entry is None) or (t is not None and (t.dtype, len(t.shape)) != entry[3:]):
+                return False
+        for i, (t, old, entry) in enumerate(zip(tensors, self.tensors, self.entries)):
+            if t is old or t is None:
+                continue
+            desc, shape, strides = entry[:3]
+            if t.shape != old.shape:
+                shape[:len(t.shape)] = t.shape
+            if t.strides != old.strides:
+                strides[:len(t.strides)] = t.strides
+            desc.data = t.data_ptr
+            self.tensors[i] = t
+        return True
+
+
+def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequence["Tensor"],
+                 inputs: Sequence["Tensor | None"], attrs: dict[str, Any]) -> Any:
+    """The recorded call of plugin kernel ``kernel`` as a native call (see
+    ``kernels.cpu.native_calls``): its descriptors, attributes and device handle built now,
+    rewritten in place by a rebind. None without the native ops library."""
+    from ..kernels.cpu import native_calls
+
+    lib = native_ops_library()
+    if lib is None:
+        return None
+    index = outputs[0].device.index
+    device = backend.device_handle(index)
+    outs, ins = _Descs(outputs), _Descs(inputs)
+    attr_arr = _attrs(tuple(attrs.items())) if attrs else None
+    block = _KernelCall(kernel.fn, ctypes.addressof(device.contents), ctypes.addressof(outs.ptrs), len(outputs),
+                        ctypes.addressof(ins.ptrs), len(inputs),
+                        None if attr_arr is None else ctypes.addressof(attr_arr), len(attrs))
+    api = f"kernel {kernel.op}"
+
+    def fail(status: int) -> None:  # C_WARNING is logged once and the stretch goes on
+        backend.check_status(api, status, index)
+
+    def rebind(outputs2: tuple, inputs2: tuple) -> bool:
+        return len(outputs2) == len(outputs) and len(inputs2) == len(inputs) and outs.follow(outputs2) and \
+            ins.follow(inputs2)
+
+    fn = native_calls.address(lib, "llaisys_ops_plugin_kernel_call")
+    return native_calls.NativeCall(f"{api} of {backend.device_type.name}", fn, block,
+                                   keep=(outs, ins, attr_arr, device), rebind=rebind, fail=fail)
+
+
+def native_ops_library() -> "ctypes.CDLL | None":
+    """The native ops library (``csrc/ops``), which runs recorded plugin calls; None when it
+    is not built (plans then call plugin kernels from Python)."""
+    from .. import _native
+
+    lib = _native.load("ops")
+    return lib if lib is not None and hasattr(lib, "llaisys_ops_plugin_kernel_call") else None
 
 
 _DESC_SIZE = ctypes.sizeof(abi.LlaisysTensorDesc)

@@ -12,10 +12,11 @@ each with a PluginError naming the library (as PaddlePaddle skips such a library
     stats, min chunk size or D2D copy run on fallbacks (``abi.FALLBACKS``);
   - a device type already registered; and (llaisys only) one it cannot write in a device
     string (letters, digits, '_', '-' only).
-Logged as warnings, and loaded (a stricter check would refuse what PaddlePaddle runs):
-  - a size field changed by ``InitPlugin`` (a plugin that memsets the whole table clears
-    ``C_DeviceInterface.size``); neither host reads them after ``InitPlugin``;
-  - a version from 0.1.1 on other than 0.1.x.
+Logged as a warning, and loaded (a stricter check would refuse what PaddlePaddle runs): a
+version from 0.1.1 on other than 0.1.x. Noted at INFO, once per plugin file and process: a
+size field changed by ``InitPlugin`` (a plugin that memsets the whole table clears
+``C_DeviceInterface.size``, as most of PaddleCustomDevice's backends do); neither host reads
+them after ``InitPlugin``, so it is a habit, not a fault (``Plugin.notes``).
 Before opening any plugin the native host library (``csrc/host``) is loaded with global
 symbols: it defines ``profiler_add_runtime_trace_event`` / ``profiler_add_device_trace_event``,
 which plugins may link against (``trace_event_counts()`` counts their calls).
@@ -67,6 +68,7 @@ class Plugin:
     kernels: list[PluginKernel] = field(default_factory=list, repr=False)
     library: ctypes.CDLL | None = field(default=None, repr=False)
     warnings: list[str] = field(default_factory=list)  # what the load logged as warnings
+    notes: list[str] = field(default_factory=list)  # what it noted at INFO (PaddlePaddle habits)
 
     @property
     def name(self) -> str:
@@ -78,6 +80,7 @@ _lock = threading.RLock()
 _by_name: dict[str, Plugin] = {}
 _by_path: dict[str, Plugin] = {}
 _failed: dict[tuple[str, float], str] = {}  # (path, mtime) -> error, so the env scan does not retry
+_noted: set[str] = set()  # plugin files whose habits were logged already (unload and reload says nothing new)
 
 
 def loaded_plugins() -> list[Plugin]:
@@ -256,7 +259,8 @@ def load_plugins_from_env(strict: bool = False) -> list[Plugin]:
 
 
 def _load(real: str, shown: str) -> Plugin:
-    notes: list[str] = []
+    notes: list[str] = []  # warnings
+    habits: list[str] = []  # logged at INFO
     lib = _open(real, shown)
     try:
         init = abi.InitPluginFn(("InitPlugin", lib))
@@ -271,7 +275,7 @@ def _load(real: str, shown: str) -> Plugin:
     params.interface = ctypes.pointer(table)
     init(ctypes.byref(params))
 
-    table = _filled_table(params, table, shown, notes)
+    table = _filled_table(params, table, shown, habits)
     name, sub_type, version = _check_params(params, shown, notes)
     _check_apis(table, name, shown)
     _check_new_type(name, shown)
@@ -293,7 +297,11 @@ def _load(real: str, shown: str) -> Plugin:
         raise PluginError(f"plugin {shown} ({name}): {type(exc).__name__}: {exc}") from exc
     for note in notes:
         log.warning("%s", note)
-    return Plugin(real, device_type, sub_type, version, backend, kernels, lib, notes)
+    if real not in _noted:
+        _noted.add(real)
+        for habit in habits:
+            log.info("%s", habit)
+    return Plugin(real, device_type, sub_type, version, backend, kernels, lib, notes, habits)
 
 
 def _open(real: str, shown: str) -> ctypes.CDLL:
@@ -332,8 +340,8 @@ def _filled_table(params: abi.CustomRuntimeParams, ours: abi.C_DeviceInterface, 
                                 ("C_DeviceInterface", table.size, ctypes.sizeof(abi.C_DeviceInterface))):
         if found != want:  # PaddlePaddle never reads them again either
             notes.append(f"plugin {shown}: InitPlugin changed {struct}.size from {want} to {found} (a memset of "
-                         "the whole struct does that); the host does not read it after InitPlugin, so the "
-                         "plugin loads")
+                         "the whole struct does that, as many PaddlePaddle plugins do); the host does not read "
+                         "it after InitPlugin, so this is fine")
     return table
 
 

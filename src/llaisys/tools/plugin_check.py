@@ -6,7 +6,9 @@ memset, stream order, device synchronize, events across streams, host callbacks 
 stats. Then it runs one decoder layer's chain of ops (embedding, rms_norm, q/k/v projections,
 rope, attention, output projection, residual add, SwiGLU MLP, head, argmax) and a small
 random-weight model on the plugin's device and on the CPU and compares them; ops without a
-plugin kernel run through the CPU fallback.
+plugin kernel run through the CPU fallback. Last, it times that model's recorded decode step
+on both and reports the per-token dispatch overhead (the step's time outside the kernels)
+of the device next to the CPU's.
 
 Every check asks only what the plugin contract allows: allocation sizes are rounded as the
 caching allocator rounds them (request plus ``extra_padding_size``, up to a multiple of
@@ -564,6 +566,15 @@ class _Checker:
         return (f"{shape['layers']}-layer Qwen2 logits {got.shape} match the CPU (max abs diff {err:.1e}); "
                 f"{len(got_tokens)} greedy tokens equal")
 
+    def dispatch(self) -> str:
+        shape = self._model_shape()
+        cpu, cpu_stats = dispatch_run("cpu", shape=shape)
+        dev, stats = self._on_device("the model", lambda: dispatch_run(self.device, shape=shape))
+        return (f"{dev.dispatch * 1e3:.3f} ms per token on {self.device} ({stats.native}/{stats.calls} calls of the "
+                f"{shape['layers']}-layer decode step in {stats.stretches} native stretch(es), {stats.python} from "
+                f"Python; step {dev.total * 1e3:.3f} ms), cpu {cpu.dispatch * 1e3:.3f} ms ({cpu_stats.native}/"
+                f"{cpu_stats.calls} native; step {cpu.total * 1e3:.3f} ms)")
+
     def _model_shape(self) -> dict[str, int]:
         """The largest of MODEL_SHAPES that the device's free memory holds."""
         for shape in MODEL_SHAPES[:-1]:
@@ -712,6 +723,36 @@ def random_model_run(device: str, seed: int = 0, shape: Mapping[str, int] | None
     return logits, tokens
 
 
+DISPATCH_RUNS = 20  # replays of the decode step timed by the dispatch row (the median is reported)
+
+
+def dispatch_run(device: str, seed: int = 0, shape: Mapping[str, int] | None = None) -> tuple[Any, Any]:
+    """(``ops.ReplayProfile``, ``ops.ReplayStats``) of the decode step (S = 1) of
+    ``write_random_qwen2``'s model on ``device``, after the ``PROMPT``: the step's time per
+    token and the part of it outside the kernels (dispatch: Python, crossings into C, the
+    fallback's copies, calls made from Python), median of ``DISPATCH_RUNS`` replays."""
+    import tempfile
+
+    from ..models import load_model
+
+    shape = MODEL_SHAPES[0] if shape is None else shape
+    with tempfile.TemporaryDirectory() as folder:
+        write_random_qwen2(folder, seed, shape)
+        models_log = logging.getLogger("llaisys.models")
+        level = models_log.level
+        models_log.setLevel(logging.ERROR)  # the folder has no tokenizer, on purpose
+        try:
+            model = load_model(folder, device=device)
+        finally:
+            models_log.setLevel(level)
+    prompt = [t % shape["vocab"] for t in PROMPT]
+    cache = model.new_cache(len(prompt) + 2)
+    model.forward(prompt, cache)
+    model.forward([prompt[0]], cache)  # records the decode step
+    plan = cache.passes[1].plan
+    return plan.profile(DISPATCH_RUNS), plan.stats()
+
+
 # ---- running the rows -------------------------------------------------------------------------------
 Step = tuple[str, Callable[[], str], Sequence[str]]
 
@@ -739,7 +780,7 @@ def _steps(c: _Checker, ops: bool) -> list[Step]:
     c.fallbacks |= {f"kernel {op}" for op in missing}
     uses = [f"kernel {op}" for op in missing]
     return steps + [("kernels", lambda: c.kernels(missing), ()), ("decoder layer vs CPU", c.decoder_layer, uses),
-                    ("model vs CPU", c.model, uses)]
+                    ("model vs CPU", c.model, uses), ("dispatch per token", c.dispatch, uses)]
 
 
 def run_check(path: "str | os.PathLike[str]", device_index: int = 0, ops: bool = True,
@@ -804,6 +845,7 @@ def _run_rows(report: CheckReport, path: "str | os.PathLike[str]", device_index:
     if not ops:
         report.add("decoder layer vs CPU", SKIP, "not asked for (--no-ops)")
         report.add("model vs CPU", SKIP, "not asked for (--no-ops)")
+        report.add("dispatch per token", SKIP, "not asked for (--no-ops)")
 
 
 # ---- the command ------------------------------------------------------------------------------------

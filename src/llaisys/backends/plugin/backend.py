@@ -65,6 +65,7 @@ class PluginBackend(DeviceBackend):
         self._idle_streams: dict[int, int] = {}  # device index -> private empty stream
         self._copy_streams: dict[int, Any] = {}  # device index -> stream of emulated sync copies
         self._copy_lock = threading.Lock()
+        self._native_copies: dict[tuple[int, str], tuple] = {}  # (index, kind) -> native_copy's answer
         self.has_streams = all(a in self._present for a in _STREAM_APIS) and bool(
             {"synchronize_stream", "synchronize_device"} & self._present)
         self.has_events = all(a in self._present for a in _EVENT_APIS)
@@ -117,6 +118,22 @@ class PluginBackend(DeviceBackend):
     def device_handle(self, index: int) -> Any:
         """The ``C_Device`` of device ``index``, to pass to plugin functions."""
         return self._dev(index)
+
+    def native_copy(self, index: int, kind: str) -> tuple[int, int, Callable[[int], None]] | None:
+        """(address of the plugin's synchronous copy function, address of device ``index``'s
+        ``C_Device``, the status check of a call) for ``kind`` "h2d" or "d2h", for copies made
+        from C in a replayed plan (``kernels.cpu.native_calls``): the check raises
+        PluginAPIError as a copy from Python would, and logs C_WARNING once. None when the
+        plugin has only the asynchronous copy (then the fallback runs from Python)."""
+        api = f"memory_copy_{kind}"
+        if api not in self._present or self._closed:
+            return None
+        found = self._native_copies.get((index, kind))
+        if found is None:
+            fn = ctypes.cast(getattr(self._table, api), ctypes.c_void_p).value
+            found = (fn, ctypes.addressof(self._dev(index).contents), lambda status: self._check(api, status, index))
+            self._native_copies[(index, kind)] = found
+        return found
 
     @property
     def table(self) -> abi.C_DeviceInterface:

@@ -1,5 +1,7 @@
 """rms_norm, add_rms_norm, rope, swiglu and self_attention for F32 on the CPU through the native
-library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels.
+library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels; and ``add``,
+which runs as NumPy's when called but offers a native call to a replayed plan for dense F32
+tensors (the same IEEE sums), so a plugin device's fallback of ``add`` stays in the stretch.
 
 The NumPy kernels (``norm_rope``, ``elementwise``, ``attention``) stay the readable reference
 and run instead where the library was not built, for F16/BF16, and for layouts the native code
@@ -363,6 +365,10 @@ class _AttentionCall(ctypes.Structure):
     _fields_ = [("a", _PTR), ("k", _PTR), ("v", _PTR), ("t", _I64)]  # lo_attention_call
 
 
+class _AddCall(ctypes.Structure):
+    _fields_ = [("out", _PTR), ("a", _PTR), ("b", _PTR), ("n", _I64)]  # lo_add_call
+
+
 def _call_of(name: str, function: str, block: ctypes.Structure, keep: Any, **hooks: Any) -> native_calls.NativeCall:
     return native_calls.NativeCall(name, native_calls.address(_lib, function), block, keep=keep, **hooks)
 
@@ -450,6 +456,25 @@ def native_self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
     return _call_of("self_attention", "llaisys_ops_self_attention_call", block, (args, k, v), rebind=rebind)
 
 
+def add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``add`` kernel: ``elementwise.add`` (a replayed plan may run ``native_add``)."""
+    elementwise.add(outputs, inputs, attrs)
+
+
+def native_add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+               attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``add`` of three dense F32 tensors of one shape as an argument block (None otherwise, or
+    when the output overlaps an input other than as the very same view)."""
+    (out,), (a, b) = outputs, inputs
+    if not (_library() and native_calls.available() and hasattr(_lib, "llaisys_ops_add_call")):
+        return None
+    if not all(t.is_contiguous() and t.shape == out.shape for t in (out, a, b)) or not _writes_safely((out,), (a, b)):
+        return None
+    block = _AddCall(_ptr(out), _ptr(a), _ptr(b), out.numel())
+    return _call_of("add", "llaisys_ops_add_call", block, (out, a, b))
+
+
+add.native_call = native_add  # type: ignore[attr-defined]
 rms_norm.native_call = native_rms_norm  # type: ignore[attr-defined]
 add_rms_norm.native_call = native_add_rms_norm  # type: ignore[attr-defined]
 swiglu.native_call = native_swiglu  # type: ignore[attr-defined]
@@ -457,9 +482,9 @@ rope.native_call = native_rope  # type: ignore[attr-defined]
 self_attention.native_call = native_self_attention  # type: ignore[attr-defined]
 
 KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "swiglu": swiglu,
-           "self_attention": self_attention}
+           "self_attention": self_attention, "add": add}
 NUMPY_KERNELS = {"rms_norm": norm_rope.rms_norm, "add_rms_norm": norm_rope.add_rms_norm, "rope": norm_rope.rope,
-                 "swiglu": elementwise.swiglu, "self_attention": attention.self_attention}
+                 "swiglu": elementwise.swiglu, "self_attention": attention.self_attention, "add": elementwise.add}
 
 
 def register(native: bool = True) -> None:
