@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llaisys.generation import GenerationConfig, chat, generate, stream
+from llaisys.generation.defaults import FALLBACK_SAMPLING
 
 import llaisys.models as models
 
@@ -102,28 +103,69 @@ def test_bench_prints_the_figures() -> None:
     assert "16 prompt tokens, 4 generated" in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("generate", "--model", "/no/such/model.gguf", "hi"), "/no/such/model.gguf"),
-    (("info", "/no/such/folder"), "/no/such/folder"),
-    (("generate", "--top-p", "1.5", "hi"), "--top-p must be in (0, 1]"),
-    (("chat", "--repetition-penalty", "0"), "--repetition-penalty must be > 0"),
-    (("info", "--device", "nvidia"), "the nvidia backend is not available in this build"),
-    (("info", "--device", "tpu"), "unknown device type 'tpu'"),
-    (("info", "--plugin", "/no/such/libplugin.so"), "--plugin /no/such/libplugin.so"),
-    (("info", "/a.gguf", "--model", "/b.gguf"), "two models given"),
-])
-def test_bad_input_is_a_clear_error(args: tuple[str, ...], needle: str) -> None:
-    proc = llaisys(*args)
-    assert proc.returncode == 1
-    assert "error" in proc.stderr and needle in proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+def assert_one_error_line(proc: subprocess.CompletedProcess, command: str, status: int, *needles: str) -> None:
+    """``proc`` failed with ``status`` and printed one line ``llaisys COMMAND: error: ...`` holding the needles."""
+    assert proc.returncode == status, proc.stderr
+    lines = proc.stderr.splitlines()
+    prefix = f"llaisys {command}: error: " if command else "llaisys: error: "
+    assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+    assert all(n in lines[0] for n in needles), proc.stderr
+    assert proc.stdout == "" and "usage:" not in proc.stderr
     assert "GenerationConfig" not in proc.stderr and "llaisys.backends" not in proc.stderr
 
 
+# A failure while running: status 1.
+@pytest.mark.parametrize("args,needle", [
+    (("generate", "--model", "/no/such/model.gguf", "hi"), "/no/such/model.gguf"),
+    (("info", "/no/such/folder"), "/no/such/folder"),
+    (("info", "--device", "nvidia"), "the nvidia backend"),
+    (("info", "--device", "tpu"), "unknown device type 'tpu'"),
+    (("info", "--plugin", "/no/such/libplugin.so"), "--plugin /no/such/libplugin.so"),
+])
+def test_bad_input_is_a_clear_error(args: tuple[str, ...], needle: str) -> None:
+    assert_one_error_line(llaisys(*args), args[0], 1, needle)
+
+
+# A bad command line: status 2, the same one line, whether argparse or a later check finds it.
+# --model names a missing file: the command line is checked before the model would load.
+NO_MODEL = ("--model", "/no/such/model.gguf")
+
+
+@pytest.mark.parametrize("args,command,needles", [
+    (("generate", "--max-new-tokens", "0", *NO_MODEL, "hi"), "generate", ("--max-new-tokens", ">= 1", "0")),
+    (("generate", "--temperature", "-1", *NO_MODEL, "hi"), "generate", ("--temperature", ">= 0", "-1")),
+    (("generate", "--top-p", "1.5", *NO_MODEL, "hi"), "generate", ("--top-p must be in (0, 1]",)),
+    (("generate", "--frequency-penalty", "3", *NO_MODEL, "hi"), "generate", ("--frequency-penalty", "[-2, 2]")),
+    (("generate", "--top-k", "many", "hi"), "generate", ("--top-k", "invalid int value", "'many'")),
+    (("generate", "--no-chat", "--system", "Be brief.", *NO_MODEL, "hi"), "generate", ("--system", "--no-chat")),
+    (("generate", "--dtype", "f64", "hi"), "generate", ("--dtype", "'f64'", "'f32'")),
+    (("generate", "--bogus", "hi"), "generate", ("unrecognized arguments: --bogus",)),
+    (("generate",), "generate", ("required: prompt",)),
+    (("chat", "--repetition-penalty", "0", *NO_MODEL), "chat", ("--repetition-penalty must be > 0",)),
+    (("bench", "--warmup", "-1"), "bench", ("--warmup", ">= 0", "-1")),
+    (("serve", "--port", "70000"), "serve", ("--port", "[0, 65535]", "70000")),
+    (("serve", "--shutdown-timeout", "-5"), "serve", ("--shutdown-timeout", ">= 0")),
+    (("info", "/a.gguf", "--model", "/b.gguf"), "info", ("two models given",)),
+    (("plugin", "check", "/no/such/lib.so", "--timeout", "-1"), "plugin check", ("--timeout must be >= 0",)),
+])
+def test_a_bad_command_line_is_one_line_and_status_2(args: tuple[str, ...], command: str,
+                                                      needles: tuple[str, ...]) -> None:
+    assert_one_error_line(llaisys(*args), command, 2, *needles)
+
+
+@pytest.mark.parametrize("prompt,stdin,says", [
+    ("", "", "the prompt is empty"),
+    ("  \n\t ", "", "the prompt is only white space"),
+    ("-", "", "the prompt read from stdin ('-') is empty"),
+    ("-", " \n\n", "the prompt read from stdin ('-') is only white space"),
+])
+def test_an_empty_prompt_is_refused_before_the_model_loads(prompt: str, stdin: str, says: str) -> None:
+    assert_one_error_line(llaisys("generate", *NO_MODEL, prompt, stdin=stdin), "generate", 2, says)
+
+
 def test_device_errors_say_how_to_load_a_plugin() -> None:
-    for device in ("nvidia", "tpu"):
-        err = llaisys("info", "--device", device).stderr
-        assert "--plugin PATH" in err and "LLAISYS_PLUGIN_PATH" in err and "llaisys.load_plugin" in err
+    err = llaisys("info", "--device", "tpu").stderr  # a type with no backend (nvidia now has one of its own)
+    assert "--plugin PATH" in err and "LLAISYS_PLUGIN_PATH" in err and "llaisys.load_plugin" in err
 
 
 def test_info_takes_the_model_as_option_or_argument(model_path) -> None:
@@ -241,9 +283,9 @@ def test_plugin_option_loads_the_library_before_the_model(tiny_folder) -> None:
 
 
 def test_usage_errors() -> None:
-    assert llaisys().returncode == 2
-    proc = llaisys("generate", "--max-new-tokens", "0", "hi")
-    assert proc.returncode == 2 and "--max-new-tokens" in proc.stderr and "Traceback" not in proc.stderr
+    proc = llaisys()
+    assert proc.returncode == 2 and "COMMAND" in proc.stderr  # the help, on stderr
+    assert_one_error_line(llaisys("nonsense"), "", 2, "invalid choice: 'nonsense'")
 
 
 def test_real_tokenizer_emoji_streams_whole_characters(model) -> None:
@@ -270,15 +312,23 @@ def test_real_tokenizer_emoji_streams_whole_characters(model) -> None:
     assert "".join(deltas) == text
 
 
+FALLBACK = FALLBACK_SAMPLING
+
+
 @pytest.mark.parametrize("defaults,argv,want", [
-    ({}, [], {"temperature": 0.3, "top_p": 0.9, "top_k": 0}),  # no generation_config: the CLI's defaults
-    ({"do_sample": True, "temperature": 0.6, "top_k": 20}, [], {"temperature": 0.6, "top_p": 1.0, "top_k": 20}),
+    ({}, [], {"top_k": 0, **FALLBACK}),  # no generation_config: generation.defaults' fallback
+    ({"bos_token_id": 1}, [], FALLBACK),  # nothing about sampling in it: the same
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20}, [],
+     {"temperature": 0.6, "top_p": 1.0, "top_k": 20, "frequency_penalty": 0.0}),  # the model's own, nothing added
     ({"do_sample": True}, [], {"temperature": 1.0}),  # Hugging Face's temperature when none is given
     ({"do_sample": False, "temperature": 0.6}, [], {"temperature": 0.0}),
     ({"temperature": 0.6}, ["--greedy"], {"temperature": 0.0, "top_p": 1.0}),
     ({"temperature": 0.6}, ["--greedy", "--temperature", "0.9"], {"temperature": 0.0}),
+    ({}, ["--greedy"], {"temperature": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}),
     ({}, ["--top-k", "5", "--min-p", "0.1", "--stop", "a", "--stop", "b"],
-     {"temperature": 0.3, "top_k": 5, "min_p": 0.1, "stop": ("a", "b")}),
+     {**FALLBACK, "top_k": 5, "min_p": 0.1, "stop": ("a", "b")}),
+    ({}, ["--frequency-penalty", "0", "--presence-penalty", "0.5"],
+     {**FALLBACK, "frequency_penalty": 0.0, "presence_penalty": 0.5}),
 ])
 def test_sampling_options_over_model_defaults(defaults: dict, argv: list[str], want: dict) -> None:
     from llaisys.cli.common import config_from_args
@@ -289,3 +339,70 @@ def test_sampling_options_over_model_defaults(defaults: dict, argv: list[str], w
     cfg = config_from_args(args, fake)
     assert {k: getattr(cfg, k) for k in want} == want
     assert (cfg.seed is None) == cfg.greedy  # sampling always has a seed to report
+
+
+def test_verbose_goes_before_the_command_too_and_the_counts_add_up() -> None:
+    assert not re.search(r"threads: \d+", llaisys("info").stderr)
+    before = llaisys("-v", "info")
+    assert before.returncode == 0 and re.search(r"threads: \d+", before.stderr), before.stderr
+    # -vv (here one each side) adds the traceback to an error; -v alone does not
+    one = llaisys("-v", "generate", *NO_MODEL, "hi")
+    two = llaisys("-v", "generate", "-v", *NO_MODEL, "hi")
+    assert one.returncode == two.returncode == 1
+    assert "Traceback" not in one.stderr and "Traceback" in two.stderr
+
+
+def test_cli_main_module_runs_as_a_script() -> None:
+    from llaisys import __version__
+
+    proc = subprocess.run([sys.executable, "-m", "llaisys.cli.main", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"llaisys {__version__}"
+
+
+def test_the_sampling_defaults_are_the_fallback_of_generation_defaults(model) -> None:
+    from llaisys.generation.defaults import CHAT_MAX_TOKENS, FALLBACK_SAMPLING, SAMPLING_KEYS
+
+    # the bundled GGUF has no generation_config.json values: the fallback applies
+    assert not any(k in (model.generation_defaults or {}) for k in (*SAMPLING_KEYS, "do_sample"))
+    for args, stdin, max_tokens in ((("generate", "--max-new-tokens", "2", "hi"), None, 2),
+                                    (("chat",), "", CHAT_MAX_TOKENS)):
+        proc = llaisys("-v", *args, stdin=stdin)
+        assert proc.returncode == 0, proc.stderr
+        line = re.search(r"sampling: (GenerationConfig\(.*\))", proc.stderr).group(1)
+        fields = dict(re.findall(r"(\w+)=([^,()]+)", line))
+        assert int(fields["max_new_tokens"]) == max_tokens
+        for key in SAMPLING_KEYS:
+            want = FALLBACK_SAMPLING.get(key, getattr(GenerationConfig(), key))
+            assert float(fields[key]) == want, (key, line)
+
+
+def test_bench_names_the_weights_type_and_the_activations_type(model_path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(model_path)
+    matrices = {t.tensor_type.name for t in reader.tensors
+                if re.fullmatch(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight", t.name)}
+    assert len(matrices) == 1  # a file of one type, so the label is that type
+    proc = llaisys("bench", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    label = re.search(r"^model\s+.* \((.*)\)$", proc.stdout, re.M).group(1)
+    assert label == f"{matrices.pop()} weights, F32 activations"
+
+
+def test_a_missing_reference_plugin_says_make_plugins_builds_it(tmp_path) -> None:
+    missing = str(tmp_path / "build" / "plugins" / "libcustom_cpu.so")
+    other = str(tmp_path / "libother.so")
+    for args, command in ((("plugin", "check", missing), "plugin check"), (("info", "--plugin", missing), "info")):
+        assert_one_error_line(llaisys(*args), command, 1, missing, "no such file", "`make plugins`")
+    for args, command in ((("plugin", "check", other), "plugin check"), (("info", "--plugin", other), "info")):
+        proc = llaisys(*args)
+        assert_one_error_line(proc, command, 1, other, "no such file")
+        assert "make plugins" not in proc.stderr
+
+
+@pytest.mark.parametrize("source", [123, 4.5, b"model.gguf", ["model.gguf"]])
+def test_load_model_checks_the_type_of_its_source(source) -> None:
+    with pytest.raises(TypeError, match=rf"load_model: source must be None .* str or os\.PathLike .* got "
+                                        rf"{type(source).__name__}"):
+        models.load_model(source)

@@ -254,3 +254,72 @@ def test_serve_over_three_ranks_answers_and_ends_when_a_rank_dies(smollm2_path):
         if server.poll() is None:
             server.kill()
             server.communicate()
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes under ``pid`` (children, theirs, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent does not)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:].split()[0] != b"Z"
+
+
+@pytest.mark.parametrize("sig,status", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_a_stop_signal_to_the_launcher_stops_mpiexec_and_every_rank(random_models, tmp_path, sig, status):
+    import signal
+    import socket
+    import urllib.request
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("LLAISYS_API_KEY", None)
+    log, started = tmp_path / "serve.log", set()
+    with open(log, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "llaisys", "serve", "--model", str(random_models / "qwen2"),
+                                     "--port", str(port), "--tensor-parallel", "2"], stdout=out, stderr=out, env=env)
+    try:
+        deadline, healthy = time.time() + 120, False
+        while time.time() < deadline and launcher.poll() is None and not healthy:
+            try:
+                healthy = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+            except OSError:
+                time.sleep(0.5)
+        assert healthy, log.read_text()
+        ranks = rank_pids(f"--port {port}")
+        started = descendants(launcher.pid)  # mpiexec, its proxy, the ranks
+        assert sorted(ranks) == [0, 1] and set(ranks.values()) <= started, (ranks, started)
+        launcher.send_signal(getattr(signal, sig))
+        assert launcher.wait(timeout=20) == status, log.read_text()
+        end = time.time() + 15
+        while time.time() < end and any(alive(p) for p in started):
+            time.sleep(0.2)
+        assert not [p for p in started if alive(p)], log.read_text()
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in (p for p in started if alive(p)):  # what the launcher failed to stop
+            os.kill(pid, signal.SIGKILL)

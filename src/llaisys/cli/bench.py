@@ -12,10 +12,11 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from ..generation import GenerationConfig, Timings, stream
-from .common import add_model_options, load_from_args, positive_int
+from .common import add_model_options, load_from_args, non_negative_int, positive_int
 
 DESCRIPTION = """Measure load time, time to first token, prefill and decode speed and peak memory.
 
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, default=512, metavar="N", help="prompt length (default 512)")
     p.add_argument("--gen-tokens", type=positive_int, default=128, metavar="N", help="tokens to generate (default 128)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="measured runs (default 3)")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured runs first (default 1)")
+    p.add_argument("--warmup", type=non_negative_int, default=1, metavar="N", help="unmeasured runs first (default 1)")
     p.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
                    help="run N sequences of the workload at once through the serving engine and report "
                         "aggregate figures (default 1: one sequence, no engine)")
@@ -126,6 +127,14 @@ def summarize(runs: list[Timings]) -> dict[str, float]:
     }
 
 
+def weight_type(model: Any) -> str:
+    """The data type the layers' matrices are held in (``Q4_1``; ``Q4_K/Q6_K`` when they differ,
+    the most common first), which can differ from ``model.dtype``, the activations' type."""
+    counts = Counter(t.dtype.name for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down)
+                     if t is not None)
+    return "/".join(name for name, _ in counts.most_common()) or model.dtype.name
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload the options describe; return the figures."""
     t0 = time.perf_counter()
@@ -139,17 +148,18 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = getattr(args, "concurrency", 1)
     if concurrency > 1:
         prompts = distinct_prompts(ids, concurrency, model.config.vocab_size)
-        for _ in range(max(args.warmup, 0)):
+        for _ in range(args.warmup):
             run_concurrent(model, prompts, args.gen_tokens)
         results = [run_concurrent(model, prompts, args.gen_tokens) for _ in range(args.repeats)]
         figures = {key: statistics.median(r[key] for r in results) for key in ("prefill_tok_s", "decode_tok_s")}
         figures["ttft_ms"] = statistics.median(r["ttft_s"] for r in results) * 1000
     else:
-        for _ in range(max(args.warmup, 0)):
+        for _ in range(args.warmup):
             run_once(model, ids, args.gen_tokens)
         figures = summarize([run_once(model, ids, args.gen_tokens) for _ in range(args.repeats)])
     return {
-        "engine": "llaisys", "model": str(model.source), "dtype": str(getattr(model.dtype, "name", model.dtype)),
+        "engine": "llaisys", "model": str(model.source), "weights": weight_type(model),
+        "dtype": str(getattr(model.dtype, "name", model.dtype)),  # the activations' type
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
         "peak_rss_mb": peak_rss_mb(),
@@ -159,7 +169,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(figures: dict[str, Any]) -> str:
     """The figures as aligned lines."""
     return "\n".join([
-        f"model          {figures['model']} ({figures['dtype']})",
+        f"model          {figures['model']} ({figures['weights']} weights, {figures['dtype']} activations)",
         f"workload       {figures['prompt_tokens']} prompt tokens, {figures['gen_tokens']} generated, "
         f"median of {figures['repeats']}"
         + (f", {figures['concurrency']} sequences at once (aggregate rates)" if figures.get("concurrency", 1) > 1

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..generation import GenerationConfig, PromptCache, stream_chat
+from ..generation.defaults import CHAT_MAX_TOKENS
 from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
                      keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
 from .generate import print_stats
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message to start with")
     p.add_argument("--stats", action="store_true", help="print timings to stderr after each reply")
     add_model_options(p)
-    add_sampling_options(p, max_new_tokens=512)
+    add_sampling_options(p, max_new_tokens=CHAT_MAX_TOKENS)
     p.set_defaults(func=run)
 
 

@@ -6,20 +6,28 @@ import logging
 import re
 import secrets
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 from ..generation import GenerationConfig, PrefillProgress
+from ..generation.defaults import FALLBACK_SAMPLING, SAMPLING_KEYS, sampling_defaults
 from ..runtime.dtypes import DataType
 
 logger = logging.getLogger(__name__)
 
-# Sampling used when neither the command line nor the model's generation_config.json says
-# otherwise. Small models loop under greedy decoding and ramble at temperature 0.7; a low
-# temperature with nucleus sampling reads best on SmolLM2-135M. A repetition penalty is left
-# off: it also penalizes every prompt token, chat template included, which hurts small models.
-CLI_SAMPLING = {"temperature": 0.3, "top_p": 0.9}
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 BAD_UTF8_NOTICE = "[the input was not valid UTF-8; its undecodable bytes were replaced with U+FFFD]"
+
+
+class UsageError(ValueError):
+    """A bad command line (an option's value out of range, options that do not go together, an
+    empty prompt), found after parsing: reported like argparse's own errors, exit status 2."""
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """The sub-command ``args`` run, as typed: ``generate``, ``plugin check``."""
+    name = getattr(args, "command", None) or ""
+    action = getattr(args, "plugin_command", None)
+    return f"{name} {action}" if action else name
 
 
 def positive_int(text: str) -> int:
@@ -33,9 +41,43 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_verbose(parser: argparse.ArgumentParser) -> None:
-    """-v/--verbose: INFO logging; twice: DEBUG with tracebacks."""
-    parser.add_argument("-v", "--verbose", action="count", default=0,
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 to 65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {value}")
+    return value
+
+
+def add_verbose(parser: argparse.ArgumentParser, dest: str = "verbose") -> None:
+    """-v/--verbose: INFO logging; twice: DEBUG with tracebacks. ``llaisys`` takes it before the
+    command too (``dest`` "global_verbose"); the counts add up."""
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest=dest,
                         help="log progress to stderr (twice: debug output and tracebacks)")
 
 
@@ -59,9 +101,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
-    """--greedy, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed, --max-new-tokens, --stop."""
-    g = parser.add_argument_group("sampling", "defaults: the model's generation_config.json, else "
-                                  "temperature 0.3, top-p 0.9")
+    """--greedy, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --presence-penalty,
+    --frequency-penalty, --seed, --max-new-tokens, --stop."""
+    fallback = describe_sampling(GenerationConfig(**FALLBACK_SAMPLING), seed=False)
+    g = parser.add_argument_group("sampling", f"defaults: the model's generation_config.json, else {fallback}")
     g.add_argument("--greedy", action="store_true",
                    help="always pick the most likely token (temperature 0, no other sampling defaults)")
     g.add_argument("--temperature", type=float, default=None, help="softmax temperature; 0 means greedy")
@@ -69,7 +112,12 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int
     g.add_argument("--top-p", type=float, default=None, help="keep the smallest set with probability >= P (1: off)")
     g.add_argument("--min-p", type=float, default=None,
                    help="drop tokens below P times the top token's probability (0: off)")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="penalty for tokens seen so far (1: off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalty for tokens of the prompt and the reply so far (1: off)")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtract P from the logit of every token the reply already has, in [-2, 2] (0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtract F times its count in the reply from a token's logit, in [-2, 2] (0: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed; the same seed repeats the same text")
     g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, metavar="N",
                    help=f"stop after N tokens (default: {max_new_tokens})")
@@ -83,13 +131,27 @@ def _flag_names(message: str) -> str:
 
 
 def check_sampling_args(args: argparse.Namespace) -> None:
-    """Validate the sampling options before the (slow) model load; raises ValueError/TypeError
-    naming the option."""
+    """Validate the sampling options before the (slow) model load; raises UsageError naming
+    the option and the values it takes."""
     values = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k) is not None}
     try:
         GenerationConfig(**values, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     except (TypeError, ValueError) as exc:
-        raise type(exc)(_flag_names(str(exc))) from None
+        raise UsageError(_flag_names(str(exc))) from None
+
+
+REFERENCE_PLUGIN = "libcustom_cpu.so"  # what `make plugins` builds into build/plugins/
+
+
+def missing_plugin(path: str) -> str | None:
+    """Why the plugin library ``path`` cannot be loaded when it is not there (with how to build
+    the reference plugin when ``path`` names it), or None when it exists."""
+    if Path(path).exists():
+        return None
+    why = f"{path}: no such file"
+    if Path(path).name == REFERENCE_PLUGIN:
+        why += f"; the reference plugin is built by `make plugins` (into build/plugins/{REFERENCE_PLUGIN})"
+    return why
 
 
 def load_plugins(paths: list[str]) -> None:
@@ -99,6 +161,9 @@ def load_plugins(paths: list[str]) -> None:
     from ..plugins import PluginError, load_plugin
 
     for path in paths:
+        missing = missing_plugin(path)
+        if missing is not None:
+            raise FileNotFoundError(f"--plugin {missing}")
         try:
             plugin = load_plugin(path)
         except PluginError as exc:
@@ -185,23 +250,23 @@ def lead_or_follow(model: Any) -> None:
         TENSOR_PARALLEL_LEADER = model
         return
     import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides how to stop
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher signals every rank; rank 0 decides how to stop
+        signal.signal(sig, signal.SIG_IGN)
     follow(model)
     raise SystemExit(0)
 
 
 def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
-    """The GenerationConfig of the options: command line over the model's defaults over CLI_SAMPLING.
+    """The GenerationConfig of the options: the command line over ``sampling_defaults`` (the
+    model's generation_config.json, else ``FALLBACK_SAMPLING``).
 
     When sampling without --seed, a seed is drawn and stored in the config, so it can be shown
     and the text repeated. The command line was checked by ``check_sampling_args``, so an error
     here is in the model's generation_config.json.
     """
-    defaults = dict(getattr(model, "generation_defaults", None) or {})
+    defaults = sampling_defaults(getattr(model, "generation_defaults", None))
     if args.greedy:
         defaults = {"temperature": 0.0}  # plain argmax unless a knob is given explicitly
-    elif not any(k in defaults for k in (*SAMPLING_KEYS, "do_sample")):
-        defaults = {**defaults, **CLI_SAMPLING}
     overrides = {k: getattr(args, k) for k in SAMPLING_KEYS}
     if args.greedy:
         overrides["temperature"] = 0.0
@@ -218,20 +283,26 @@ def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
     return cfg
 
 
-def describe_sampling(cfg: GenerationConfig) -> str:
-    """One line saying how tokens were picked (for --stats)."""
+def describe_sampling(cfg: GenerationConfig, seed: bool = True) -> str:
+    """How tokens are picked, in one line (for --stats and --help); ``seed``: with the seed."""
     if cfg.greedy:
-        return "greedy"
-    parts = [f"temperature {cfg.temperature:g}"]
-    if cfg.top_k:
-        parts.append(f"top-k {cfg.top_k}")
-    if cfg.top_p < 1:
-        parts.append(f"top-p {cfg.top_p:g}")
-    if cfg.min_p:
-        parts.append(f"min-p {cfg.min_p:g}")
+        parts = ["greedy"]
+    else:
+        parts = [f"temperature {cfg.temperature:g}"]
+        if cfg.top_k:
+            parts.append(f"top-k {cfg.top_k}")
+        if cfg.top_p < 1:
+            parts.append(f"top-p {cfg.top_p:g}")
+        if cfg.min_p:
+            parts.append(f"min-p {cfg.min_p:g}")
     if cfg.repetition_penalty != 1:
         parts.append(f"repetition penalty {cfg.repetition_penalty:g}")
-    parts.append(f"seed {cfg.seed}")
+    if cfg.presence_penalty:
+        parts.append(f"presence penalty {cfg.presence_penalty:g}")
+    if cfg.frequency_penalty:
+        parts.append(f"frequency penalty {cfg.frequency_penalty:g}")
+    if seed and not cfg.greedy:
+        parts.append(f"seed {cfg.seed}")
     return ", ".join(parts)
 
 

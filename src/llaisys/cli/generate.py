@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..generation import GenerationStream, stream, stream_chat
-from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
+from .common import (UsageError, add_model_options, add_sampling_options, check_sampling_args, config_from_args,
                      describe_sampling, keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
 
 
@@ -50,11 +50,22 @@ def read_prompt(arg: str) -> str:
     return sys.stdin.read()
 
 
+def check_prompt(prompt: str, arg: str) -> None:
+    """UsageError when ``prompt`` (read from the argument ``arg``) has nothing but white space."""
+    if not prompt.strip():
+        where = " read from stdin ('-')" if arg == "-" else ""
+        raise UsageError(f"the prompt{where} is {'only white space' if prompt else 'empty'}; "
+                         "give the text to answer or continue")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load the model, generate, stream to stdout."""
-    prompt = user_text(read_prompt(args.prompt))
-    system = user_text(args.system) if args.system else None
+    """Check the options, load the model, generate, stream to stdout."""
+    if args.system and args.chat is False:
+        raise UsageError("--system needs the chat template; drop --no-chat")
     check_sampling_args(args)
+    prompt = user_text(read_prompt(args.prompt))
+    check_prompt(prompt, args.prompt)
+    system = user_text(args.system) if args.system else None
     model = load_from_args(args)
     cfg = config_from_args(args, model)
     use_chat = args.chat if args.chat is not None else bool(model.tokenizer.chat_template)
@@ -64,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         events = stream_chat(model, messages + [{"role": "user", "content": prompt}], cfg, prefill_progress=progress)
     else:
         if system:
-            raise ValueError("--system needs --chat")
+            raise ValueError(f"--system needs a chat template, and {model.source} has none")
         events = stream(model, prompt, cfg, prefill_progress=progress)
     print_stream(events)
     sys.stdout.write("\n")

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from .common import add_model_options, load_from_args
+from .common import UsageError, add_model_options, load_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def format_info(info: dict[str, Any], indent: int = 0) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Load the model and print ``model.info()``."""
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
-        raise ValueError(f"two models given, {args.model_path!r} and --model {args.model!r}; give one")
+        raise UsageError(f"two models given, {args.model_path!r} and --model {args.model!r}; give one")
     model = load_from_args(args, args.model_path or args.model)
     info = model.info()
     if args.json:

@@ -13,22 +13,51 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 SUBCOMMANDS = ("generate", "chat", "info", "bench", "plugin", "serve")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# Errors that mean bad input or a missing file: reported in one line, without a traceback.
+# Errors that mean bad input or a missing file: reported in one line, without a traceback;
+# status 2 for a bad command line (common.UsageError, as argparse's own), 1 for the rest.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, FileNotFoundError, PermissionError,
                                                 IsADirectoryError, NotADirectoryError)
 
 logger = logging.getLogger("llaisys.cli")
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, ``llaisys generate: error: ...``, and status
+    2, like the value checks made after parsing (``common.UsageError``); its sub-parsers are
+    Parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, with arguments left over reported by the sub-command they were given to."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.command_parser(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def command_parser(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the innermost sub-command ``ns`` was parsed with (``plugin check``'s)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(ns, action.dest, None))
+                if chosen is not None:
+                    return chosen.command_parser(ns) if isinstance(chosen, Parser) else chosen
+        return self
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llaisys`` parser with every sub-command module found."""
     from .. import __version__
+    from .common import add_verbose
 
-    parser = argparse.ArgumentParser(prog="llaisys", description="Run small language models with llaisys.")
+    parser = Parser(prog="llaisys", description="Run small language models with llaisys.")
     parser.add_argument("--version", action="version", version=f"llaisys {__version__}")
+    add_verbose(parser, dest="global_verbose")  # before the command; added to the command's own -v
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
@@ -129,25 +158,31 @@ def world_size() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``llaisys`` command with ``argv`` (default: the process arguments); return the exit status."""
+    from .common import UsageError, command_name
+
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    _setup_logging(getattr(args, "verbose", 0))
+    args.verbose = args.global_verbose + getattr(args, "verbose", 0)
+    _setup_logging(args.verbose)
     ranks = getattr(args, "tensor_parallel", 1)
     if ranks > 1 or world_size() > 1:
         started = world_size()
         if started == 1:  # not under a launcher: start the ranks, each running this same command
-            from ..parallel.launch import relaunch
+            from ..parallel.launch import STOP_GRACE_S, relaunch
+
+            # serve drains its requests for --shutdown-timeout s after a stop signal: wait that long
+            grace = max(STOP_GRACE_S, getattr(args, "shutdown_timeout", 0.0) + 5.0)
             try:
-                return relaunch(ranks, list(sys.argv[1:] if argv is None else argv))
+                return relaunch(ranks, list(sys.argv[1:] if argv is None else argv), grace_s=grace)
             except FileNotFoundError as exc:
-                print(f"llaisys {args.command}: error: {exc}", file=sys.stderr)
+                print(f"llaisys {command_name(args)}: error: {exc}", file=sys.stderr)
                 return 1
         if started != ranks:
-            print(f"llaisys {args.command}: error: started as {started} MPI ranks; pass --tensor-parallel {started} "
-                  "to split the model over them", file=sys.stderr)
+            print(f"llaisys {command_name(args)}: error: started as {started} MPI ranks; pass --tensor-parallel "
+                  f"{started} to split the model over them", file=sys.stderr)
             return 2
         if args.threads is None and not any(os.environ.get(v) for v in THREAD_VARS):
             args.threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # the ranks share this host's CPUs
@@ -165,12 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except USER_ERRORS as exc:
-        if getattr(args, "verbose", 0) >= 2:
+        if args.verbose >= 2:
             logger.exception("failed")
         if os.environ.get("PMI_RANK", "0") == "0":  # every rank fails alike; one says so
-            print(f"llaisys {args.command}: error: {exc}", file=sys.stderr)
+            print(f"llaisys {command_name(args)}: error: {exc}", file=sys.stderr)
         _stop_ranks()
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     except BaseException:
         _stop_ranks()
         raise
@@ -187,3 +222,7 @@ def _stop_ranks() -> None:
     sys.stderr.flush()
     from ..models.tensor_parallel import release
     release(common.TENSOR_PARALLEL_LEADER)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

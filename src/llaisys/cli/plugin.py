@@ -49,8 +49,15 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from ..tools.plugin_check import check_args, run_cli
+    from .common import UsageError, missing_plugin
 
-    check_args(args)
+    try:
+        check_args(args)
+    except ValueError as exc:  # an option's value out of range: a usage error
+        raise UsageError(str(exc)) from None
+    missing = missing_plugin(os.fspath(args.path))
+    if missing is not None:
+        raise FileNotFoundError(missing)
     return run_cli(args) if args.in_process else run_in_child(args)
 
 
@@ -145,7 +152,10 @@ def _crashed(report: "CheckReport", rc: int, current: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``plugin ...`` on its own (``python -m llaisys.cli.plugin check PATH``)."""
-    parser = argparse.ArgumentParser(prog="llaisys")
+    from .common import UsageError, command_name
+    from .main import Parser
+
+    parser = Parser(prog="llaisys")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plugin", *(sys.argv[1:] if argv is None else argv)])
     level = logging.WARNING if getattr(args, "verbose", 0) <= 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
@@ -153,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"llaisys plugin: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"llaisys {command_name(args)}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+from typing import Any
 
-from .common import add_model_options, following_rank, load_from_args, positive_int
+from .common import add_model_options, following_rank, load_from_args, non_negative_float, port_number, positive_int
 
 API_KEY_VAR = "LLAISYS_API_KEY"
 
@@ -21,12 +23,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "/v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, "
                                           "/version, and a chat page at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on the API routes (default: ${API_KEY_VAR}, else none)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins browsers may call the API from (CORS), e.g. http://localhost:3000 or '*' "
                         "(default: none, CORS off)")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                   help="Host header names accepted besides localhost, IP addresses and --host, e.g. myhost.lan, "
+                        "'*.example.com' or '*' (default: none; guards against DNS rebinding)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own (needed for a model without one)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -37,8 +42,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens the KV cache holds for all requests together (default: 1 GiB worth, at least one "
                         "full context)")
     p.add_argument("--db", default=None, metavar="PATH", help="SQLite file for the chat page's conversations")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")
+    p.add_argument("--max-choices", type=positive_int, default=None, metavar="N",
+                   help="engine requests one API call may make, prompts × n (default: max(--max-seqs, 128))")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, metavar="N",
+                   help="largest request body, in bytes (default 8 MiB); larger ones get 413")
+    p.add_argument("--header-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
+                   help="time a connection has to send a request's headers before it is closed (default 10)")
+    p.add_argument("--body-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
+                   help="time a request has to send its whole body before it gets 408 (default 60)")
+    p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="open connections at most (default: 3/4 of the descriptor limit, less 64)")
     add_model_options(p)
     p.set_defaults(func=run)
 
@@ -56,10 +71,31 @@ def run(args: argparse.Namespace) -> int:
                             allowed_origins=tuple(args.allowed_origins), chat_template=args.chat_template,
                             served_model_name=args.served_model_name, max_seqs=args.max_seqs,
                             kv_cache_tokens=args.kv_cache_tokens, db_path=args.db,
-                            shutdown_timeout_s=args.shutdown_timeout)
+                            shutdown_timeout_s=args.shutdown_timeout, allowed_hosts=tuple(args.allowed_hosts),
+                            max_choices=args.max_choices, header_timeout_s=args.header_timeout,
+                            body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                            max_body_bytes=args.max_body_bytes)
     app = create_app(options, loader=lambda: load_from_args(args))
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"llaisys serve: loading {args.model or 'the bundled SmolLM2-135M'} as "
-          f"{app.state.service.model_name!r}; API at http://{host}:{args.port}/v1 "
-          "(/health answers 503 until the model is ready)", file=sys.stderr)
+    service = app.state.service
+    url = base_url(args.host, args.port)
+    print(f"llaisys serve: loading {args.model or 'the bundled SmolLM2-135M'} as {service.model_name!r}; "
+          f"API at {url}v1 (/health answers 503 until the model is ready)", file=sys.stderr)
+    print(f"llaisys serve: chat page at {url}", file=sys.stderr, flush=True)
+    announce_ready(service, url)
     return serve(app, options)
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://host:port/``; a wildcard address (0.0.0.0, ::) as the loopback one a browser here can open."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def announce_ready(service: Any, url: str) -> None:
+    """Print ``llaisys serve: ready: NAME at URL`` on stderr once ``service`` has its model
+    loaded and its engine running (from a daemon thread waiting for that)."""
+    def wait() -> None:
+        service.ready.wait()
+        print(f"llaisys serve: ready: {service.model_name} at {url}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=wait, name="llaisys-serve-ready", daemon=True).start()

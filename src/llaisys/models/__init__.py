@@ -88,8 +88,13 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     of several ranks (``llaisys.parallel``): load this rank's tensor-parallel part only (see
     ``models.tensor_parallel``); every rank calls ``load_model`` with the same arguments, then
     rank 0 uses the model and the others run ``tensor_parallel.follow(model)``.
-    Raises TensorParallelError when the rank count does not divide the model, ModelLoadError for malformed or unsupported files, FileNotFoundError for a missing path.
+    Raises TensorParallelError when the rank count does not divide the model, ModelLoadError for
+    malformed or unsupported files, FileNotFoundError for a missing path, TypeError for a
+    ``source`` that is not None, a str or an os.PathLike.
     """
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"load_model: source must be None (the bundled model), a path as str or os.PathLike "
+                        f"(a .gguf file or a Hugging Face model folder), got {type(source).__name__} {source!r:.80}")
     path = default_model_path() if source is None else Path(source)
     want = _as_dtype(dtype)
     dev = as_device(device)
