@@ -59,6 +59,7 @@ def assert_close(actual: llaisys.Tensor, expected, dtype: DataType | None = None
 # ---- model fixtures: SmolLM2 loads once per session (the transformers model is slow to build) ----
 import importlib.metadata  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Iterator  # noqa: E402
 
@@ -293,3 +294,43 @@ def plugin_libraries(out: Path, builds: dict) -> Iterator[dict[str, Path]]:
     for plugin in loaded_plugins():
         if plugin.path.startswith(str(out)):
             unload_plugin(plugin.name)
+
+
+# ---- the nvidia backend: on the GPU where there is one, else simulated on the CPU ----------
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU with CUDA (skipped elsewhere, saying why)")
+    # Triton reads TRITON_INTERPRET once, when first imported (transformers imports it when it builds
+    # a model), so on a machine without a GPU it is set before any test runs: the simulated nvidia
+    # backend's kernels then run in Triton's interpreter whatever imported Triton first.
+    if not os.path.exists("/dev/nvidiactl") and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def nvidia_device() -> str:
+    """"nvidia:0" with the nvidia backend started: the real one where torch sees a GPU, else its
+    CPU-simulated mode (Triton interpreted). ``LLAISYS_NVIDIA_SIMULATE`` is set only while the
+    backend starts, so subprocesses of other tests never see it."""
+    import importlib
+    import importlib.util
+
+    for module in ("torch", "triton"):  # found, not imported: triton must be imported after TRITON_INTERPRET
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the nvidia backend needs {module} (the cuda or test extra)")
+    saved = os.environ.get("LLAISYS_NVIDIA_SIMULATE")
+    from llaisys.runtime.backends import available_backends
+
+    if "nvidia" not in available_backends():
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["LLAISYS_NVIDIA_SIMULATE"] = "1"
+    try:
+        llaisys.Tensor.zeros((1,), DataType.F32, "nvidia")  # starts the backend
+        importlib.import_module("llaisys.kernels.nvidia")  # imports triton: interpreted when simulated
+    finally:
+        if saved is None:
+            os.environ.pop("LLAISYS_NVIDIA_SIMULATE", None)
+        else:
+            os.environ["LLAISYS_NVIDIA_SIMULATE"] = saved
+    return "nvidia:0"

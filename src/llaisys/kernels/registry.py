@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -53,6 +54,10 @@ KernelKey = tuple  # (name, backend name, Layout, DataType, weight DataType)
 
 _lock = threading.Lock()
 _kernels: dict[KernelKey, Kernel] = {}
+# Kernels of built-in device types other than the CPU, imported when a tensor of that type
+# first reaches the registry (a machine that never names the device never imports them).
+_BUILTIN_KERNELS = {"nvidia": "llaisys.kernels.nvidia"}
+_builtin_loaded: set[str] = set()
 _fallback_logged: set[tuple[str, str]] = set()
 
 
@@ -117,6 +122,8 @@ def find_kernel(name: str, backend: str, dtype: DataType, layout: Layout = Layou
     ``layout``; None when absent."""
     wt = dtype if weight_dtype is None else weight_dtype
     fn = _kernels.get((name, backend, layout, dtype, wt))
+    if fn is None and _load_builtin(backend):
+        fn = _kernels.get((name, backend, layout, dtype, wt))
     if fn is None and layout is not Layout.ANY:
         fn = _kernels.get((name, backend, Layout.ANY, dtype, wt))
     return fn
@@ -147,6 +154,8 @@ def resolve(name: str, dtype: DataType, outputs: Sequence["Tensor"], weight_dtyp
     wt = dtype if weight_dtype is None else weight_dtype
     key = (name, device.type.name, Layout.ANY, dtype, wt)
     fn = _kernels.get(key)
+    if fn is None and _load_builtin(device.type.name):
+        fn = _kernels.get(key)
     if fn is not None:
         return fn
     if not device.is_cpu:
@@ -159,6 +168,20 @@ def resolve(name: str, dtype: DataType, outputs: Sequence["Tensor"], weight_dtyp
                 f"off (LLAISYS_KERNEL_FALLBACK=0); registered for {name!r}: {_listing(name)}"
             )
     raise KernelNotFoundError(f"no kernel {_fmt(key)}; registered for {name!r}: {_listing(name)}")
+
+
+def _load_builtin(backend: str) -> bool:
+    """Import the built-in kernels of device type ``backend`` the first time; True if done now."""
+    module = _BUILTIN_KERNELS.get(backend)
+    if module is None or backend in _builtin_loaded:
+        return False
+    _builtin_loaded.add(backend)
+    try:
+        importlib.import_module(module)
+    except BaseException:
+        _builtin_loaded.discard(backend)
+        raise
+    return True
 
 
 def _run_on_host(fn: Kernel, name: str, device, outputs, inputs, attrs) -> None:

@@ -1,0 +1,192 @@
+"""Compile every NVIDIA kernel for GPUs that need not be present, at the shapes and types the
+models use: ``python -m llaisys.kernels.nvidia.aot [--arch 80 90]``.
+
+The ops of a decoder (the bundled SmolLM2-135M's and a Qwen2.5-1.5B's head layout) run on an
+nvidia device whose backend allocates host memory and whose kernels are recorded, not run
+(``_common.recording``); each distinct launch (kernel, argument types, constexprs, options) is
+then compiled with ``triton.compile`` for each target (``GPUTarget("cuda", 80 / 90, 32)``),
+through ptxas to a cubin. This catches what Triton's interpreter forgives (types, layouts,
+register and shared-memory limits). Needs Triton without ``TRITON_INTERPRET``: run it in a
+process of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
+                   "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder that decide the kernels' constexprs."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+SHAPES = (Shape("SmolLM2-135M", 576, 9, 3, 64, 1536), Shape("Qwen2.5-1.5B", 1536, 12, 2, 128, 8960))
+QUANT_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def _start_recording_backend() -> None:
+    """An nvidia backend over host memory whose kernels are recorded only (no GPU, no interpreter)."""
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        raise SystemExit("aot: TRITON_INTERPRET is set; compile in a process without it")
+    from ...backends.nvidia import NvidiaBackend
+    from ...runtime.backends import available_backends, register_backend
+
+    if "nvidia" not in available_backends():
+        register_backend(NvidiaBackend(simulate=1, interpret=False))
+
+
+def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
+    """Run every kernel the decoder runs, at ``shape``, in ``dtype``, on ``device`` (prefill and
+    decoding, one sequence and a paged batch; argmax on logits), through the kernel registry
+    with the arguments the ops would pass."""
+    from ...runtime.dtypes import DataType
+    from ...tensor import Tensor
+    from ..registry import dispatch
+    from ._common import tv
+
+    d, h, kh, dh, inter = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    new = lambda *s, dt=dtype: Tensor.empty(s, dt, device)  # noqa: E731
+    run = lambda name, outs, ins, attrs=None, wt=None: dispatch(name, dtype, outs, ins, attrs or {}, wt)  # noqa: E731
+    w = new(d)
+    for s in (1, 5):
+        ids = new(s, dt=DataType.I64)
+        x, hbuf = new(s, d), new(s, d)
+        run("embedding", (x,), (ids, new(64, d)))
+        for fmt in QUANT_FORMATS:
+            table = Tensor.empty((64, d), DataType[fmt], device).freeze()
+            run("embedding", (x,), (ids, table), wt=table.dtype)
+        run("rms_norm", (hbuf,), (x, w), {"eps": 1e-6})
+        run("add_rms_norm", (hbuf, x), (x, new(s, d), w), {"eps": 1e-6})
+        qkv = new(s, (h + 2 * kh) * dh)
+        run("linear", (qkv,), (hbuf, new((h + 2 * kh) * dh, d), new((h + 2 * kh) * dh)))
+        qk = new(s, h + kh, dh)
+        run("rope", (qk,), (qkv.slice(1, 0, (h + kh) * dh).view(s, h + kh, dh), new(s, dt=DataType.I64)),
+            {"theta": 1e6})
+        cache = new(40, kh, dh)
+        run("rearrange", (cache.slice(0, 10, 10 + s),), (qk.slice(1, h, h + kh),))
+        seen = cache.slice(0, 0, 10 + s)
+        run("self_attention", (new(s, h, dh),), (qk.slice(1, 0, h), seen, seen), {"scale": 0.125})
+        gate_up = new(s, 2 * inter)
+        run("swiglu", (new(s, inter),), (gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)))
+        run("add", (x,), (x, hbuf))
+    for n, b in ((2, 2), (7, 2)):  # a paged decoding step, and a step with a prompt chunk
+        pool_k, pool_v = new(8, 16, kh, dh), new(8, 16, kh, dh)
+        qk, v = new(n, h + kh, dh), new(n, kh, dh)
+        run("kv_cache_write", (pool_k, pool_v), (qk.slice(1, h, h + kh), v, new(n, dt=DataType.I64)))
+        run("paged_attention", (new(n, h, dh),), (qk.slice(1, 0, h), pool_k, pool_v, new(b, 4, dt=DataType.I64),
+                                                   new(b + 1, dt=DataType.I64), new(b, dt=DataType.I64)),
+            {"scale": 0.125})
+    run("argmax", (new(2, dt=DataType.I64), new(2)), (new(2, 4096),))
+    from .quant import DEVICE_FORMATS, quantized_linear
+
+    for fmt in DEVICE_FORMATS:  # the quantized GEMM (LLAISYS_NVIDIA_QUANT_GEMM=1), decoding and prefill rows
+        weight = Tensor.empty((inter, d), fmt, device)
+        for m in (1, 64):
+            quantized_linear(tv(new(m, inter)), tv(new(m, d)), weight, None, dtype)
+
+
+def _signature(kernel: Any, args: tuple, consts: dict) -> dict[str, str]:
+    import torch
+
+    sig = {}
+    names = [n for n in kernel.arg_names]
+    for name, value in zip([n for n in names if n not in consts], args):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, (int, np.integer)):
+            sig[name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"aot: argument {name} of {kernel.__name__} is a {type(value).__name__}")
+    for name in consts:
+        sig[name] = "constexpr"
+    return {n: sig[n] for n in names}
+
+
+def recorded_launches(dtypes: tuple = ("F32", "F16", "BF16")) -> list[tuple]:
+    """The distinct launches of ``workload`` over ``SHAPES`` and ``dtypes``: (kernel, signature,
+    constexprs, options)."""
+    from ...runtime.dtypes import DataType
+    from . import _common
+
+    _start_recording_backend()
+    from . import attention, elementwise, linear, misc, norm_rope  # noqa: F401  (register the kernels)
+
+    seen: dict[tuple, tuple] = {}
+    with _common.recording() as rec:
+        for shape in SHAPES:
+            for name in dtypes:
+                workload(shape, DataType[name])
+    for kernel, _grid, args, consts, options in rec.launches:
+        sig = _signature(kernel, args, consts)
+        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(consts.items())), tuple(sorted(options.items())))
+        seen.setdefault(key, (kernel, sig, dict(consts), dict(options)))
+    return list(seen.values())
+
+
+def compile_all(archs: tuple[int, ...] = (80, 90), dtypes: tuple = ("F32", "F16", "BF16")) -> list[dict]:
+    """Compile every recorded launch for each compute capability in ``archs``; one result per
+    (launch, arch): kernel, arch, constexprs, ok, error, cubin bytes, seconds."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = []
+    for kernel, sig, consts, options in recorded_launches(dtypes):
+        for arch in archs:
+            start = time.perf_counter()
+            entry = {"kernel": kernel.__name__, "arch": f"sm_{arch}", "constexprs": consts,
+                     "signature": {k: v for k, v in sig.items() if v != "constexpr"}}
+            try:
+                compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                                          target=GPUTarget("cuda", arch, 32), options=options)
+                entry.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]),
+                             shared_bytes=compiled.metadata.shared)
+            except Exception as exc:  # reported per kernel; the caller decides
+                entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+            entry["seconds"] = round(time.perf_counter() - start, 3)
+            results.append(entry)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llaisys.kernels.nvidia.aot", description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (80 = A100)")
+    parser.add_argument("--dtype", nargs="+", default=["F32", "F16", "BF16"], choices=["F32", "F16", "BF16"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per compiled kernel")
+    args = parser.parse_args(argv)
+    results = compile_all(tuple(args.arch), tuple(args.dtype))
+    failed = [r for r in results if not r["ok"]]
+    for r in results:
+        if args.json:
+            print(json.dumps(r, default=str))
+        elif not r["ok"]:
+            print(f"FAILED {r['kernel']} {r['arch']} {r['constexprs']}: {r['error']}", file=sys.stderr)
+    print(f"compiled {len(results) - len(failed)} of {len(results)} kernel variants for "
+          f"{', '.join(f'sm_{a}' for a in args.arch)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

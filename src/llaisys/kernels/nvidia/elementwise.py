@@ -1,0 +1,106 @@
+"""add, swiglu and rearrange on NVIDIA GPUs: one strided elementwise Triton kernel.
+
+Tensors of any strides (up to four dimensions once runs of dimensions that are contiguous in
+every operand are merged) are walked by flat index; F16/BF16 are computed in F32 and rounded
+once, as the CPU kernels do.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import triton
+import triton.language as tl
+
+from ...runtime.dtypes import DataType
+from ..registry import register_kernel
+from ._common import FLOATS, TORCH_DTYPES, launch, tv
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
+
+COPY, ADD, SWIGLU = 0, 1, 2
+BLOCK = 1024
+MAX_DIMS = 4
+
+
+@triton.jit
+def _elementwise(out, a, b, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a3, b0, b1, b2, b3,
+                 OP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = op(a[i], b[i]) for the n elements of a 4-D index space (sizes (n / (s1 s2 s3),
+    s1, s2, s3)), each operand with its own element strides."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    i3 = idx % s3
+    rest = idx // s3
+    i2 = rest % s2
+    rest = rest // s2
+    i1 = rest % s1
+    i0 = rest // s1
+    x = tl.load(a + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, mask=mask)
+    if OP == 0:
+        y = x
+    else:
+        xf = x.to(tl.float32)
+        yf = tl.load(b + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3, mask=mask).to(tl.float32)
+        if OP == 1:
+            y = xf + yf
+        else:  # swiglu: a is the gate, b is up; silu(g) = g / (1 + e^-g)
+            y = xf / (1.0 + tl.exp(-xf)) * yf
+    tl.store(out + i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, y.to(out.dtype.element_ty), mask=mask)
+
+
+def collapse(shape: tuple, *strides: tuple) -> tuple[list[int], list[list[int]]]:
+    """``shape`` and each operand's ``strides`` with size-1 dimensions dropped and neighbours
+    merged where every operand is contiguous across them, padded in front to four dims.
+    ValueError when more than four remain."""
+    dims = [i for i, d in enumerate(shape) if d != 1]
+    sizes = [shape[i] for i in dims]
+    strs = [[s[i] for i in dims] for s in strides]
+    j = len(sizes) - 1
+    while j > 0:
+        if all(st[j - 1] == st[j] * sizes[j] for st in strs):
+            sizes[j - 1] *= sizes[j]
+            for st in strs:
+                st[j - 1] = st[j]
+                del st[j]
+            del sizes[j]
+        j -= 1
+    if len(sizes) > MAX_DIMS:
+        raise ValueError(f"strided elementwise kernel: shape {shape} with strides {strides} has more than "
+                         f"{MAX_DIMS} dimensions that cannot be merged")
+    pad = MAX_DIMS - len(sizes)
+    return [1] * pad + sizes, [[0] * pad + st for st in strs]
+
+
+def elementwise(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None) -> None:
+    """Launch the elementwise kernel for ``op`` on llaisys tensors of one shape."""
+    ops = (out, a) if b is None else (out, a, b)
+    sizes, strides = collapse(out.shape, *(t.strides for t in ops))
+    if b is None:
+        strides.append(strides[1])
+    n = out.numel()
+    args = (tv(out), tv(a), tv(a if b is None else b), n, sizes[1], sizes[2], sizes[3],
+            *strides[0], *strides[1], *strides[2])
+    launch(_elementwise, (triton.cdiv(n, BLOCK),), args, {"OP": op, "BLOCK": BLOCK}, exact=out.dtype is DataType.F32)
+
+
+@register_kernel("add", "nvidia", dtypes=FLOATS)
+def add(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """c = a + b for outputs (c,), inputs (a, b) of one shape, any strides; summed in F32."""
+    elementwise(ADD, outputs[0], inputs[0], inputs[1])
+
+
+@register_kernel("swiglu", "nvidia", dtypes=FLOATS)
+def swiglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out = up * gate / (1 + exp(-gate)) for outputs (out,), inputs (gate, up), in F32."""
+    elementwise(SWIGLU, outputs[0], inputs[0], inputs[1])
+
+
+@register_kernel("rearrange", "nvidia", dtypes=tuple(TORCH_DTYPES))
+def rearrange(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """Strided copy of inputs (in,) into outputs (out,), one shape and dtype."""
+    out, src = outputs[0], inputs[0]
+    if out.is_contiguous() and src.is_contiguous():
+        tv(out).copy_(tv(src))  # a plain device memcpy
+        return
+    elementwise(COPY, out, src)

@@ -1,0 +1,49 @@
+"""Every NVIDIA kernel compiles for the GPUs we target (sm_80, sm_90) at the shapes and types
+the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process of its own
+(Triton must not be in interpreter mode there), through ptxas to cubins. This catches what
+Triton's interpreter forgives: types, layouts, shared-memory and register limits."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+KERNELS = {"_attention", "_dequantize", "_rms_norm", "_elementwise", "_rope", "_kv_write", "_embedding", "_argmax",
+           "_qlinear"}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("compiling the nvidia kernels needs triton and torch (the cuda or test extra)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LLAISYS_NVIDIA_SIMULATE")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "llaisys.kernels.nvidia.aot", "--arch", "80", "90", "--json"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = [f"{r['kernel']} {r['arch']} {r['constexprs']}: {r['error']}" for r in rows if not r["ok"]]
+    assert proc.returncode == 0 and not failed, "\n".join(failed) or proc.stderr[-4000:]
+    return rows
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(compiled):
+    for arch in ("sm_80", "sm_90"):
+        assert {r["kernel"] for r in compiled if r["arch"] == arch} == KERNELS
+    assert all(r["cubin_bytes"] > 0 for r in compiled)
+
+
+def test_in_every_float_type(compiled):
+    for kernel in KERNELS - {"_dequantize", "_qlinear"}:  # (their weights are blocks: uint8)
+        kinds = {t for r in compiled if r["kernel"] == kernel for t in r["signature"].values() if t.startswith("*")}
+        assert {"*fp32", "*fp16", "*bf16"} <= kinds, (kernel, kinds)
+
+
+def test_attention_variants_fit_in_shared_memory(compiled):
+    attention = [r for r in compiled if r["kernel"] == "_attention"]
+    assert {r["constexprs"]["D"] for r in attention} == {64, 128}  # SmolLM2 and Qwen2.5-1.5B heads
+    assert {r["constexprs"]["PAGED"] for r in attention} == {True, False}
+    assert max(r["shared_bytes"] for r in attention) <= 99 * 1024  # sm_86/89 opt-in limit; sm_80/90 allow more
