@@ -1,22 +1,24 @@
-"""Quantized linear (native kernels) on the SmolLM2-135M shapes, next to the limits of the machine.
+"""Quantized linear (native kernels) on the SmolLM2-135M shapes, next to the machine's FMA peak.
 
 Shapes (N x K): 960 x 576 (q/k/v fused), 576 x 576 (attention output), 3072 x 576 (gate and up
 fused), 576 x 1536 (down) in Q4_1, and the 49152 x 576 output head in Q8_0, as the model's GGUF
-file stores them; M = 1 (decoding one sequence), 4 and 16 (batched decoding), 64 and 512
-(prefill). For each: the median time per call and, beside it,
+file stores them (``--shapes`` takes others, e.g. ``Q4_K:1536:512,Q6_K:1536:512``); M = 1
+(decoding one sequence), 2 ... 64 (batched decoding: the serving engine runs 16 rows) and 512
+(prefill). For each: the median time per call, the multiply-adds per second (G MAC/s) and
+their share of
 
-- the bytes limit: weight, X and Y bytes over the machine's streaming read bandwidth (the
-  native kernel reading a 512 MB F32 matrix at M = 1, measured in the same run);
-- the FMA limit: M * N * K multiply-adds at the FMA rate of a large float32 BLAS product
-  (NumPy's sgemm, 1536^3, hot in cache): what the cores sustain in practice;
-- M = k / M = 1: what a batch of k rows costs against one row.
+- the FMA peak: independent float32 FMA chains in registers at the SIMD level in use, on the
+  same threads (``native.fma_peak``), what no kernel can exceed;
+- beside it, the rate of NumPy's float32 BLAS on a hot 1536^3 product (its own kernels, which
+  need not use the widest vectors: on a machine with AVX-512 it can sit well below the peak);
+- M/M1: what a batch of M rows costs against one row.
 
-``--baseline LIB`` also times another build of the library (its ``_kernels*.so``), interleaved
-call batch by call batch with this one, as the old front end called it: its own kernels below
-M = 128 and, from 128 rows up, its decoder + NumPy's BLAS (the path it took there). Timings
-are medians; the machine may be shared, so compare columns of one run.
+``--baseline LIB`` also times another build of the library (its ``_kernels*.so``, e.g. copied
+from before a change), interleaved call batch by call batch with this one: the ``old`` columns
+and the speed-up new/old. Timings are medians; the machine may be shared, so compare columns of
+one run (the FMA peak is the best of several runs, taken when the cores were free).
 
-    python3 benchmarks/quant_linear.py [--threads 1,2] [--repeat 15] [--baseline OLD.so]
+    python3 benchmarks/quant_linear.py [--threads 1,2] [--repeat 15] [--ms 1,2,4,16] [--baseline OLD.so]
     python3 benchmarks/quant_linear.py --model [--baseline OLD.so]  # every linear of a SmolLM2 step
 
 ``--model`` runs all 211 projections of the real SmolLM2-135M GGUF (Q4_1, head Q8_0) one after
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import statistics
 import time
 from typing import Callable
@@ -34,8 +37,7 @@ from typing import Callable
 import numpy as np
 
 SHAPES = (("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576))
-MS = (1, 4, 16, 64, 512)
-OLD_BLAS_MIN_ROWS = 128  # the old front end's switch to dequantize + BLAS
+MS = (1, 2, 4, 8, 16, 32, 64, 512)
 
 
 def batch_seconds(fn: Callable[[], object], inner: int) -> float:
@@ -47,29 +49,22 @@ def batch_seconds(fn: Callable[[], object], inner: int) -> float:
 
 
 def interleaved_medians(fns: list[Callable[[], object]], repeat: int) -> list[float]:
-    """Median seconds per call of each of ``fns``, timed in alternating batches of about 2 ms
-    (so a slow spell of a shared machine hits them alike)."""
+    """Median seconds per call of each of ``fns``, timed in batches of 1 to 3 ms taken in a new
+    random order each round (so a slow spell of a shared machine hits them alike, even one that
+    comes and goes in step with a fixed order)."""
+    rng = random.Random(0)
     for fn in fns:
         fn()
         fn()
     inner = [max(1, int(2e-3 / max(batch_seconds(fn, 1), 1e-9))) for fn in fns]
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            times[i].append(batch_seconds(fn, inner[i]))
+        for i in rng.sample(range(len(fns)), len(fns)):
+            times[i].append(batch_seconds(fns[i], max(1, round(inner[i] * rng.uniform(0.5, 1.5)))))
     return [statistics.median(t) for t in times]
 
 
-def read_bandwidth(nbytes: int = 512 << 20, repeat: int = 7) -> float:
-    """Bytes read per second by the native kernel streaming a large F32 matrix at M = 1."""
-    from llaisys.kernels.quant import native
-
-    w = native.prepare("F32", np.ones((nbytes // (4 * 4096), 4096), np.float32))
-    x = np.ones((1, 4096), np.float32)
-    return nbytes / interleaved_medians([lambda: w.linear(x)], repeat)[0]
-
-
-def fma_rate(size: int = 1536, repeat: int = 7) -> float:
+def blas_rate(size: int = 1536, repeat: int = 7) -> float:
     """Multiply-adds per second of NumPy's float32 BLAS on a hot size^3 product."""
     a = np.ones((size, size), np.float32)
     out = np.empty_like(a)
@@ -96,74 +91,64 @@ def make_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarr
 
 
 class OldBuild:
-    """Another build of the native library, called as the old front end called it."""
+    """Another build of the native library, called as this build is: a checked call block
+    replayed through its ``llaisys_quant_linear_call``."""
 
     def __init__(self, path: str):
         self.lib = ctypes.CDLL(os.path.abspath(path), mode=os.RTLD_LOCAL)
-        ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.lib.llaisys_quant_linear.argtypes = [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr]
-        self.lib.llaisys_quant_dequantize.argtypes = [cint, ptr, i64, i64, ptr]
-        self.lib.llaisys_quant_set_threads.argtypes = [cint]
+        self.lib.llaisys_quant_linear_call.argtypes = [ctypes.c_void_p]
+        self.lib.llaisys_quant_set_threads.argtypes = [ctypes.c_int]
 
     def set_threads(self, n: int) -> None:
         self.lib.llaisys_quant_set_threads(n)
 
-    def linear(self, w, x: np.ndarray, out: np.ndarray, tile: np.ndarray) -> None:
-        """out (M, N) = x (M, K) @ W^T; ``w`` a prepared QuantWeight, ``tile`` a float32
-        scratch of 4 MB for the dequantize + BLAS path."""
-        m, n, k = x.shape[0], w.n, w.k
-        if m < OLD_BLAS_MIN_ROWS:
-            status = self.lib.llaisys_quant_linear(w.fmt.type_id, w.raw.ctypes.data, n, k, x.ctypes.data, k, m,
-                                                   out.ctypes.data, n, None)
-            assert status == 0
-            return
-        rows = max(1, tile.size // k)
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            buf = tile[: (stop - start) * k].reshape(stop - start, k)  # (rows, K)
-            self.lib.llaisys_quant_dequantize(w.fmt.type_id, w.raw[start:stop].ctypes.data, stop - start, k,
-                                              buf.ctypes.data)
-            np.matmul(x, buf.T, out=out[:, start:stop])
+    def bind(self, w, x: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+        """out (M, N) = x (M, K) @ W^T as a function of no arguments; ``w`` a prepared QuantWeight."""
+        _, block = w.call_block(x, None, out)
+        fn, address = self.lib.llaisys_quant_linear_call, ctypes.addressof(block)
+
+        def call() -> None:
+            assert fn(address) == 0, block  # the block stays alive with the closure
+
+        return call
 
 
-def run(threads: list[int], repeat: int, baseline: str | None) -> None:
+def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms: tuple[int, ...]) -> None:
     from threadpoolctl import threadpool_limits
 
     from llaisys.kernels.quant import native
 
     rng = np.random.default_rng(0)
     old = OldBuild(baseline) if baseline else None
-    tile = np.empty(1 << 20, np.float32)
     print(f"SIMD level {native.simd_level()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    weights = {(f, n, k): native.prepare(f, make_weights(f, n, k, rng)) for f, n, k in SHAPES}
+    weights = {(f, n, k): native.prepare(f, make_weights(f, n, k, rng)) for f, n, k in shapes}
     for t in threads:
         native.set_threads(t)
         if old:
             old.set_threads(t)
         with threadpool_limits(limits=t):
-            bandwidth, fmas = read_bandwidth(), fma_rate()
-            print(f"\n== {t} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s (native F32 stream), "
-                  f"FMA rate {fmas / 1e9:.0f} G multiply-adds/s (BLAS sgemm) ==")
-            head = f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'bytes lim':>9} {'FMA lim':>8}"
-            head += f" {'M/M1':>6}" + (f" {'old ms':>9} {'old/new':>7} {'old M/M1':>8}" if old else "")
+            peak, blas = native.fma_peak(), blas_rate()
+            print(f"\n== {t} thread(s): FMA peak {peak / 1e9:.0f} G multiply-adds/s ({native.simd_level()} FMA "
+                  f"loop); NumPy BLAS sgemm {blas / 1e9:.0f} ({blas / peak:.0%} of peak) ==")
+            head = f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'of peak':>7} {'M/M1':>6}"
+            head += f" {'old ms':>9} {'old GMAC/s':>10} {'new/old':>7}" if old else ""
             print(head)
-            for f, n, k in SHAPES:
+            for f, n, k in shapes:
                 w = weights[f, n, k]
                 first: list[float] = []
-                for m in MS:
+                for m in ms:
                     x = rng.standard_normal((m, k), dtype=np.float32)
                     out_new, out_old = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-                    fns = [lambda: w.linear(x, out=out_new)]
+                    fns = [w.bind(x, None, out_new)]  # a replayed call: ctypes straight to the kernel
                     if old:
-                        fns.append(lambda: old.linear(w, x, out_old, tile))
+                        fns.append(old.bind(w, x, out_old))
                     med = interleaved_medians(fns, repeat)
-                    if m == 1:
-                        first = med
-                    nbytes = w.raw.nbytes + 4 * m * (k + n)
-                    line = (f"{f:6} {n:5} x {k:4} {m:4} {med[0] * 1e3:9.3f} {m * n * k / med[0] / 1e9:7.1f} "
-                            f"{nbytes / bandwidth * 1e3:9.3f} {m * n * k / fmas * 1e3:8.3f} {med[0] / first[0]:6.2f}")
+                    first = first or med
+                    rate = m * n * k / med[0]
+                    line = (f"{f:6} {n:5} x {k:4} {m:4} {med[0] * 1e3:9.3f} {rate / 1e9:7.1f} {rate / peak:7.0%} "
+                            f"{med[0] / first[0]:6.2f}")
                     if old:
-                        line += f" {med[1] * 1e3:9.3f} {med[1] / med[0]:7.2f} {med[1] / first[1]:8.2f}"
+                        line += f" {med[1] * 1e3:9.3f} {m * n * k / med[1] / 1e9:10.1f} {med[1] / med[0]:7.2f}"
                     print(line, flush=True)
 
 
@@ -186,7 +171,6 @@ def model_step(threads: list[int], repeat: int, baseline: str | None) -> None:
     kinds = sorted({w.fmt.name for w in weights})
     print(f"{path.name}: {len(weights)} matrices ({', '.join(kinds)}), {qbytes / 1e6:.0f} MB encoded")
     old = OldBuild(baseline) if baseline else None
-    tile = np.empty(1 << 20, np.float32)
     rng = np.random.default_rng(0)
     for t in threads:
         native.set_threads(t)
@@ -196,9 +180,11 @@ def model_step(threads: list[int], repeat: int, baseline: str | None) -> None:
             for m in (1, 16):
                 xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {w.k for w in weights}}
                 outs = [np.empty((m, w.n), np.float32) for w in weights]
-                fns = [lambda: [w.linear(xs[w.k], out=o) for w, o in zip(weights, outs)]]
+                new_calls = [w.bind(xs[w.k], None, o) for w, o in zip(weights, outs)]
+                fns = [lambda: [call() for call in new_calls]]
                 if old:
-                    fns.append(lambda: [old.linear(w, xs[w.k], o, tile) for w, o in zip(weights, outs)])
+                    old_calls = [old.bind(w, xs[w.k], o) for w, o in zip(weights, outs)]
+                    fns.append(lambda: [call() for call in old_calls])
                 med = interleaved_medians(fns, repeat)
                 line = (f"{t} thread(s) M={m:2}: {med[0] * 1e3:7.2f} ms per step, {med[0] / m * 1e3:6.2f} ms per "
                         f"row; weights read at {qbytes / med[0] / 1e9:.1f} GB/s")
@@ -213,12 +199,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15, help="timed batches per case (median reported)")
     parser.add_argument("--baseline", metavar="LIB", help="another build's _kernels .so, timed alongside")
     parser.add_argument("--model", action="store_true", help="all linears of one SmolLM2-135M step (real weights)")
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated rows of X")
+    parser.add_argument("--shapes", help="comma-separated FORMAT:N:K (default: the SmolLM2-135M shapes)")
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple((f, int(n), int(k)) for f, n, k in (spec.split(":") for spec in args.shapes.split(",")))
     if args.model:
         model_step(threads, args.repeat, args.baseline)
     else:
-        run(threads, args.repeat, args.baseline)
+        run(threads, args.repeat, args.baseline, shapes, tuple(int(m) for m in args.ms.split(",")))
 
 
 if __name__ == "__main__":

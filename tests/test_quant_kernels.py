@@ -9,7 +9,13 @@
   stay well inside that (f32 epsilon is 1.2e-7), while a decoding slip is off by ~1e-2 or more;
 - batch invariance, at every level and for every format: a row of Y computed alone (M = 1) has
   the same bits as that row inside a call of any M (2 ... 300), wherever it sits in X, with 1
-  or 2 threads; 1 and 2 threads give bit-identical outputs; bad inputs raise ValueError.
+  or 2 threads; 1 and 2 threads give bit-identical outputs; bad inputs raise ValueError;
+- the same for every M around the switches between paths (2 ... 65: decoded in registers for a
+  few rows, then fused tiles: a few rows of W decoded in registers for the first rows of X and
+  kept for the others) on awkward shapes: one block per row, N of 1, 3 and 23 rows (no whole
+  tile), M = 63; the batch also matches the NumPy reference (float64 PyTorch product of
+  ``reference.dequantize``). Decoded tiles (M = 300 of K = 608 above: X past 512 KB) are in the
+  test before.
 """
 from __future__ import annotations
 
@@ -228,6 +234,44 @@ def test_rows_are_batch_invariant(name, simd):
                                     f"{sorted(set(np.nonzero(~same)[0] + start))[:5]} differ from their M = 1 result")
     finally:
         native.set_threads(before)
+
+
+SWITCH_M = (2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65)
+
+
+def awkward_shapes(name: str) -> list[tuple[int, int]]:
+    """(N, K): one block per row with fewer rows than any tile (1, 3) and a partial tile (23),
+    then a few blocks per row (an odd length for the plain float formats)."""
+    block = get_format(name).block_size
+    k_min, k_more = (1, 35) if block == 1 else (block, 3 * block)
+    return [(1, k_min), (3, k_min), (23, k_min), (23, k_more)]
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_every_batched_path_matches_one_row_bitwise(name, simd):
+    """Each path for M > 1 (registers for a few rows, then the fused tiles where the level has
+    them, or decoded tiles) gives a row the bits it has alone, on shapes that leave partial
+    tiles everywhere; the batch agrees with the NumPy reference within tolerance."""
+    rng = np.random.default_rng(31)
+    for n, k in awkward_shapes(name):
+        raw = make_weights(name, n, k, rng)
+        weight = native.prepare(name, raw)
+        x = rng.standard_normal((max(SWITCH_M) + 2, k), dtype=np.float32)
+        bias = rng.standard_normal(n, dtype=np.float32)
+        alone = np.concatenate([weight.linear(x[r:r + 1], bias) for r in range(len(x))])  # (R, N)
+        for m in SWITCH_M:
+            start = m % 3
+            got = weight.linear(x[start:start + m], bias)
+            same = got.view(np.uint32) == alone[start:start + m].view(np.uint32)
+            assert same.all(), (f"{name} at {simd}, N={n} K={k} M={m}: rows "
+                                f"{sorted(set(np.nonzero(~same)[0] + start))[:5]} differ from their M = 1 result")
+        assert_linear_close(alone, x, reference.dequantize(name, raw), bias, f"{name} at {simd}, N={n} K={k}")
+
+
+@needs_native
+def test_fma_peak_is_measured():
+    """The benchmark's yardstick: multiply-adds per second of FMA chains in registers."""
+    assert native.fma_peak(repeat=1, rounds=1000) > 1e8
 
 
 def test_portable_path_is_batch_invariant():

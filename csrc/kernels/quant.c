@@ -5,11 +5,13 @@
  *
  * M = 1 (decoding one token): each row of W is dotted with x straight from its blocks.
  * A few rows (M <= dotm_max, batched decoding of a few sequences): the same, each weight decoded
- * in registers once for all M rows. More rows: a tile of rows of W is decoded once into a float
- * buffer, then multiplied with all M rows of X in register blocks, so the weight bytes are
- * read once whatever M is. All paths follow one arithmetic per output element (quant.h), and
- * work is split over rows of W only (never over K), so every output has the same bits whatever
- * M and the thread count are.
+ * in registers once for all M rows. A batch of decoding sequences (up to LQ_FUSED_MAX_M rows, or
+ * more while X fits in L2), where the level has fused kernels: a few rows of W decoded in
+ * registers for the first rows of X and kept, as decoded, for the others. More rows: a tile of
+ * rows of W is decoded once into a float buffer, then multiplied with all M rows of X in
+ * register blocks, so the weight bytes are read once whatever M is. All paths follow one
+ * arithmetic per output element (quant.h), and work is split over rows of W only (never over
+ * K), so every output has the same bits whatever M and the thread count are.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
 #include <stdatomic.h>
@@ -217,6 +219,16 @@ static void tile_scalar(const float *w, size_t rows, size_t k, const float *x, s
         }
 }
 
+/* Multiply, then add (the scalar level's arithmetic), in LQ_FMA_CHAINS independent chains. */
+static float fma_loop_scalar(size_t rounds) {
+    float a[LQ_FMA_CHAINS], s = 0;
+    for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = (float)i;
+    for (size_t r = 0; r < rounds; r++)
+        for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = a[i] * 0.999f + 1e-3f;
+    for (int i = 0; i < LQ_FMA_CHAINS; i++) s += a[i];
+    return s;
+}
+
 const lq_kernels lq_kernels_scalar = {
     .name = "scalar",
     .decode = {
@@ -228,6 +240,8 @@ const lq_kernels lq_kernels_scalar = {
     .dot = {NULL},
     .dotm = {NULL},
     .tile = tile_scalar,
+    .fma_loop = fma_loop_scalar,
+    .fma_lanes = 1,
     .dot_rows = 1,
     .dotm_max = 1,
     .tile_rows = 1,
@@ -294,6 +308,21 @@ static void linear_chunk_fused(void *arg, size_t chunk, int thread) {
             j->kern->dot[j->fmt->index](w, j->row_bytes, rows, j->x, j->k, j->y + t0, bias);
         else
             j->kern->dotm[j->fmt->index](w, j->row_bytes, rows, j->x, j->ldx, j->m, j->k, j->y + t0, j->ldy, bias);
+    }
+}
+
+/* dotm_max < M (LQ_FUSED_* in quant.h): rows [n0, n1) of y, fused_rows rows of W at a time, each
+ * decoded once (in registers, kept in this thread's scratch for the later rows of X). */
+static void linear_chunk_fused_tiles(void *arg, size_t chunk, int thread) {
+    const linear_job *j = arg;
+    const size_t tile = (size_t)j->kern->fused_rows;
+    float *buf = j->scratch + (size_t)thread * tile * j->k; /* (tile, k) */
+    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
+    if (n1 > j->n) n1 = j->n;
+    for (size_t t0 = n0; t0 < n1; t0 += tile) {
+        const size_t rows = n1 - t0 < tile ? n1 - t0 : tile;
+        j->kern->fused[j->fmt->index](j->w + t0 * j->row_bytes, j->row_bytes, rows, j->x, j->ldx, j->m, j->k,
+                                      j->y + t0, j->ldy, j->bias ? j->bias + t0 : NULL, buf);
     }
 }
 
@@ -416,6 +445,15 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
         j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, (size_t)j.kern->dot_rows, (size_t)threads);
         const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
         lq_pool_run(linear_chunk_fused, &j, n_chunks, n_chunks < (size_t)threads ? (int)n_chunks : threads);
+    } else if (j.kern->fused[f->index] && (j.m <= LQ_FUSED_MAX_M || j.m * j.k * sizeof(float) <= LQ_FUSED_X_BYTES)) {
+        const size_t tile = (size_t)j.kern->fused_rows;
+        j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, tile, (size_t)threads);
+        const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
+        const int slots = n_chunks < (size_t)threads ? (int)n_chunks : threads;
+        if ((j.scratch = take_floats(local, &used, (size_t)slots * tile * j.k, &tile_heap)))
+            lq_pool_run(linear_chunk_fused_tiles, &j, n_chunks, slots);
+        else
+            status = LQ_ERR_MEMORY;
     } else {
         /* Many rows of X: 4x taller tiles of W (L2-sized), so X streams through the cache 4x
          * less often (measured: up to 20% faster at M = 512). Up to 32 rows: a tile of about
@@ -468,6 +506,28 @@ LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }
  * that one set of workers serves every kernel. */
 LQ_EXPORT void llaisys_quant_pool_run(lq_task_fn task, void *ctx, size_t n_chunks, int slots) {
     lq_pool_run(task, ctx, n_chunks, slots);
+}
+
+typedef struct {
+    const lq_kernels *kern;
+    size_t rounds;
+    float sink[256]; /* one per pool thread: where the loops leave their results */
+} peak_job;
+
+static void peak_chunk(void *arg, size_t chunk, int thread) {
+    (void)chunk;
+    peak_job *p = arg;
+    p->sink[thread & 255] += p->kern->fma_loop(p->rounds);
+}
+
+/* The machine's multiply-add peak at the SIMD level in use, for benchmarks: `chunks` runs of the
+ * level's fma_loop (`rounds` rounds each) on the thread pool. Returns the multiply-adds done
+ * (the caller times the call). */
+LQ_EXPORT int64_t llaisys_quant_fma_loop(int64_t rounds, int64_t chunks) {
+    if (rounds <= 0 || chunks <= 0) return 0;
+    peak_job p = {.kern = kernels(), .rounds = (size_t)rounds};
+    lq_pool_run(peak_chunk, &p, (size_t)chunks, lq_pool_threads());
+    return rounds * chunks * LQ_FMA_CHAINS * p.kern->fma_lanes;
 }
 
 /* Name of the SIMD level in use: "scalar", "avx2" or "avx512". */

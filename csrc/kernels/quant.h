@@ -39,6 +39,17 @@ enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_
  * meet all the rows of X), within the level's tile_align .. tile_rows rows. */
 #define LQ_TILE_BYTES ((size_t)16 << 10)
 
+/* dotm_max < M <= LQ_FUSED_MAX_M, or more rows while X takes at most LQ_FUSED_X_BYTES (it is
+ * read once per 4 rows of W, from L2): the fused kernels, each weight decoded once, between
+ * multiply-adds. (Measured, Q4_1, 1 thread, against decode + tile: 4-5% faster up to M = 192
+ * of K = 576 (X 442 KB), level at M = 256 (590 KB), 10-25% slower at M = 256 .. 512 of
+ * K = 1536 (1.5 .. 3 MB).) */
+#define LQ_FUSED_MAX_M 64
+#define LQ_FUSED_X_BYTES ((size_t)512 << 10)
+
+/* Independent multiply-add chains of fma_loop: enough to fill two FMA pipes of 4 cycles' latency. */
+#define LQ_FMA_CHAINS 12
+
 /* One call's scratch (aligned rows of X, decoded tiles for all threads) lives on the caller's
  * stack up to this many floats, on the heap beyond. */
 #define LQ_LOCAL_FLOATS ((size_t)16 << 10)
@@ -171,14 +182,22 @@ static inline void unpack_scales_k4_le(const uint8_t *q, uint8_t sc[8], uint8_t 
  *           encoded rows (row_bytes apart), decoded in registers. NULL: decode + tile.
  *   dotm:   dot for 2 <= m <= dotm_max rows of X (ldx apart) at once, into y rows ldy apart:
  *           each weight decoded once for the m rows. NULL: decode + tile.
+ *   fused:  m > dotm_max (LQ_FUSED_*): y[r][j] = row j . x[r] (+ bias[j]) for r < m, j < rows
+ *           <= fused_rows: the rows decoded in registers while they meet the first rows of X
+ *           and kept in buf (fused_rows x k floats) for the other rows. NULL: decode + tile.
  *   tile:   y[r][j] = w[j] . x[r] (+ bias[j]) for r < m, j < rows, where w holds `rows`
  *           decoded rows of k floats, then zero rows up to a multiple of tile_align (or of
- *           the tile). */
+ *           the tile).
+ *   fma_loop: the level's multiply-add peak, for benchmarks: `rounds` rounds of LQ_FMA_CHAINS
+ *           independent chains of fma_lanes lanes; returns a sum that depends on all of them. */
 typedef void (*lq_decode_fn)(const void *row, float *dst, size_t k);
 typedef void (*lq_dot_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, size_t k, float *y,
                           const float *bias);
 typedef void (*lq_dotm_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx, size_t m,
                            size_t k, float *y, size_t ldy, const float *bias);
+typedef void (*lq_fused_fn)(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx, size_t m,
+                            size_t k, float *y, size_t ldy, const float *bias, float *buf);
+typedef float (*lq_fma_loop_fn)(size_t rounds);
 typedef void (*lq_tile_fn)(const float *w, size_t rows, size_t k, const float *x, size_t ldx, size_t m, float *y,
                            size_t ldy, const float *bias);
 
@@ -187,9 +206,13 @@ typedef struct {
     lq_decode_fn decode[IX_COUNT];
     lq_dot_fn dot[IX_COUNT];
     lq_dotm_fn dotm[IX_COUNT];
+    lq_fused_fn fused[IX_COUNT];
     lq_tile_fn tile;
+    lq_fma_loop_fn fma_loop;
+    int fma_lanes;  /* multiply-adds per chain and round of fma_loop */
     int dot_rows;   /* rows of W per dot (and dotm) call */
     int dotm_max;   /* most rows of X per dotm call */
+    int fused_rows; /* rows of W per fused call */
     int tile_rows;  /* rows of W decoded at a time for tile (quant.c takes 4x for many rows of X) */
     int tile_align; /* tile's rows of W come in groups of this many (the decoded tile is padded to it) */
 } lq_kernels;

@@ -8,9 +8,11 @@
  *      not a multiple of 16 zero-padded;
  *   3. the 16 lanes summed by the halving tree of reduce16, then + b.
  * M <= 4 (dot_rows) decodes in registers, 4 rows of W at a time (8 for the 32-element formats
- * at M = 1), each weight once for all the rows of X; more rows multiply decoded rows (decode_*) in 4 x 4 register blocks. All follow
- * those three steps exactly, so a row of Y has the same bits whatever M is and wherever the
- * row sits in X.
+ * at M = 1), each weight once for all the rows of X. 4 < M <= 64 or more while X fits in L2
+ * (fused_rows, the block formats but q4_K / q5_K): 4 rows of W decoded in registers for rows
+ * 0 .. 3 of X and kept for the 4 x 4 register blocks of the others. Otherwise decoded rows
+ * (decode_*) in 4 x 4 blocks. All follow those three steps exactly, so a row of Y has the same
+ * bits whatever M is and wherever the row sits in X.
  *
  * Compiled without -march: every function carries a target attribute and runs only after
  * lq_kernels_avx512() has checked the CPU.
@@ -25,10 +27,10 @@
 #define AVX512_INLINE static inline __attribute__((always_inline, target(TARGET)))
 
 #define DOT_ROWS 16 /* rows of W per dot_rows call: one reduce16 per row of X */
-#define TILE_ROWS 16 /* most rows of W decoded at a time for M > 4 (quant.c: LQ_TILE_BYTES) */
+#define TILE_ROWS 16 /* most rows of W decoded at a time by decode + tile (quant.c: LQ_TILE_BYTES) */
 #define GROUP 4      /* rows of W decoded together in registers at M = 1 (independent FMA chains) */
 #define GROUP_MAX 8  /* ... for the 32-element formats at M = 1 (measured: Q4_1 3-6% faster than 4) */
-#define MAX_MX 4     /* rows of X the fused kernels (dot_rows) take at once */
+#define MAX_MX 4     /* rows of X the kernels of a few rows (dot_rows) take at once */
 
 AVX512_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
 
@@ -353,6 +355,52 @@ AVX512_INLINE void group_legacy(const uint8_t *const row[], const int G, const f
     for (int a = 0; a < G * mx; a++) out[a] = acc[a];
 }
 
+/* group_legacy for mx > 1 rows of X, G = GROUP rows of W, software-pipelined: the weights of
+ * block i + 1 are decoded before the multiply-adds of block i, so those never wait for a decode
+ * (measured at M = 4, Q4_1, weights in cache: 89 G multiply-adds/s instead of 72 at K = 576, 97
+ * instead of 85 at K = 1536). The same weights and FMAs in the same order; d (and m) read from
+ * each block as it comes instead of gathered 16 blocks at a time. */
+AVX512_INLINE void group_legacy_pipelined(const uint8_t *const row[], const float *x, size_t ldx, const int mx,
+                                          size_t k, const int kind, const int stride, const int has_min,
+                                          __m512 out[], float *dec) {
+    __m512 acc[GROUP * MAX_MX], cur[GROUP][2], next[GROUP][2];
+    for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
+    const size_t nb = k / QK;
+    for (int j = 0; j < GROUP; j++) {
+        lq_half dm[2]; /* d, and m where the format has one: the first 4 bytes of every block */
+        memcpy(dm, row[j], 4);
+        legacy_weights(row[j], kind, half(dm[0]), has_min ? half(dm[1]) : 0.0f, cur[j]);
+    }
+    for (size_t i = 0; i < nb; i++) {
+        const size_t ahead = i + 1 < nb ? i + 1 : i; /* the last block decodes itself again, unused */
+        for (int j = 0; j < GROUP; j++) {
+            const uint8_t *blk = row[j] + ahead * (size_t)stride;
+            lq_half dm[2];
+            memcpy(dm, blk, 4);
+            prefetch_ahead(blk, (size_t)stride);
+            legacy_weights(blk, kind, half(dm[0]), has_min ? half(dm[1]) : 0.0f, next[j]);
+        }
+        if (dec)
+            for (int j = 0; j < GROUP; j++) {
+                _mm512_storeu_ps(dec + (size_t)j * k + i * QK, cur[j][0]);
+                _mm512_storeu_ps(dec + (size_t)j * k + i * QK + 16, cur[j][1]);
+            }
+        const float *xb = x + i * QK;
+        for (int r = 0; r < mx; r++) {
+            const __m512 x0 = _mm512_loadu_ps(xb + (size_t)r * ldx), x1 = _mm512_loadu_ps(xb + (size_t)r * ldx + 16);
+            for (int j = 0; j < GROUP; j++) {
+                acc[GROUP * r + j] = _mm512_fmadd_ps(cur[j][0], x0, acc[GROUP * r + j]);
+                acc[GROUP * r + j] = _mm512_fmadd_ps(cur[j][1], x1, acc[GROUP * r + j]);
+            }
+        }
+        for (int j = 0; j < GROUP; j++) {
+            cur[j][0] = next[j][0];
+            cur[j][1] = next[j][1];
+        }
+    }
+    for (int a = 0; a < GROUP * mx; a++) out[a] = acc[a];
+}
+
 AVX512_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
                             const int five, __m512 out[]) {
     __m512 acc[GROUP * MAX_MX];
@@ -396,7 +444,7 @@ AVX512_INLINE void group_k4(const uint8_t *const row[GROUP], const float *x, siz
 }
 
 AVX512_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, size_t ldx, const int mx, size_t k,
-                              __m512 out[]) {
+                              __m512 out[], float *dec) {
     __m512 acc[GROUP * MAX_MX], w[2];
     for (int a = 0; a < GROUP * mx; a++) acc[a] = _mm512_setzero_ps();
     float scale[GROUP][16];
@@ -415,6 +463,10 @@ AVX512_INLINE void group_q6_K(const uint8_t *const row[GROUP], const float *x, s
             }
             for (int j = 0; j < GROUP; j++) {
                 q6_pair((const block_q6_K *)row[j] + i, p >> 2, p & 3, scale[j], w);
+                if (dec) {
+                    _mm512_storeu_ps(dec + (size_t)j * k + i * QK_K + 32 * p, w[0]);
+                    _mm512_storeu_ps(dec + (size_t)j * k + i * QK_K + 32 * p + 16, w[1]);
+                }
                 for (int r = 0; r < mx; r++) {
                     acc[GROUP * r + j] = _mm512_fmadd_ps(w[0], x0[r], acc[GROUP * r + j]);
                     acc[GROUP * r + j] = _mm512_fmadd_ps(w[1], x1[r], acc[GROUP * r + j]);
@@ -457,20 +509,31 @@ AVX512_INLINE int group_rows(const int mx, const int ix) {
     return mx == 1 && ix >= IX_Q4_0 && ix <= IX_Q8_0 ? GROUP_MAX : GROUP;
 }
 
+/* The 32-element formats: GROUP_MAX rows of W at M = 1, GROUP software-pipelined for more. */
+AVX512_INLINE void legacy_dot(const uint8_t *const row[], const float *x, size_t ldx, const int mx, size_t k,
+                              const int kind, const int stride, const int has_min, __m512 acc[], float *dec) {
+    if (mx > 1)
+        group_legacy_pipelined(row, x, ldx, mx, k, kind, stride, has_min, acc, dec);
+    else
+        group_legacy(row, GROUP_MAX, x, ldx, 1, k, kind, stride, has_min, acc);
+}
+
+/* acc[G * r + j] for the rows of W of `row` (G = group_rows(mx, ix)) and r < mx; dec, where not
+ * NULL (the fused kernels, mx = MAX_MX), receives the decoded rows, k floats apart. */
 AVX512_INLINE void group_dot(const uint8_t *const row[GROUP_MAX], const float *x, size_t ldx, const int mx, size_t k,
-                             const int ix, __m512 acc[]) {
+                             const int ix, __m512 acc[], float *dec) {
     switch (ix) {
     case IX_F32: group_float(row, x, ldx, mx, k, 0, acc); break;
     case IX_F16: group_float(row, x, ldx, mx, k, 1, acc); break;
     case IX_BF16: group_float(row, x, ldx, mx, k, 2, acc); break;
-    case IX_Q4_0: group_legacy(row, group_rows(mx, ix), x, ldx, mx, k, L_Q4_0, sizeof(block_q4_0), 0, acc); break;
-    case IX_Q4_1: group_legacy(row, group_rows(mx, ix), x, ldx, mx, k, L_Q4_1, sizeof(block_q4_1), 1, acc); break;
-    case IX_Q5_0: group_legacy(row, group_rows(mx, ix), x, ldx, mx, k, L_Q5_0, sizeof(block_q5_0), 0, acc); break;
-    case IX_Q5_1: group_legacy(row, group_rows(mx, ix), x, ldx, mx, k, L_Q5_1, sizeof(block_q5_1), 1, acc); break;
-    case IX_Q8_0: group_legacy(row, group_rows(mx, ix), x, ldx, mx, k, L_Q8_0, sizeof(block_q8_0), 0, acc); break;
-    case IX_Q4_K: group_k4(row, x, ldx, mx, k, 0, acc); break;
+    case IX_Q4_0: legacy_dot(row, x, ldx, mx, k, L_Q4_0, sizeof(block_q4_0), 0, acc, dec); break;
+    case IX_Q4_1: legacy_dot(row, x, ldx, mx, k, L_Q4_1, sizeof(block_q4_1), 1, acc, dec); break;
+    case IX_Q5_0: legacy_dot(row, x, ldx, mx, k, L_Q5_0, sizeof(block_q5_0), 0, acc, dec); break;
+    case IX_Q5_1: legacy_dot(row, x, ldx, mx, k, L_Q5_1, sizeof(block_q5_1), 1, acc, dec); break;
+    case IX_Q8_0: legacy_dot(row, x, ldx, mx, k, L_Q8_0, sizeof(block_q8_0), 0, acc, dec); break;
+    case IX_Q4_K: group_k4(row, x, ldx, mx, k, 0, acc); break; /* no dec: q4_K / q5_K have no fused kernels */
     case IX_Q5_K: group_k4(row, x, ldx, mx, k, 1, acc); break;
-    default: group_q6_K(row, x, ldx, mx, k, acc); break;
+    default: group_q6_K(row, x, ldx, mx, k, acc, dec); break;
     }
 }
 
@@ -487,7 +550,7 @@ AVX512_INLINE void dot_rows(const void *w, size_t row_bytes, size_t rows, const 
         for (int r = 0; r < G; r++) /* past the last row: repeat it, results unused */
             row[r] = (const uint8_t *)w + (j0 + (size_t)r < rows ? j0 + (size_t)r : rows - 1) * row_bytes;
         __m512 part[GROUP_MAX * MAX_MX];
-        group_dot(row, x, ldx, mx, k, ix, part);
+        group_dot(row, x, ldx, mx, k, ix, part, NULL);
         for (int r = 0; r < mx; r++)
             for (int j = 0; j < G; j++) acc[r][j0 + j] = part[G * r + j];
     }
@@ -586,6 +649,57 @@ static AVX512 void tile(const float *w, size_t rows, size_t k, const float *x, s
         }
 }
 
+/* ---- M > 4 (quant.h: LQ_FUSED_*): decoded in registers for the first rows of X, kept for the rest */
+
+/* y[r][j] = w[j] . x[r] (+ bias[j]) for j < rows <= GROUP, r < m: the rows of W are decoded in
+ * registers while they meet rows 0 .. 3 of X (the kernels of a few rows above, mx = 4), and
+ * stored as they are decoded into buf (GROUP rows of k floats) for the 4 x 4 blocks of the
+ * other rows of X. The decoding runs between multiply-adds instead of before them (measured
+ * at M = 16, Q4_1, K = 576, 1 thread, weights in cache: 108 G multiply-adds/s instead of 95
+ * with each tile decoded apart). q4_K / q5_K keep decode + tile: their fused pass, x read
+ * from L1 for every FMA, came out slower than their fast decoder. (Tried and dropped: decoding
+ * the next tile a block at a time between the 4 x 4 blocks' FMAs; faster in a standalone loop,
+ * 118 against 108 G multiply-adds/s, but slower here, 90 against 110 at M = 16.) */
+AVX512_INLINE void fused_rows(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx, size_t m,
+                              size_t k, float *y, size_t ldy, const float *bias, float *buf, const int ix) {
+    const uint8_t *row[GROUP_MAX];
+    for (size_t j = 0; j < GROUP; j++) /* past the last row: repeat it, results unused */
+        row[j] = (const uint8_t *)w + (j < rows ? j : rows - 1) * row_bytes;
+    __m512 acc[16];
+    group_dot(row, x, ldx, MAX_MX, k, ix, acc, buf); /* acc[4r + j], as block4 lays them out */
+    store_block(acc, MAX_MX, rows, y, ldy, bias);
+    for (size_t r0 = MAX_MX; r0 < m; r0 += 4) {
+        const size_t mr = m - r0 < 4 ? m - r0 : 4;
+        block_any(buf, k, x + r0 * ldx, ldx, mr, acc);
+        store_block(acc, mr, rows, y + r0 * ldy, ldy, bias);
+    }
+}
+
+#define FUSED(name, ix)                                                                                       \
+    static AVX512 void name(const void *w, size_t row_bytes, size_t rows, const float *x, size_t ldx,        \
+                            size_t m, size_t k, float *y, size_t ldy, const float *bias, float *buf) {       \
+        fused_rows(w, row_bytes, rows, x, ldx, m, k, y, ldy, bias, buf, ix);                                 \
+    }
+FUSED(fused_q4_0, IX_Q4_0)
+FUSED(fused_q4_1, IX_Q4_1)
+FUSED(fused_q5_0, IX_Q5_0)
+FUSED(fused_q5_1, IX_Q5_1)
+FUSED(fused_q8_0, IX_Q8_0)
+FUSED(fused_q6_K, IX_Q6_K)
+#undef FUSED
+
+/* The level's multiply-add peak (quant.h: fma_loop). */
+static AVX512 float fma_loop(size_t rounds) {
+    __m512 a[LQ_FMA_CHAINS];
+    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+    for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
+    for (size_t r = 0; r < rounds; r++)
+        for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
+    __m512 s = a[0];
+    for (int i = 1; i < LQ_FMA_CHAINS; i++) s = _mm512_add_ps(s, a[i]);
+    return _mm512_reduce_add_ps(s);
+}
+
 static const lq_kernels KERNELS = {
     .name = "avx512",
     .decode = {
@@ -607,7 +721,14 @@ static const lq_kernels KERNELS = {
         [IX_Q5_K] = dot_q5_K_m, [IX_Q6_K] = dot_q6_K_m,
     },
     .dotm_max = MAX_MX,
+    .fused = {
+        [IX_Q4_0] = fused_q4_0, [IX_Q4_1] = fused_q4_1, [IX_Q5_0] = fused_q5_0, [IX_Q5_1] = fused_q5_1,
+        [IX_Q8_0] = fused_q8_0, [IX_Q6_K] = fused_q6_K,
+    },
+    .fused_rows = GROUP,
     .tile = tile,
+    .fma_loop = fma_loop,
+    .fma_lanes = 16,
     .dot_rows = DOT_ROWS,
     .tile_rows = TILE_ROWS,
     .tile_align = 4,

@@ -3,8 +3,10 @@
 ``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
 float32 (the weights are never widened in memory, the activations never quantized), for any
 number of rows M: M = 1 decodes the weights in registers (so do a few rows, M <= 4 at the
-AVX-512 level, each weight once for all of them), more rows decode a tile of rows of W at a time
-and multiply it with all of X in register blocks, reading the weight bytes once.
+AVX-512 level and 2 at AVX2, each weight once for all of them); up to 64 rows (batched decoding,
+more while X fits in L2) the AVX-512 kernels decode a few rows of W in registers for the first
+rows of X and keep them for the others; more rows decode a tile of rows of W at a time and
+multiply it with all of X in register blocks, reading the weight bytes once.
 Each output element is computed by one fixed sequence of f32 operations (``csrc/kernels/quant.h``)
 whatever M is, wherever its row sits in X and whatever the thread count: a row of Y has the
 same bits alone or in a batch (batch-invariant), at a given SIMD level. The SIMD level is
@@ -20,6 +22,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -58,6 +61,7 @@ def _library() -> ctypes.CDLL:
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = args, cint
                 lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
+                lib.llaisys_quant_fma_loop.argtypes, lib.llaisys_quant_fma_loop.restype = [i64, i64], i64
                 wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
                 if wanted and wanted != level:
                     mask = lib.llaisys_quant_simd_available()
@@ -280,6 +284,19 @@ def available_simd_levels() -> tuple[str, ...]:
     """The SIMD levels this CPU runs, lowest first ("scalar" always)."""
     mask = _library().llaisys_quant_simd_available()
     return tuple(name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1)
+
+
+def fma_peak(repeat: int = 7, rounds: int = 100_000) -> float:
+    """The machine's multiply-add peak (multiply-adds per second) at the SIMD level in use, on
+    all the pool's threads: the best of ``repeat`` timed runs of independent float32 FMA chains
+    in registers (``fma_loop`` of csrc/kernels/quant.h), what no kernel can exceed."""
+    lib, chunks = _library(), 4 * threads()  # several chunks a thread: one slow to wake costs little
+    best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        done = lib.llaisys_quant_fma_loop(rounds, chunks)
+        best = max(best, done / (time.perf_counter() - start))
+    return best
 
 
 def set_simd_level(name: str) -> None:
