@@ -9,7 +9,10 @@
 Each ``step`` asks the scheduler for a batch (decode tokens of running requests, prefill chunks
 of new ones), runs it through ``model.forward_batch`` over the paged KV cache so every weight
 is read once for all of them, then lets each request that reached its end pick its next token
-with its own sampler. Not thread-safe: ``EngineThread`` runs it behind a queue.
+with its own sampler. A request whose config carries a grammar (``grammar.GuidedConfig``)
+picks among the tokens its grammar allows: the masks of the step's constrained requests are
+filled together, unconstrained requests are untouched. Not thread-safe: ``EngineThread`` runs
+it behind a queue.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import numpy as np
 from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
 from ..models.paged_cache import TokenBatch
 from .blocks import KVBlockManager
+from .grammar import MaskBatch, grammar_of
+from .pooling import pooling_of
 from .request import Request, RequestOutput
 from .scheduler import Scheduler
 
@@ -86,6 +91,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
+        self._masks = MaskBatch()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: "str | Sequence[int] | np.ndarray",
@@ -93,7 +99,8 @@ class LLMEngine:
         """Queue a request (text, encoded with the tokenizer's special tokens, or token ids);
         returns its id (a new one when ``request_id`` is None). Raises ValueError for a bad or
         duplicate id, a prompt that fills the model's context, or one that could never fit in
-        the KV pool, and for stop strings on a model without a tokenizer."""
+        the KV pool, for stop strings on a model without a tokenizer, and for a grammar compiled
+        for a larger vocabulary than the model's."""
         config = config or GenerationConfig()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -107,6 +114,14 @@ class LLMEngine:
                              "leaving no room to generate")
         if config.stop and self._tokenizer is None:
             raise ValueError("stop strings need text, and this model has no tokenizer; stop at token ids instead")
+        pooling = pooling_of(config)
+        if pooling is not None and pooling.pooling == "mean" and self.blocks.prefix_caching:
+            raise ValueError("mean pooling needs every prompt token computed: use an engine without prefix "
+                             "caching (LLMEngine(model, prefix_caching=False)), or last-token pooling")
+        grammar = grammar_of(config)
+        if grammar is not None and grammar.vocab_size > int(self.model.config.vocab_size):
+            raise ValueError(f"the grammar was compiled for a vocabulary of {grammar.vocab_size} tokens; this model "
+                             f"has {self.model.config.vocab_size}")
         max_tokens = min(config.max_new_tokens, self.context_length - len(ids) + 1)
         eos = set() if config.ignore_eos else {*config.eos_token_ids, *self._eos}
         request = Request(request_id, ids, config, max_tokens, self._tokenizer, eos)
@@ -147,21 +162,51 @@ class LLMEngine:
                 self.prompt_tokens += min(c.length, len(seq.prompt_ids) - c.start)
         batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
         logits = self.model.forward_batch(batch, self.cache)  # (R, V)
+        self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
+        sampling = [self.requests[c.seq.seq_id] for c in step.chunks if c.samples]  # logits row order
+        allowed = self._grammar_masks(sampling, logits.shape[-1])
         outputs = []
-        row = 0
-        for c in step.chunks:
-            if not c.samples:
-                continue
-            request = self.requests[c.seq.seq_id]
-            out = request.take(logits[row])
-            row += 1
-            self.generation_tokens += 1
+        for row, request in enumerate(sampling):
+            if request.pooler is not None:  # an embedding: its prompt ran, nothing is generated
+                out = request.pooled()
+            else:
+                out = request.take(logits[row], allowed.get(row))
+                self.generation_tokens += 1
             if out.finished:
                 self.scheduler.finish(request.seq)
                 del self.requests[request.request_id]
             outputs.append(out)
         return outputs
+
+    def _pool(self, chunks: list, num_tokens: int) -> None:
+        """Hand each embedding request of the step its rows of the final hidden states."""
+        if not any(self.requests[c.seq.seq_id].pooler is not None for c in chunks):
+            return
+        hidden = self.model_hidden(num_tokens)  # (N, D)
+        offset = 0
+        for c in chunks:
+            pooler = self.requests[c.seq.seq_id].pooler
+            if pooler is not None:
+                pooler.add(hidden[offset:offset + c.length], c.start)
+            offset += c.length
+
+    def model_hidden(self, num_tokens: int) -> np.ndarray:
+        """The final hidden states (N, D) float32 (after the last norm) of the batch of
+        ``num_tokens`` tokens the model just ran over this engine's cache."""
+        ws = self.cache.workspaces.get(num_tokens)
+        if ws is None or not hasattr(ws, "h"):
+            raise RuntimeError("this model does not expose its hidden states; it cannot give embeddings")
+        return ws.h.numpy().astype(np.float32, copy=False)[:num_tokens]
+
+    def _grammar_masks(self, sampling: list[Request], vocab: int) -> dict[int, np.ndarray]:
+        """The tokens (vocab,) bool each constrained request of ``sampling`` may pick, by row:
+        every grammar's mask filled in one call (llguidance's threads)."""
+        rows = [i for i, r in enumerate(sampling) if r.matcher is not None]
+        if not rows:
+            return {}
+        masks = self._masks.fill([sampling[i].matcher for i in rows])  # (C, W) int32
+        return {i: sampling[i].allowed(masks[j], vocab) for j, i in enumerate(rows)}
 
     def stats(self) -> EngineStats:
         """The engine's counters and gauges now."""

@@ -6,9 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from ..generation import GenerationConfig, Sampler
 from ..generation.results import SampledToken
 from ..generation.text_stream import TextStream
+from .grammar import GrammarMatcher, MaskBatch, grammar_of
+from .pooling import Pooler, pooling_of
 from .scheduler import Sequence
 
 EngineFinishReason = Literal["stop", "length", "abort"]
@@ -56,12 +60,14 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     times: RequestTimes = field(default_factory=RequestTimes)
+    embedding: np.ndarray | None = None  # (D,) float32: the pooled hidden states of an embedding request
 
 
 class Request:
     """Engine-side state of one request."""
 
-    __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason")
+    __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
+                 "pooler")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -72,13 +78,43 @@ class Request:
         self.text = TextStream(tokenizer, prompt_ids, config.stop, eos, max_tokens, config.skip_special_tokens)
         self.times = RequestTimes(arrival=time.perf_counter())
         self.finish_reason: EngineFinishReason | None = None
+        self.eos = np.array(sorted(eos), dtype=np.int64)  # (E,)
+        grammar = grammar_of(config)
+        self.matcher: GrammarMatcher | None = grammar.matcher() if grammar is not None else None
+        pooling = pooling_of(config)
+        self.pooler = Pooler(pooling, len(prompt_ids)) if pooling is not None else None
 
-    def take(self, logits) -> RequestOutput:
-        """Pick the next token from ``logits`` (V,), append it, and say what it released."""
+    def allowed(self, mask: np.ndarray, vocab: int) -> np.ndarray:
+        """The tokens (vocab,) bool this request may pick next, from its grammar's bitmask (W,):
+        its end-of-sequence ids only where the grammar is complete."""
+        allowed = MaskBatch.allowed(mask, vocab).copy()  # (vocab,)
+        eos = self.eos[self.eos < vocab]
+        allowed[eos] = self.matcher is None or self.matcher.accepting
+        if not allowed.any():  # nothing fits (an error state): end rather than fail the step
+            allowed[eos] = True
+        return allowed
+
+    def take(self, logits, allowed: np.ndarray | None = None) -> RequestOutput:
+        """Pick the next token from ``logits`` (V,) (among ``allowed`` (V,) bool, a grammar's
+        mask, when given), append it, and say what it released."""
         seq = self.seq
-        picked = self.sampler.sample(logits, seq.token_ids, seq.output_ids)
+        if allowed is not None and not allowed.any():  # the grammar allows nothing, not even an end
+            self.finish_reason = self.text.finish_reason = "stop"
+            self.times.finished = time.perf_counter()
+            return self.output(self._end(), [], None)
+        if allowed is not None and len(seq.output_ids) < self.config.min_tokens:
+            eos = self.eos[self.eos < allowed.shape[0]]
+            if np.count_nonzero(allowed) == np.count_nonzero(allowed[eos]):
+                # the grammar can only end here: min_tokens gives way (it would mask every token)
+                self.sampler.config = self.config = self.config.replace(min_tokens=0)
+        picked = self.sampler.sample(logits, seq.token_ids, seq.output_ids, allowed=allowed)
         seq.output_ids.append(picked.token_id)
         delta = self.text.push(picked.token_id)
+        if self.matcher is not None and self.text.finish_reason is None:
+            assert self.matcher.consumed == len(seq.output_ids) - 1, "the matcher lost track of the sequence"
+            self.matcher.consume(picked.token_id)
+            if self.matcher.done:  # the grammar is complete and takes nothing more
+                delta += self._end()
         now = time.perf_counter()
         if not self.times.first_token:
             self.times.first_token = now
@@ -87,6 +123,25 @@ class Request:
         if self.finish_reason is not None:
             self.times.finished = now
         return self.output(delta, [picked.token_id], [picked] if self.config.logprobs is not None else None)
+
+    def pooled(self) -> RequestOutput:
+        """Finish an embedding request (its whole prompt ran): the output carries the embedding."""
+        assert self.pooler is not None
+        self.finish_reason = "stop"
+        self.times.first_token = self.times.last_token = self.times.finished = time.perf_counter()
+        out = self.output("", [], None)
+        out.embedding = self.pooler.result()
+        return out
+
+    def _end(self) -> str:
+        """Finish with reason "stop" now: release the text held back (detokenizer, stop strings)."""
+        text = self.text
+        delta = text.stops.push(text.detok.flush())
+        if not text.stops.stopped:
+            delta += text.stops.flush()
+        text.finish_reason = "stop"
+        text.text += delta
+        return delta
 
     def abort(self) -> RequestOutput:
         """Finish now with reason "abort"."""

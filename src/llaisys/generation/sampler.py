@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .config import GenerationConfig
-from .processors import logsumexp, penalize, process_logits, top_logprobs
+from .processors import FILTERED, logsumexp, penalize, process_logits, top_logprobs
 from .results import SampledToken
 
 TokenIds = Sequence[int] | np.ndarray
@@ -65,7 +65,8 @@ class Sampler:
                               frequency=c.frequency_penalty, stop_token_ids=self.stop_token_ids,
                               min_tokens=c.min_tokens)
 
-    def sample(self, logits: np.ndarray, context_ids: TokenIds, generated_ids: TokenIds) -> SampledToken:
+    def sample(self, logits: np.ndarray, context_ids: TokenIds, generated_ids: TokenIds, *,
+               allowed: np.ndarray | None = None) -> SampledToken:
         """The next token for ``logits`` (V,) float32, the model's output after ``context_ids``.
 
         ``context_ids`` (S + G,): every token id so far, prompt then generated (the repetition
@@ -73,9 +74,12 @@ class Sampler:
         tail of ``context_ids`` (the presence and frequency penalties count these, and
         ``len(generated_ids)`` is the number generated that ``config.min_tokens`` compares with).
         With ``config.logprobs`` set, the SampledToken also carries the model's raw logprobs
-        (computed only then, and without touching the random generator).
+        (computed only then, and without touching the random generator). ``allowed`` (V,) bool:
+        the only tokens that may be picked (a grammar's mask; the others get ``-inf`` before the
+        penalties), the logprobs still being the raw logits'.
         """
-        token = self._pick(logits, context_ids, generated_ids)
+        picked_from = logits if allowed is None else np.where(allowed, logits, FILTERED)  # (V,)
+        token = self._pick(picked_from, context_ids, generated_ids)
         k = self.config.logprobs
         if k is None:
             return SampledToken(token)

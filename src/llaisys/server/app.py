@@ -32,10 +32,11 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from . import completions, ui
+from . import completions, embeddings, responses, ui
 from .errors import APIError, install_error_handlers, shutting_down
 from .options import ServerOptions
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, load_json_body
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+                       load_json_body)
 from .service import Loader, ModelService
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,18 @@ async def text_completions(body: CompletionRequest, request: Request) -> Respons
     return await completions.completion(service_of(request), body, request)
 
 
+@api.post("/v1/responses")
+async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API, stateless: text or items in, output items out, streamed or not."""
+    return await responses.create_response(service_of(request), body, request)
+
+
+@api.post("/v1/embeddings")
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """OpenAI's embeddings: pooled, normalized final hidden states of each input."""
+    return await embeddings.create_embeddings(service_of(request), body, request)
+
+
 @api.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     """The served model."""
@@ -107,7 +120,7 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": service.model_name, "object": "model", "created": service.created, "owned_by": "llaisys",
         "root": str(getattr(service.model, "source", service.model_name)), "parent": None,
-        "max_model_len": service.max_model_len}]}
+        "max_model_len": service.max_model_len, "capabilities": service.capabilities()}]}
 
 
 @api.post("/tokenize")
@@ -120,7 +133,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
     def work() -> dict[str, Any]:
         if body.messages is not None:
-            text = service.chat_text(body.messages, body.add_generation_prompt)
+            text = service.chat_text(body.messages, body.add_generation_prompt, tools=body.tools)
             ids = service.encode(text, bool(body.add_special_tokens), "messages")
         else:
             ids = service.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")

@@ -1,5 +1,8 @@
 """/v1/chat/completions and /v1/completions: from a checked request to engine requests (one per
 choice), and from their outputs to OpenAI's responses, whole or streamed as server-sent events.
+A request may carry a grammar (``structured``: response_format, vLLM's structured_outputs, or
+a forced tool call); a chat reply is read for reasoning and tool calls (``reasoning``,
+``tool_calls``) as it streams, and whole with the same reader.
 
 A client that goes away ends its requests: a stream's response watches for the disconnect
 while it sends, and a whole response races the generation against it; either way the
@@ -23,9 +26,12 @@ from starlette.types import Receive, Scope, Send
 
 from ..engine import AsyncRequestStream, EngineStopped, RequestOutput
 from ..generation import GenerationConfig, SampledToken
-from .errors import APIError, shutting_down
+from .errors import APIError, bad_request, shutting_down
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .reasoning import ReasoningParser, ReplyDeltas, ReplyReader, template_reasons
 from .service import ModelService
+from .structured import GrammarSpec, requested_constraint
+from .tool_calls import forced_call_grammar, new_parser, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +67,19 @@ class ChatFormat:
 
     prefix, object, chunk_object, prompt_what = "chatcmpl", "chat.completion", "chat.completion.chunk", "messages"
 
-    def __init__(self, service: ModelService) -> None:
+    def __init__(self, service: ModelService, tool_fmt: str | None = None, reasoning: bool = False,
+                 parallel_tool_calls: bool = True) -> None:
         self.service = service
+        self.tool_fmt = tool_fmt  # the format tool calls are parsed in; None: no tools
+        self.reasoning = reasoning  # whether <think> blocks are split off as reasoning_content
+        self.max_calls = None if parallel_tool_calls else 1  # calls kept of a reply (the rest dropped)
+
+    def reader(self, job: Job) -> ReplyReader | None:
+        """What reads one choice's reply (reasoning, tool calls), or None: the text is all content."""
+        if not self.tool_fmt and not self.reasoning:
+            return None
+        think = ReasoningParser(started=self.service.prompt_opens_think(job.prompt_ids)) if self.reasoning else None
+        return ReplyReader(think, new_parser(self.tool_fmt) if self.tool_fmt else None, self.max_calls)
 
     def logprobs(self, tokens: list[SampledToken], state: ChoiceState) -> dict[str, Any]:
         def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
@@ -75,13 +92,27 @@ class ChatFormat:
     def first_delta(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+              parts: ReplyDeltas | None = None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if parts is not None and parts.reasoning:
+            delta = {"reasoning_content": parts.reasoning, **delta}
+        if parts is not None and parts.calls:
+            delta["tool_calls"] = parts.calls
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def choice(self, job: Job, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reader = self.reader(job)
+        if reader is not None:
+            reasoning, content, calls = reader.whole(text)
+            message["content"] = content
+            if self.reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": job.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class CompletionFormat(ChatFormat):
@@ -108,26 +139,49 @@ class CompletionFormat(ChatFormat):
     def first_delta(self, index: int) -> dict[str, Any] | None:
         return None
 
-    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+    def delta(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+              parts: ReplyDeltas | None = None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    choice = delta
+    def choice(self, job: Job, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+        return self.delta(job.index, text, logprobs, finish_reason)
 
 
 # ---- entry points ---------------------------------------------------------------------------
 async def chat_completion(service: ModelService, req: ChatCompletionRequest, request: Request) -> Response:
     """Answer POST /v1/chat/completions."""
+    fmt, jobs = await chat_jobs(service, req)
+    return await _respond(service, fmt, req, jobs, request)
+
+
+async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[ChatFormat, list[Job]]:
+    """The checked chat request's format (tool calls, reasoning) and its jobs (one per choice):
+    messages rendered and tokenized, the grammar compiled (in a worker thread)."""
     service.require_ready()
     service.check_model(req.model)
     service.check_choices(1, req.n)
+    spec = requested_constraint(req)
+    mode = req.tool_mode
+    template = service.template_source()
+    tool_fmt = tool_format(template) if mode is not None else None
+    if mode is not None and mode != "auto":  # a call is forced: the grammar of one
+        if spec is not None:
+            raise bad_request(f"tool_choice: a forced tool call cannot be combined with {spec.param}",
+                              param="tool_choice")
+        spec = GrammarSpec("lark", forced_call_grammar(req.tools or (), mode, req.parallel_tool_calls, tool_fmt),
+                           "tools")
 
-    def prepare() -> list[Job]:  # worker thread: renders and tokenizes
-        ids = service.chat_ids(req.messages)
+    def prepare() -> list[Job]:  # worker thread: renders and tokenizes, compiles the grammar
+        ids = service.chat_ids(req.messages, req.tools if mode is not None else None, req.chat_template_kwargs)
         requested, field_name = req.token_limit
         max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
-        return [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
+        grammar = service.compile_grammar(spec.kind, spec.value, spec.param) if spec else None
+        return [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i, grammar))
+                for i in range(req.n)]
 
-    return await _respond(service, ChatFormat(service), req, await service.in_worker(prepare), request)
+    fmt = ChatFormat(service, tool_fmt, reasoning=template_reasons(template),
+                     parallel_tool_calls=req.parallel_tool_calls)
+    return fmt, await service.in_worker(prepare)
 
 
 async def completion(service: ModelService, req: CompletionRequest, request: Request) -> Response:
@@ -136,8 +190,10 @@ async def completion(service: ModelService, req: CompletionRequest, request: Req
     service.check_model(req.model)
     prompts = req.prompts
     service.check_choices(len(prompts), req.n)
+    spec = requested_constraint(req)
 
     def prepare() -> list[Job]:  # worker thread: tokenizes, in the prompts' order
+        grammar = service.compile_grammar(spec.kind, spec.value, spec.param) if spec else None
         jobs = []
         for p, prompt in enumerate(prompts):
             requested, field_name = req.token_limit
@@ -145,23 +201,29 @@ async def completion(service: ModelService, req: CompletionRequest, request: Req
                 service.completion_budget(len(prompt), requested, field_name, "prompt")
             ids = service.prompt_ids(prompt)
             max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
-            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
-                     for i in range(req.n)]
+            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i,
+                                                                       grammar)) for i in range(req.n)]
         return jobs
 
     return await _respond(service, CompletionFormat(service), req, await service.in_worker(prepare), request)
 
 
-async def _respond(service: ModelService, fmt: ChatFormat, req: SamplingRequest, jobs: list[Job],
-                   request: Request) -> Response:
-    response_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+async def submit_jobs(service: ModelService, jobs: list[Job], response_id: str) -> list[AsyncRequestStream]:
+    """The jobs added to the engine, before any response starts (so a refusal is a plain 400)."""
     streams: list[AsyncRequestStream] = []
     try:
-        for job in jobs:  # admitted before the response starts, so a refusal is a plain 400
+        for job in jobs:
             streams.append(await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config))
     except BaseException:
         service.release(streams)
         raise
+    return streams
+
+
+async def _respond(service: ModelService, fmt: ChatFormat, req: SamplingRequest, jobs: list[Job],
+                   request: Request) -> Response:
+    response_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+    streams = await submit_jobs(service, jobs, response_id)
     run = Run(service, fmt, req, jobs, streams, response_id)
     if req.stream:
         return EventStreamResponse(run.events(), on_close=lambda: service.release(streams))
@@ -221,7 +283,7 @@ class Run:
         for job, state in zip(self.jobs, self.states):
             lp = self.fmt.logprobs(state.logprobs, state) if self.want_logprobs else None
             reason = state.last.finish_reason if state.last else None
-            choices.append(self.fmt.choice(job.index, "".join(state.text), lp, reason))
+            choices.append(self.fmt.choice(job, "".join(state.text), lp, reason))
         return {**self._envelope(self.fmt.object, choices), "usage": self.usage()}
 
     def _event(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
@@ -234,6 +296,7 @@ class Run:
         """The server-sent events of a streamed response, ending with ``data: [DONE]``. Text a
         possible stop string holds back is sent once it cannot be one; logprobs go with the
         text of their tokens."""
+        readers = [self.fmt.reader(job) for job in self.jobs]  # reasoning, tool calls: read as the text streams
         try:
             for job in self.jobs:
                 first = self.fmt.first_delta(job.index)
@@ -245,10 +308,20 @@ class Run:
                     state.pending += out.logprobs
                 if not out.text_delta and not out.finished:
                     continue
+                text, parts, reason = out.text_delta, None, out.finish_reason
+                reader = readers[i]
+                if reader is not None:
+                    parts = reader.read(text, out.finished)
+                    text = parts.content
+                    if reader.calls:
+                        text = text if text.strip() else ""  # blanks between calls are not content
+                        reason = "tool_calls" if reason == "stop" else reason
+                    if not (parts or out.finished or (self.want_logprobs and state.pending)):
+                        continue
                 lp = None
                 if self.want_logprobs:
                     lp, state.pending = self.fmt.logprobs(state.pending, state), []
-                yield self._event([self.fmt.delta(self.jobs[i].index, out.text_delta, lp, out.finish_reason)])
+                yield self._event([self.fmt.delta(self.jobs[i].index, text, lp, reason, parts)])
             if self.req.include_usage:
                 yield self._event([], self.usage())
         except APIError as err:

@@ -111,12 +111,42 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(Strict):
-    """One message. "developer" is OpenAI's newer name for "system" and is treated as one."""
+class FunctionCall(BaseModel):
+    """The function an assistant message called: its name and its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    """One call of an assistant message's ``tool_calls`` (history sent back by the client)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_call(self) -> dict[str, Any]:
+        """The call as chat templates take it: arguments parsed into an object (as vLLM does)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(Strict):
+    """One message. "developer" is OpenAI's newer name for "system" and is treated as one; a
+    "tool" message is a tool's result (``tool_call_id``: the call it answers); an assistant
+    message may carry the ``tool_calls`` it made."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -127,12 +157,66 @@ class ChatMessage(Strict):
     def _content_needed(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (a string or a list of text parts)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has tool calls, not a {self.role} message")
         return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined with newlines, None as "")."""
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
 
     def as_template_message(self) -> dict[str, Any]:
         """The dict a chat template renders."""
         content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_call() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    """A function of ``tools``: its name (OpenAI's rule: letters, digits, ``_ . -``, at most 64),
+    what it does and its ``parameters`` (a JSON schema its arguments follow)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One tool of ``tools``: a function the model may call."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's shape, empty fields left out)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: that function must be called."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _name(cls, value: dict[str, str]) -> dict[str, str]:
+        if not value.get("name"):
+            raise ValueError("must be {'name': ...} naming one of the tools")
+        return value
 
 
 class SamplingRequest(Strict):
@@ -157,6 +241,13 @@ class SamplingRequest(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs (checked and compiled in llaisys.server.structured): OpenAI's, vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -191,18 +282,35 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported by this server")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function["name"] not in names:
+            raise ValueError(f"tool_choice: names the function {choice.function['name']!r}, which is not among "
+                             f"the tools ({', '.join(names) or 'none given'})")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
         return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How tools are used: None (no tools, or tool_choice "none"), "auto", "required", or
+        "function:NAME" for the function the model must call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function:" + self.tool_choice.function["name"]
+        return self.tool_choice or "auto"
 
     @property
     def token_limit(self) -> tuple[int | None, str]:
@@ -271,12 +379,38 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings: OpenAI's, with vLLM-style extensions ``pooling`` and ``normalize``."""
+
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean"] = "last"
+    normalize: bool = True
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, one or several."""
+        p = self.input
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
 class TokenizeRequest(Strict):
     """POST /tokenize (vLLM's): a ``prompt`` or chat ``messages`` (rendered with the template)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM)
     add_generation_prompt: bool = True
     return_token_strs: bool = False

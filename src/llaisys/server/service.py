@@ -9,6 +9,7 @@ at shutdown) and the metrics. Rendering and tokenizing prompts run in worker thr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -20,12 +21,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..engine import AsyncRequestStream, EngineThread, LLMEngine
+from ..engine.grammar import Grammar, GrammarCompiler, GuidedConfig
 from ..generation import GenerationConfig, encode_prompt
 from ..models.chat_template import ChatTemplate, compile_template, render_chat
 from .errors import APIError, bad_request, shutting_down
 from .metrics import Metrics
 from .options import ServerOptions
-from .protocol import ChatMessage, SamplingRequest
+from .protocol import ChatMessage, SamplingRequest, Tool
+from .reasoning import template_reasons
+from .tool_calls import template_knows_tools, template_messages, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ PROMPT_THREADS = min(4, os.cpu_count() or 1)  # threads rendering and tokenizing
 API_FIELDS = {"max_new_tokens": "max_tokens", "eos_token_ids": "stop_token_ids"}
 # OpenAI's default sampling, under the model's generation_config.json (as vLLM does)
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+GRAMMAR_CACHE = 64  # compiled grammars kept (requests often repeat a schema)
 
 
 def default_model_name(options: ServerOptions, model: Any = None) -> str:
@@ -86,6 +91,12 @@ class ModelService:
         self._token_text: dict[int, str] = {}
         self._longest_token: int | None = None
         self._workers = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="llaisys-prompt")
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammars: dict[tuple[str, str], Grammar] = {}  # (kind, value as JSON) -> compiled, LRU order
+        self._grammar_lock = threading.Lock()
+        self._embedder: EngineThread | None = None  # a second engine, for embeddings (started on first use)
+        self._embedding_inflight: set[str] = set()
+        self._embedder_lock = threading.Lock()
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -128,6 +139,8 @@ class ModelService:
         """Stop the engine thread (requests still in it end with reason "abort") and the workers."""
         if self.engine is not None:
             self.engine.stop(timeout)
+        if self._embedder is not None:
+            self._embedder.stop(timeout)
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -217,20 +230,42 @@ class ModelService:
         return text
 
     # ---- prompts -----------------------------------------------------------------------
-    def chat_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages``, rendered with --chat-template or the model's template."""
+    def template_source(self) -> Any:
+        """The chat template (--chat-template, else the model's); 400 when there is none."""
         template = self.chat_template or self.tokenizer.chat_template
         if not template:
             raise bad_request(f"the model {self.model_name} has no chat template, so it cannot take messages; "
                               "start the server with --chat-template FILE, or send a plain prompt to /v1/completions",
                               param="messages", code="no_chat_template")
+        return template
+
+    def chat_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                  tools: Sequence[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of ``messages``, rendered with --chat-template or the model's template:
+        with ``tools`` in its ``tools`` variable, or, for a template that knows no tools, in the
+        fallback system block (see ``tool_calls``); ``template_kwargs`` (chat_template_kwargs,
+        such as enable_thinking) are passed to the template too."""
+        template = self.template_source()
+        knows_tools = template_knows_tools(template)
         tok = self.tokenizer
+        variables = dict(template_kwargs or {})
+        variables.update(bos_token=getattr(tok, "bos_token", None) or "",
+                         eos_token=getattr(tok, "eos_token", None) or "")
+        if tools and knows_tools:
+            variables["tools"] = [t.as_template_tool() for t in tools]
+        for reserved in ("messages", "add_generation_prompt"):
+            variables.pop(reserved, None)
         try:
-            return render_chat(template, [m.as_template_message() for m in messages], add_generation_prompt,
-                               bos_token=getattr(tok, "bos_token", None) or "",
-                               eos_token=getattr(tok, "eos_token", None) or "")
+            return render_chat(template, template_messages(messages, tools, knows_tools), add_generation_prompt,
+                               **variables)
         except (TypeError, ValueError) as exc:
             raise bad_request(str(exc), param="messages") from exc
+
+    def prompt_opens_think(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether a chat prompt ends inside an open ``<think>`` block (DeepSeek-R1's template
+        writes it): the reply then begins with reasoning."""
+        tail = self.tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False).rstrip()
+        return tail.endswith("<think>")
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of ``text`` (``Tokenizer.encode`` lets the event loop run meanwhile); 400
@@ -250,9 +285,11 @@ class ModelService:
                               f"{longest} characters). Please reduce the length of the {what}.", param=what,
                               code="context_length_exceeded")
 
-    def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt ids of ``messages``; the template writes any BOS, so none is added (worker thread)."""
-        text = self.chat_text(messages)
+    def chat_ids(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Prompt ids of ``messages`` (and ``tools``, see ``chat_text``); the template writes any
+        BOS, so none is added (worker thread)."""
+        text = self.chat_text(messages, tools=tools, template_kwargs=template_kwargs)
         self.refuse_overlong(text, "messages")
         ids = self.encode(text, False, "messages")
         if not ids:
@@ -288,24 +325,70 @@ class ModelService:
         return requested
 
     def generation_config(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                          choice: int) -> GenerationConfig:
+                          choice: int, grammar: Grammar | None = None) -> GenerationConfig:
         """The GenerationConfig of choice ``choice`` of ``req``: the request's values over the
-        model's generation_config.json over OpenAI's defaults; seed + choice when seeded."""
+        model's generation_config.json over OpenAI's defaults; seed + choice when seeded. With a
+        ``grammar``, a GuidedConfig: the output follows it."""
         defaults = {**OPENAI_DEFAULTS, **(getattr(self.model, "generation_defaults", None) or {})}
         top_k = 0 if req.top_k == -1 else req.top_k
+        guided = {"grammar": grammar} if grammar is not None else {}
+        cls = GuidedConfig if grammar is not None else GenerationConfig
         try:
-            return GenerationConfig.from_defaults(
+            return cls.from_defaults(
                 defaults, max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stops, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                eos_token_ids=tuple(req.stop_token_ids or ()))
+                eos_token_ids=tuple(req.stop_token_ids or ()), **guided)
         except (TypeError, ValueError) as exc:
             message = str(exc)
             field = re.search(r"GenerationConfig\.(\w+)", message)
             param = API_FIELDS.get(field[1], field[1]) if field else None
             message = re.sub(r"GenerationConfig\.(\w+)", lambda m: API_FIELDS.get(m[1], m[1]), message)
             raise bad_request(message, param=param) from exc
+
+    def capabilities(self) -> dict[str, Any]:
+        """What the served model can do through the API (for /v1/models): chat needs a chat
+        template; structured outputs a tokenizer; tool calls a chat template (in its own format
+        when the template renders ``tools``, else the fallback); reasoning a template that
+        speaks of ``<think>``; the Responses API chat; embeddings the model's hidden states (any
+        decoder model)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        has_tokenizer = getattr(self.tokenizer, "backend", None) is not None
+        tools = None
+        if template:
+            tools = {"format": tool_format(template),
+                     "rendering": "template" if template_knows_tools(template) else "fallback"}
+        return {"chat": bool(template), "structured_outputs": has_tokenizer, "tool_calls": tools,
+                "reasoning": bool(template) and template_reasons(template), "embeddings": True,
+                "responses": bool(template)}
+
+    # ---- structured outputs ------------------------------------------------------------
+    def compile_grammar(self, kind: str, value: Any, param: str) -> Grammar:
+        """The compiled grammar of ``value`` given as ``kind`` (cached; worker thread); 400 naming
+        ``param`` when it is of the wrong shape or does not compile."""
+        key = (kind, json.dumps(value, sort_keys=True))
+        with self._grammar_lock:
+            grammar = self._grammars.pop(key, None)
+            if grammar is not None:
+                self._grammars[key] = grammar  # most recently used last
+                return grammar
+            if self._grammar_compiler is None:
+                try:
+                    self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.eos_token_ids,
+                                                             int(self.model.config.vocab_size))
+                except ValueError as exc:
+                    raise bad_request(f"{param}: {exc}", param=param) from exc
+            compiler = self._grammar_compiler
+        try:
+            grammar = compiler.compile(kind, value)
+        except ValueError as exc:
+            raise bad_request(f"{param}: {exc}", param=param, code="invalid_grammar") from exc
+        with self._grammar_lock:
+            self._grammars[key] = grammar
+            while len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.pop(next(iter(self._grammars)))
+        return grammar
 
     # ---- engine requests ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> AsyncRequestStream:
@@ -323,6 +406,41 @@ class ModelService:
             if self.engine is not None and not self.engine.alive:
                 raise APIError(503, self.failure(), code="engine_unavailable") from None
             raise
+
+    # ---- embeddings ----------------------------------------------------------------------
+    def embedder(self) -> EngineThread:
+        """The engine thread of embedding requests: a second engine over the same model, without
+        prefix caching (mean pooling needs every token's hidden state), its KV pool one context
+        long; started on first use."""
+        self.require_ready()
+        with self._embedder_lock:
+            if self._embedder is None:
+                opts = self.options
+                engine = LLMEngine(self.model, kv_cache_tokens=self.max_model_len, max_seqs=opts.max_seqs,
+                                   max_batched_tokens=opts.max_batched_tokens, prefix_caching=False)
+                self._embedder = EngineThread(engine, name="llaisys-embed")
+            return self._embedder
+
+    async def submit_embedding(self, request_id: str, prompt_ids: list[int],
+                               config: GenerationConfig) -> AsyncRequestStream:
+        """Add one embedding request (a PoolingConfig) to the embedding engine; its stream."""
+        engine = self.embedder()
+        self._embedding_inflight.add(request_id)
+        try:
+            return await engine.submit_async(prompt_ids, config, request_id=request_id)
+        except (TypeError, ValueError) as exc:
+            self._embedding_inflight.discard(request_id)
+            raise bad_request(str(exc)) from exc
+        except BaseException:
+            self._embedding_inflight.discard(request_id)
+            raise
+
+    def release_embeddings(self, streams: Sequence[AsyncRequestStream]) -> None:
+        """Done with embedding ``streams``: abort those not finished."""
+        for stream in streams:
+            self._embedding_inflight.discard(stream.request_id)
+            if not stream.finished:
+                stream.close()
 
     def _forget(self, request_id: str) -> None:
         self._inflight.discard(request_id)
@@ -353,6 +471,9 @@ class ModelService:
         for rid in ids:
             self.engine.abort(rid)
             self._record_abort(rid)
+        if self._embedder is not None:
+            for rid in list(self._embedding_inflight):
+                self._embedder.abort(rid)
 
     def begin_drain(self, timeout: float) -> None:
         """Refuse new requests; after ``timeout`` s abort those still running. Any thread."""

@@ -1,0 +1,87 @@
+"""POST /v1/embeddings: each input prefilled through the embedding engine (batched, nothing
+generated), its final hidden states pooled (the last token's, or the mean over its tokens) and
+L2-normalized, returned as floats or base64 (little-endian float32, as OpenAI sends them)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine import AsyncRequestStream, EngineStopped
+from ..engine.pooling import PoolingConfig
+from .completions import until_disconnected
+from .errors import APIError, bad_request, shutting_down
+from .protocol import EmbeddingRequest
+from .service import ModelService
+
+
+def encode(vec: np.ndarray, encoding_format: str) -> list[float] | str:
+    """An embedding (D,) as OpenAI sends it: a list of floats, or base64 of float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+    return vec.astype(np.float32).tolist()
+
+
+async def _embedding(stream: AsyncRequestStream) -> tuple[np.ndarray, int]:
+    """The embedding of one request and its prompt's token count."""
+    async for out in stream:
+        if out.finished:
+            if out.finish_reason == "abort" or out.embedding is None:
+                raise shutting_down()
+            return out.embedding, out.prompt_tokens
+    raise shutting_down()
+
+
+async def create_embeddings(service: ModelService, req: EmbeddingRequest, request: Request) -> Response:
+    """Answer POST /v1/embeddings."""
+    service.require_ready()
+    service.check_model(req.model)
+    inputs = req.inputs
+    service.check_choices(len(inputs), 1)
+    hidden = int(service.model.config.hidden_size)
+    if req.dimensions is not None and req.dimensions != hidden:
+        raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and it was not trained to "
+                          f"be cut shorter (Matryoshka); leave dimensions out or give {hidden}", param="dimensions")
+    context = service.max_model_len
+
+    def prepare() -> list[list[int]]:  # worker thread: tokenizes
+        all_ids = []
+        for i, text in enumerate(inputs):
+            param = "input" if len(inputs) == 1 else f"input[{i}]"
+            ids = service.prompt_ids(text, param)
+            if len(ids) >= context:
+                raise bad_request(f"This model's maximum context length is {context} tokens. However, {param} has "
+                                  f"{len(ids)} tokens (at most {context - 1} can be embedded).", param=param,
+                                  code="context_length_exceeded")
+            all_ids.append(ids)
+        return all_ids
+
+    all_ids = await service.in_worker(prepare)
+    config = PoolingConfig(max_new_tokens=1, pooling=req.pooling, normalize=req.normalize)
+    response_id = f"embd-{uuid.uuid4().hex}"
+    streams: list[AsyncRequestStream] = []
+    try:
+        for i, ids in enumerate(all_ids):
+            streams.append(await service.submit_embedding(f"{response_id}-{i}", ids, config))
+
+        async def gather() -> list[tuple[np.ndarray, int]]:
+            try:
+                return await asyncio.gather(*(_embedding(s) for s in streams))
+            except EngineStopped:
+                raise APIError(503, "the embedding engine stopped", code="engine_unavailable") from None
+
+        results = await until_disconnected(request.receive, gather())
+    finally:
+        service.release_embeddings(streams)
+    if results is None:  # the client left
+        return Response(status_code=499)
+    tokens = sum(n for _, n in results)
+    data: list[dict[str, Any]] = [{"object": "embedding", "index": i, "embedding": encode(vec, req.encoding_format)}
+                                  for i, (vec, _) in enumerate(results)]
+    return JSONResponse({"object": "list", "data": data, "model": service.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
