@@ -8,12 +8,14 @@
 """
 from .blocks import BlockPool, KVBlockManager, block_hash
 from .engine import EngineStats, LLMEngine
+from .grammar import Grammar, GrammarCompiler, GuidedConfig
+from .pooling import PoolingConfig
 from .request import RequestOutput, RequestTimes
 from .scheduler import Chunk, Scheduler, Sequence, Status, Step
 from .thread import AsyncRequestStream, EngineStopped, EngineThread, RequestStream
 
 __all__ = [
-    "AsyncRequestStream", "BlockPool", "Chunk", "EngineStats", "EngineStopped", "EngineThread", "KVBlockManager",
-    "LLMEngine", "RequestOutput", "RequestStream", "RequestTimes", "Scheduler", "Sequence", "Status", "Step",
+    "AsyncRequestStream", "BlockPool", "Chunk", "EngineStats", "EngineStopped", "EngineThread", "Grammar",
+    "GrammarCompiler", "GuidedConfig", "KVBlockManager", "LLMEngine", "PoolingConfig", "RequestOutput", "RequestStream", "RequestTimes", "Scheduler", "Sequence", "Status", "Step",
     "block_hash",
 ]
