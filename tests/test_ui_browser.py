@@ -2,8 +2,9 @@
 
 Most cases run on ``build_app``: the chat UI mounted on a FastAPI app with a fake
 ``/v1/chat/completions`` that streams a canned Markdown answer word by word (no model needed),
-so the checks can name what the answer holds (``You said: ...``, a Python code block), and a
-fake model service whose sampling defaults ``/api/settings`` serves. One case runs the page
+so the checks can name what the answer holds (``You said: ...``, a Python code block), first
+``reasoning_content`` deltas when the prompt says "think", and a fake model service whose
+sampling defaults ``/api/settings`` serves. One case runs the page
 against the real server (``real_app``: ``llaisys.server.create_app`` over SmolLM2), recording
 the requests it gets.
 
@@ -52,6 +53,11 @@ def canned_answer(prompt: str) -> str:
     if "long" in prompt:
         text += " More" + " words" * 400
     return text
+
+
+def canned_reasoning(prompt: str) -> str:
+    """The fake model's reasoning (for a prompt with "think"): Markdown, and HTML to show as text."""
+    return f"I ponder <b>{prompt}</b>: **first** the words, then\n\n- a list\n- of steps"
 
 
 class FakeModel:
@@ -104,6 +110,7 @@ def build_app(db_path: Path, api_key: str | None = None) -> FastAPI:
         fake.requests.append(body)
         prompt = body["messages"][-1]["content"]
         pieces = re.findall(r"\s*\S+", canned_answer(prompt))
+        thoughts = re.findall(r"\s*\S+", canned_reasoning(prompt)) if "think" in prompt else []
         delay = 0.03 if "long" in prompt else 0.01
 
         def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
@@ -116,13 +123,19 @@ def build_app(db_path: Path, api_key: str | None = None) -> FastAPI:
             done = False
             try:
                 yield chunk({"role": "assistant", "content": ""})
+                for piece in thoughts:  # slow enough to see the page think
+                    if await request.is_disconnected():
+                        return
+                    yield chunk({"reasoning_content": piece})
+                    await asyncio.sleep(0.06)
                 for piece in pieces:
                     if await request.is_disconnected():
                         return
                     yield chunk({"content": piece})
                     await asyncio.sleep(delay)
                 yield chunk({}, "stop")
-                usage = {"prompt_tokens": 7, "completion_tokens": len(pieces), "total_tokens": 7 + len(pieces)}
+                n = len(thoughts) + len(pieces)
+                usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
                 yield f"data: {json.dumps({'id': 'chatcmpl-fake', 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
                 done = True
@@ -318,6 +331,7 @@ def test_answer_streams_as_markdown_with_code(live: LiveServer, driver: Any) -> 
     assert user["content"] == "show me code" and answer["content"] == canned_answer("show me code")
     assert answer["meta"]["status"] == "done" and answer["meta"]["completion_tokens"] > 10
     assert answer["meta"]["tokens_per_s"] > 0
+    assert "reasoning" not in answer["meta"] and not msg.find_elements("css selector", ".reasoning")
 
 
 def test_stop_keeps_the_partial_answer(live: LiveServer, driver: Any) -> None:
@@ -485,6 +499,78 @@ def test_wrong_types_in_meta_do_not_hide_the_answer(live: LiveServer, driver: An
     field.send_keys(str(path))
     wait(driver, lambda d: "tokens_per_s must be a number" in css(d, "#notice")[0].text, "the import's error")
     assert not [c for c in live.api("api/conversations")["data"] if c["title"] == "odd import"]
+
+
+def test_reasoning_is_folded_kept_and_not_sent_back(live: LiveServer, driver: Any) -> None:
+    prompt = "think first"
+    open_page(driver, live.url)
+    send(driver, prompt)
+    wait(driver, lambda d: [f for f in css(d, ".msg.streaming details.reasoning.thinking")
+                            if f.find_element("css selector", "summary").text == "Thinking…"],
+         "the folded reasoning while the model thinks")
+    (msg,) = answer_done(driver)
+    fold = msg.find_element("css selector", "details.reasoning")
+    assert fold.get_attribute("open") is None and "thinking" not in fold.get_attribute("class")
+    assert fold.find_element("css selector", "summary").text == "Reasoning"
+    body = fold.find_element("css selector", ".reasoning-body")
+    assert not body.is_displayed()  # folded: shown only on a click
+    assert "I ponder <b>think first</b>" in body.get_attribute("textContent")  # HTML shows as text
+    assert not body.find_elements("css selector", "b") and body.find_element("css selector", "strong").get_attribute(
+        "textContent") == "first"
+    answer = msg.find_element("css selector", ".msg-body").text
+    assert answer.startswith("You said: think first.") and "ponder" not in answer
+    fold.find_element("css selector", "summary").click()
+    wait(driver, lambda d: body.is_displayed(), "the reasoning to unfold")
+    assert body.text.startswith("I ponder <b>think first</b>: first the words, then")
+
+    stored = path_messages(conversation(live, prompt))[-1]
+    assert stored["content"] == canned_answer(prompt) and stored["meta"]["reasoning"] == canned_reasoning(prompt)
+    assert stored["meta"]["status"] == "done"
+
+    reload(driver)  # kept: still folded after a reload
+    wait(driver, lambda d: css(d, ".msg.assistant details.reasoning"), "the reasoning after a reload")
+    fold = css(driver, ".msg.assistant details.reasoning")[0]
+    assert fold.get_attribute("open") is None
+    assert "I ponder <b>think first</b>" in fold.find_element("css selector", ".reasoning-body").get_attribute(
+        "textContent")
+
+    # the next request carries the answer's content only, as OpenAI clients send it
+    send(driver, "and then, think again?")
+    fold = wait(driver, lambda d: css(d, ".msg.streaming details.reasoning"), "the second reasoning")[0]
+    fold.find_element("css selector", "summary").click()  # opened while it streams: stays open after
+    answer_done(driver, 2)
+    sent = live.app.state.fake.requests[-1]
+    assert sent["messages"] == [{"role": "user", "content": prompt},
+                                {"role": "assistant", "content": canned_answer(prompt)},
+                                {"role": "user", "content": "and then, think again?"}]
+    assert "ponder" not in json.dumps(sent)
+    folds = css(driver, ".msg.assistant details.reasoning")
+    assert [f.get_attribute("open") for f in folds] == [None, "true"]
+
+    # an export imported again keeps the reasoning
+    cid = conversation(live, prompt)["id"]
+    made = live.api("api/conversations/import", "POST", live.api(f"api/conversations/{cid}/export"))["data"][0]
+    open_conversation(driver, live.url, made["id"])
+    wait(driver, lambda d: len(css(d, ".msg.assistant details.reasoning")) == 2, "the imported reasoning")
+    assert "and then, think again?" in css(driver, ".msg.assistant details.reasoning .reasoning-body")[1].get_attribute(
+        "textContent")
+
+
+def test_reload_while_thinking_keeps_the_reasoning(live: LiveServer, driver: Any) -> None:
+    prompt = "think, then a reload"
+    open_page(driver, live.url)
+    send(driver, prompt)
+    wait(driver, lambda d: "ponder" in d.execute_script(
+        "const b = document.querySelector('.msg.streaming .reasoning-body'); return b ? b.textContent : ''"),
+         "the reasoning to start")
+    reload(driver)  # the save on the way out carries the reasoning so far
+    wait(driver, lambda d: css(d, ".msg.assistant .msg-status"), "the cut answer after the reload")
+    time.sleep(1.0)  # anything the old page sent on its way out lands
+    answer = path_messages(conversation(live, prompt))[-1]
+    assert answer["meta"]["status"] == "stopped" and answer["content"] == ""
+    assert canned_reasoning(prompt).startswith(answer["meta"]["reasoning"]) and "ponder" in answer["meta"]["reasoning"]
+    fold = css(driver, ".msg.assistant details.reasoning")[0]
+    assert fold.find_element("css selector", "summary").text == "Reasoning"  # no longer thinking
 
 
 def test_edit_makes_a_branch_and_both_stay(live: LiveServer, driver: Any) -> None:

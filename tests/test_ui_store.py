@@ -398,6 +398,8 @@ BAD_META = {"tokens_per_s": "fast"}
     ({"status": "exploded"}, "meta.status must be one of streaming, done, stopped, error"),
     ({"error": {"message": "x"}}, "meta.error must be a string"),
     ({"sampling": {"temperature": "hot"}}, "meta.sampling must be an object of numbers"),
+    ({"reasoning": ["thought"]}, "meta.reasoning must be a string"),
+    ({"reasoning": "x" * (store_module.MAX_CONTENT + 1)}, "meta.reasoning must be a string of at most"),
     ({"deep": json.loads("[" * 20 + "]" * 20)}, "nests more than 16 levels"),
 ])
 def test_meta_types_are_checked(store: ConversationStore, meta: dict, message: str) -> None:
@@ -414,8 +416,21 @@ def test_meta_keeps_good_values_and_free_keys(store: ConversationStore) -> None:
     cid = store.create_conversation()["id"]
     meta = {"status": "done", "model": None, "finish_reason": "length", "prompt_tokens": 7, "completion_tokens": 3,
             "tokens_per_s": 12, "ttft_s": 0.25, "error": "", "sampling": {"temperature": 0.3, "max_tokens": 512},
-            "mine": {"anything": [1, "two"]}}
+            "reasoning": "2 + 2: add them.", "mine": {"anything": [1, "two"]}}
     assert store.add_message(cid, "assistant", "x", meta=meta)["meta"] == meta
+
+
+def test_meta_reasoning_may_be_as_long_as_a_message(store: ConversationStore) -> None:
+    # a reasoning model thinks for thousands of tokens: meta.reasoning is not counted in MAX_META
+    cid = store.create_conversation()["id"]
+    thought = "hmm, " * (store_module.MAX_META // 2)
+    mid = store.add_message(cid, "assistant", "", meta={"status": "streaming", "reasoning": thought})["id"]
+    done = store.update_message(cid, mid, {"content": "4", "meta": {"status": "done", "reasoning": thought + "4."}})
+    assert done["meta"] == {"status": "done", "reasoning": thought + "4."}
+    with pytest.raises(ValueError, match=f"at most {store_module.MAX_META} are allowed"):  # the rest still is
+        store.update_message(cid, mid, {"meta": {"other": thought}})
+    (made,) = store.import_conversations(store.export_conversation(cid))  # kept through export and import
+    assert store.get_conversation(made["id"])["messages"][0]["meta"]["reasoning"] == thought + "4."
 
 
 def test_import_refuses_bad_meta_types(store: ConversationStore) -> None:
@@ -435,7 +450,8 @@ def test_stored_meta_of_a_wrong_type_is_dropped_when_read(store: ConversationSto
     b = store.add_message(cid, "assistant", "kept too")["id"]
     with sqlite3.connect(store.path) as db:
         db.execute("UPDATE messages SET meta = ? WHERE id = ?",
-                   (json.dumps({"status": "done", "tokens_per_s": "fast", "completion_tokens": [3], "x": "free"}), a))
+                   (json.dumps({"status": "done", "tokens_per_s": "fast", "completion_tokens": [3], "reasoning": 1,
+                                "x": "free"}), a))
         db.execute("UPDATE messages SET meta = ? WHERE id = ?", ('"not an object"', b))
     by_id = {m["id"]: m for m in store.get_conversation(cid)["messages"]}
     assert by_id[a]["meta"] == {"status": "done", "x": "free"} and by_id[a]["content"] == "kept"

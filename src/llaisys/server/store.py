@@ -31,7 +31,7 @@ EXPORT_FORMAT = "llaisys-conversation"
 ROLES = ("user", "assistant")
 MAX_TITLE = 200          # characters
 MAX_CONTENT = 1 << 20    # characters of a message or a system prompt
-MAX_META = 64 << 10      # characters of a message's meta as JSON
+MAX_META = 64 << 10      # characters of a message's meta as JSON, less its reasoning (up to MAX_CONTENT)
 MAX_META_DEPTH = 16      # levels of arrays and objects in a message's meta
 STATUSES = ("streaming", "done", "stopped", "error")  # an answer's meta.status
 AUTO_TITLE = 60          # characters of the first user message that become an untitled chat's title
@@ -146,6 +146,9 @@ META_FIELDS: dict[str, tuple[Any, str]] = {
     "tokens_per_s": (_is_amount, "a number >= 0"),
     "ttft_s": (_is_amount, "a number >= 0"),
     "sampling": (_is_sampling, "an object of numbers"),
+    # the answer's reasoning_content: as long as a message may be, so not counted in MAX_META
+    "reasoning": (lambda v: isinstance(v, str) and len(v) <= MAX_CONTENT,
+                  f"a string of at most {MAX_CONTENT} characters"),
 }
 
 
@@ -169,9 +172,9 @@ def _short(value: Any) -> str:
 
 
 def check_meta(value: Any, name: str = "meta") -> dict[str, Any]:
-    """A message's meta: a JSON object of at most MAX_META characters, nested at most
-    MAX_META_DEPTH levels, whose keys of META_FIELDS hold what they should (or None). ``name``
-    is how errors call it."""
+    """A message's meta: a JSON object of at most MAX_META characters (``reasoning`` aside),
+    nested at most MAX_META_DEPTH levels, whose keys of META_FIELDS hold what they should (or
+    None). ``name`` is how errors call it."""
     if not isinstance(value, Mapping):
         raise TypeError(f"{name} must be an object, got {type(value).__name__}")
     if _depth(value) > MAX_META_DEPTH:
@@ -183,7 +186,7 @@ def check_meta(value: Any, name: str = "meta") -> dict[str, Any]:
         if test is not None and v is not None and not test(v):
             raise TypeError(f"{name}.{key} must be {expected} or null, got {_short(v)}")
     try:
-        text = json.dumps(value, allow_nan=False)
+        text = json.dumps({k: v for k, v in value.items() if k != "reasoning"}, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} is not plain JSON: {exc}") from None
     if len(text) > MAX_META:

@@ -6,6 +6,8 @@
 // message and saves its text as it streams (every SAVE_EVERY_MS and at the end, stopped or not).
 // Each request carries the model's sampling defaults (api/settings, as the CLI uses them) and a
 // max_tokens, under what the user set for the chat. A reload mid-answer keeps it, marked stopped.
+// A reasoning model's reasoning_content is kept in the answer's meta.reasoning and shown folded
+// above it; it is never sent back to the model.
 (function () {
   "use strict";
 
@@ -37,7 +39,8 @@
     conv: null,          // the open conversation (id null: a draft not saved yet)
     byId: new Map(),     // its messages by id
     branchLeaf: new Map(), // message id -> leaf last shown under it, to come back to a branch
-    stream: null,        // the answer being generated: {convId, msg, controller, content, ...}
+    stream: null,        // the answer being generated: {convId, msg, controller, content, reasoning, ...}
+    openReasoning: new Set(), // ids of answers whose reasoning the user unfolded (kept across re-renders)
     model: null,
     defaults: null,      // api/settings: the model's sampling defaults and max_tokens
     leaving: false,      // the page is being unloaded: a failing stream is cut by that, not by an error
@@ -261,13 +264,39 @@
     }
   }
 
+  // An answer's reasoning, folded (a click opens it): "Thinking…" while it streams and no answer
+  // text has come yet. Rendered by the Markdown renderer, which escapes every piece of text.
+  function reasoningEl(m, text, thinking) {
+    const fold = el("details", "reasoning");
+    fold.open = state.openReasoning.has(m.id);
+    fold.addEventListener("toggle", () => {
+      if (fold.open) state.openReasoning.add(m.id);
+      else state.openReasoning.delete(m.id);
+    });
+    fold.append(el("summary", "reasoning-summary"), el("div", "reasoning-body md"));
+    fillReasoning(fold, text, thinking);
+    return fold;
+  }
+
+  function fillReasoning(fold, text, thinking) {
+    fold.classList.toggle("thinking", thinking);
+    fold.querySelector(".reasoning-summary").textContent = thinking ? "Thinking…" : "Reasoning";
+    fold.querySelector(".reasoning-body").innerHTML = MD.render(text); // escaped by the renderer
+  }
+
   function messageEl(m) {
     const streaming = state.stream && state.stream.msg.id === m.id;
     const content = streaming ? state.stream.content : textOf(m.content);
     const box = el("article", "msg " + m.role + (streaming ? " streaming" : ""));
     box.dataset.id = m.id;
     box.appendChild(el("div", "msg-role", m.role === "user" ? "You" : "Assistant"));
-    const body = el("div", "msg-body");
+    if (m.role === "assistant") {
+      const stored = metaOf(m).reasoning;
+      const reasoning = streaming ? state.stream.reasoning : typeof stored === "string" ? stored : "";
+      if (reasoning) box.appendChild(reasoningEl(m, reasoning, streaming && !content));
+      if (streaming) box.dataset.shown = reasoning.length + "," + content.length; // see scheduleStreamRender
+    }
+    const body = el("div", "msg-body" + (m.role === "assistant" ? " md" : ""));
     if (m.role === "assistant") body.innerHTML = MD.render(content); // escaped by the renderer
     else body.textContent = content;
     box.appendChild(body);
@@ -328,18 +357,26 @@
     if (atBottom || state.stream) box.scrollTop = box.scrollHeight;
   }
 
-  // Re-render the streaming message's text at most every 50 ms.
+  // Re-render the streaming message's text (and reasoning) at most every 50 ms, what changed only.
   function scheduleStreamRender() {
     if (scheduleStreamRender.pending) return;
     scheduleStreamRender.pending = setTimeout(() => {
       scheduleStreamRender.pending = null;
       const s = state.stream;
       if (!s) return;
-      const node = document.querySelector('.msg[data-id="' + CSS.escape(s.msg.id) + '"] .msg-body');
+      const msg = document.querySelector('.msg[data-id="' + CSS.escape(s.msg.id) + '"]');
+      const node = msg && msg.querySelector(".msg-body");
       if (!node) return;
       const box = $("messages");
       const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 80;
-      node.innerHTML = MD.render(s.content);
+      const [reasoning, content] = (msg.dataset.shown || "-1,-1").split(",").map(Number); // the lengths on screen
+      if (s.reasoning.length !== reasoning || (s.content.length > 0) !== (content > 0)) {
+        const fold = msg.querySelector(".reasoning");
+        if (fold) fillReasoning(fold, s.reasoning, !s.content);
+        else if (s.reasoning) node.before(reasoningEl(s.msg, s.reasoning, !s.content));
+      }
+      if (s.content.length !== content) node.innerHTML = MD.render(s.content);
+      msg.dataset.shown = s.reasoning.length + "," + s.content.length;
       if (atBottom) box.scrollTop = box.scrollHeight;
     }, 50);
   }
@@ -554,6 +591,7 @@
     // saves run one after another, so the final one lands last
     const patch = { content: s.content };
     if (meta) patch.meta = meta;
+    else if (s.reasoning) patch.meta = { reasoning: s.reasoning };
     s.lastSave = performance.now();
     s.saving = (s.saving || Promise.resolve()).then(() =>
       api("PATCH", "/" + encodeURIComponent(s.convId) + "/messages/" + encodeURIComponent(s.msg.id), patch))
@@ -564,6 +602,7 @@
   // The meta an answer ends with: how it ended, its speed, and what it was sampled with.
   function finalMeta(s, status, error) {
     const meta = { status, model: state.model || null, finish_reason: s.finish };
+    if (s.reasoning) meta.reasoning = s.reasoning;
     if (error) meta.error = error;
     if (s.sampling) meta.sampling = s.sampling;
     if (s.tFirst !== null) meta.ttft_s = (s.tFirst - s.t0) / 1000;
@@ -584,8 +623,8 @@
     const msg = await api("POST", "/" + encodeURIComponent(conv.id) + "/messages",
       { role: "assistant", content: "", parent_id: userMsg.id, meta: { status: "streaming", model: state.model } });
     const s = {
-      convId: conv.id, msg, controller: new AbortController(), content: "", saving: null, lastSave: 0,
-      t0: performance.now(), tFirst: null, tLast: null, usage: null, finish: null, sampling: null,
+      convId: conv.id, msg, controller: new AbortController(), content: "", reasoning: "", saving: null,
+      lastSave: 0, t0: performance.now(), tFirst: null, tLast: null, usage: null, finish: null, sampling: null,
       final: null, exitSaved: false,
     };
     state.stream = s;
@@ -611,12 +650,15 @@
       await readSse(res.body, (chunk) => {
         if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
         const choice = chunk.choices && chunk.choices[0];
-        const delta = choice && choice.delta && choice.delta.content;
-        if (delta) {
+        const delta = choice && isObj(choice.delta) ? choice.delta : {};
+        const thought = typeof delta.reasoning_content === "string" ? delta.reasoning_content : "";
+        const text = typeof delta.content === "string" ? delta.content : "";
+        if (thought || text) { // reasoning tokens count for the first token and the speed too
           const now = performance.now();
           if (s.tFirst === null) s.tFirst = now;
           s.tLast = now;
-          s.content += delta;
+          s.reasoning += thought;
+          s.content += text;
           scheduleStreamRender();
           if (now - s.lastSave >= SAVE_EVERY_MS) saveStream(s);
         }
@@ -648,15 +690,20 @@
   }
 
   // A page closed or reloaded mid-answer: save what came, marked stopped (a keepalive request
-  // outlives the page, up to 64 KiB; past that the last save's text stays and only the mark goes).
+  // outlives the page, up to 64 KiB; past that the last save's reasoning, then text, stays and
+  // only the rest goes).
   function saveOnExit() {
     state.leaving = true;
     const s = state.stream;
     if (!s || s.exitSaved) return;
     s.exitSaved = true;
     const meta = s.final || finalMeta(s, "stopped", null); // an answer that ended is saved as it ended
-    let body = JSON.stringify({ content: s.content, meta });
-    if (new TextEncoder().encode(body).length > KEEPALIVE_MAX) body = JSON.stringify({ meta });
+    const rest = Object.assign({}, meta); // too long to go: the last save's reasoning stays (meta is merged)
+    delete rest.reasoning;
+    const bodies = [{ content: s.content, meta }, { content: s.content, meta: rest }, { meta: rest }];
+    const encoder = new TextEncoder();
+    const body = bodies.map((b) => JSON.stringify(b)).find((b, k) =>
+      k === bodies.length - 1 || encoder.encode(b).length <= KEEPALIVE_MAX);
     try {
       fetch("api/conversations/" + encodeURIComponent(s.convId) + "/messages/" + encodeURIComponent(s.msg.id), {
         method: "PATCH", keepalive: true, headers: authHeaders({ "Content-Type": "application/json" }), body,
