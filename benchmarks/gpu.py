@@ -6,6 +6,7 @@ and a random-weight model shaped like Qwen2.5-1.5B):
 - decode tokens/s at batch 1 (greedy, end-of-sequence ignored), and that speed as a fraction
   of the memory-bandwidth limit: a decoding step reads every weight once, so the limit is
   bandwidth / weight bytes, with the bandwidth measured here by a large device-to-device copy;
+  the same without CUDA graphs (``LLAISYS_NVIDIA_GRAPHS=0``: every kernel launched from Python);
 - aggregate output tokens/s with 64 and 256 concurrent sequences (llaisys: the serving engine;
   transformers: one padded ``generate`` batch).
 
@@ -135,6 +136,15 @@ def run_model(name: str, args, torch, sync) -> dict:
     weight_bytes = model.num_parameters() * 2  # BF16 on the device, quantized weights included
     row = {"model": name, "parameters": model.num_parameters(), "weight_bytes": weight_bytes}
     row["llaisys_decode_tok_s"] = llaisys_decode(model, prompt, gen, sync)
+    saved = os.environ.get("LLAISYS_NVIDIA_GRAPHS")
+    os.environ["LLAISYS_NVIDIA_GRAPHS"] = "0"  # read when a cache is first run: each generate makes one
+    try:
+        row["llaisys_decode_no_graphs_tok_s"] = llaisys_decode(model, prompt, gen, sync)
+    finally:
+        if saved is None:
+            del os.environ["LLAISYS_NVIDIA_GRAPHS"]
+        else:
+            os.environ["LLAISYS_NVIDIA_GRAPHS"] = saved
     for n in args.batches:
         if n > 1:
             row[f"llaisys_{n}_seq_tok_s"] = llaisys_aggregate(model, prompt, n, gen, sync)

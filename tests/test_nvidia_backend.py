@@ -76,7 +76,7 @@ def test_allocator_and_memory_stats(rt):
     assert before["total"] > 0 and 0 <= before["free"] <= before["total"]
     t = Tensor.empty((1024, 1024), DataType.F32, rt.device)  # 4 MiB from the caching allocator
     during = rt.memory_stats()
-    assert during["allocated"] >= before["allocated"] + 4 << 20
+    assert during["allocated"] >= before["allocated"] + (4 << 20)
     del t
     assert rt.memory_stats()["allocated"] == before["allocated"]
 
@@ -156,7 +156,18 @@ def test_graph_cache_runs_steps_and_buckets(rt):
     graphs = GraphCache(rt.backend, rt.index)
     for _ in range(3):
         graphs.run((2, 2, 2), lambda: calls.append(1))
-    # simulated: the step runs each time; on a GPU its Python runs for the warm-up and the capture only
+    # simulated: the stand-in graph calls the step at each replay; on a GPU its Python runs for
+    # the warm-up and the capture only
     assert len(calls) == (3 if rt.backend.simulate else 2)
-    assert graphs.captures == (0 if rt.backend.simulate else 1)
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+    graphs.drop((2, 2, 2))
+    graphs.run((2, 2, 2), lambda: calls.append(1))
+    assert graphs.captures == 2
     assert [bucket(n) for n in (1, 3, 64, 65, 300)] == [1, 4, 64, 128, 300]
+
+
+def test_graphs_switch(rt, monkeypatch):
+    monkeypatch.setenv("LLAISYS_NVIDIA_GRAPHS", "0")
+    assert rt.backend.graph_cache(rt.index) is None
+    monkeypatch.delenv("LLAISYS_NVIDIA_GRAPHS")
+    assert rt.backend.graph_cache(rt.index) is not None

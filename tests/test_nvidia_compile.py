@@ -1,7 +1,10 @@
 """Every NVIDIA kernel compiles for the GPUs we target (sm_80, sm_90) at the shapes and types
-the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process of its own
-(Triton must not be in interpreter mode there), through ptxas to cubins. This catches what
-Triton's interpreter forgives: types, layouts, shared-memory and register limits."""
+the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process per target
+(Triton must not be in interpreter mode there; the two run side by side), through ptxas to
+cubins. This catches what Triton's interpreter forgives: types, layouts, shared-memory and
+register limits. CI compiles the covering subset (``aot --cover``: every argument type and
+constexpr value of each kernel, and its largest tiles per float type; 44 of 108 variants);
+``LLAISYS_AOT_FULL=1`` compiles every variant."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,11 +25,23 @@ def compiled() -> list[dict]:
         pytest.skip("compiling the nvidia kernels needs triton and torch (the cuda or test extra)")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LLAISYS_NVIDIA_SIMULATE")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "llaisys.kernels.nvidia.aot", "--arch", "80", "90", "--json"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    cover = [] if os.environ.get("LLAISYS_AOT_FULL") == "1" else ["--cover"]
+    procs = [subprocess.Popen([sys.executable, "-m", "llaisys.kernels.nvidia.aot", "--arch", arch, "--json", *cover],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for arch in ("80", "90")]
+    rows, errors = [], []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if proc.returncode:
+                errors.append(err[-4000:])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     failed = [f"{r['kernel']} {r['arch']} {r['constexprs']}: {r['error']}" for r in rows if not r["ok"]]
-    assert proc.returncode == 0 and not failed, "\n".join(failed) or proc.stderr[-4000:]
+    assert not errors and not failed, "\n".join(failed) or "\n".join(errors)
     return rows
 
 

@@ -1,7 +1,8 @@
 """The nvidia backend on a real GPU (marked ``gpu``; skipped elsewhere, saying why): the bundled
 model's greedy tokens equal the CPU's in F32; random-weight Qwen2 and Llama logits against
 transformers on the same GPU in F32 and BF16; the serving engine's batch equal to single runs;
-a decoding step replayed from a CUDA graph equal to the step run eagerly. (Where torch sees a
+a decoding step replayed from a CUDA graph equal to the step run eagerly, and the decoder's
+own graphs (single sequence and engine batches) giving the tokens of graphs off and the CPU. (Where torch sees a
 GPU, the ``nvidia_device`` fixture of the other nvidia tests starts the real backend too.)"""
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_decoding_step_replayed_from_a_cuda_graph(gpu_model):
     model.forward_batch(prefill, cache)
     step = TokenBatch.build([([42], len(p), [2 * b, 2 * b + 1], True) for b, p in enumerate(prompts)], 16,
                             cache.max_blocks)
-    eager = model.forward_batch(step, cache)  # (2, V); records the pass of shape (2, 2, 2)
+    eager = model.forward_batch(step, cache)  # (2, V); records the pass of shape (2, 2, 2) (and replays its graph)
     recorded = cache.passes[(2, 2, 2)]
     rt = get_runtime(model.device)
     graphs = GraphCache(rt.backend, rt.index)
@@ -105,3 +106,25 @@ def test_decoding_step_replayed_from_a_cuda_graph(gpu_model):
         graphs.run((2, 2, 2), recorded.plan.run)
         np.testing.assert_array_equal(recorded.logits.numpy().astype(np.float32), eager)
     assert graphs.captures == 1
+
+
+def test_decoding_with_cuda_graphs_equals_eager_and_the_cpu(gpu_model, smollm2_model, monkeypatch):
+    """The decoder's own graphs (one per cache and bucket): greedy tokens and engine batches
+    with graphs on equal those with graphs off, and the CPU's (F32)."""
+    from llaisys.engine import LLMEngine
+    from llaisys.generation import GenerationConfig, generate
+    from llaisys.generation.prompt_cache import PromptCache
+
+    config = GenerationConfig(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "The capital of France is"
+    kept = PromptCache(gpu_model, 64)
+    on = generate(gpu_model, prompt, config, prompt_cache=kept).token_ids
+    graphs = gpu_model._graph_caches[kept.cache]
+    assert (graphs.captures, graphs.replays) == (1, 15)
+    assert on == generate(smollm2_model, prompt, config).token_ids
+    prompts = ["1, 2, 3, 4,", "def fibonacci(n):", "The three primary colours are"]  # 3 sequences: bucket 4
+    with_graphs = LLMEngine(gpu_model, kv_cache_tokens=1024).generate(prompts, config)
+    monkeypatch.setenv("LLAISYS_NVIDIA_GRAPHS", "0")
+    assert generate(gpu_model, prompt, config).token_ids == on
+    without = LLMEngine(gpu_model, kv_cache_tokens=1024).generate(prompts, config)
+    assert [r.token_ids for r in with_graphs] == [r.token_ids for r in without]

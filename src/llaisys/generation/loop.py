@@ -112,6 +112,19 @@ class GenerationStream:
         self.prompt_cache.token_ids.extend(ids)
         return logits
 
+    def _greedy_on_device(self) -> bool:
+        """Whether decoding steps may take their token as the argmax on the model's device
+        (``forward_greedy``: only the id crosses to the host): a greedy config with no penalty,
+        on a model off the CPU that offers it. (The min-tokens mask is checked per step.)"""
+        c, device = self.config, getattr(self.model, "device", None)
+        return (c.greedy and c.repetition_penalty == 1.0 and c.presence_penalty == 0.0 and c.frequency_penalty == 0.0
+                and hasattr(self.model, "forward_greedy") and device is not None and not device.is_cpu)
+
+    def _forward_greedy(self, ids: list[int]) -> int:
+        token = self.model.forward_greedy(ids, self.prompt_cache.cache)
+        self.prompt_cache.token_ids.extend(ids)
+        return token
+
     def _prefill(self, ids: list[int]) -> np.ndarray:
         """Run the prompt's uncached ``ids``: in one call, or piece by piece with progress reports."""
         if self.prefill_progress is None:
@@ -138,8 +151,10 @@ class GenerationStream:
         limit = min(cfg.max_new_tokens, room + 1)  # the last token picked is never run
         text = TextStream(tok if has_tokenizer(self.model) else None, self.prompt_ids, cfg.stop, eos, limit,
                           cfg.skip_special_tokens)
+        on_device = self._greedy_on_device()
+        picked: int | None = None  # the next token when the device picked it
         for step in range(limit):
-            token = sampler(logits, context, self.token_ids)
+            token = picked if picked is not None else sampler(logits, context, self.token_ids)
             if step == 0:
                 self.timings.ttft_s = time.perf_counter() - t0
             self.token_ids.append(token)
@@ -158,7 +173,10 @@ class GenerationStream:
             if finish is not None:
                 return
             t_resume = time.perf_counter()
-            logits = self._forward([token])
+            if on_device and (not eos or len(self.token_ids) >= cfg.min_tokens):  # (no min-tokens mask to apply)
+                picked = self._forward_greedy([token])
+            else:
+                picked, logits = None, self._forward([token])
 
 
 def stream(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,

@@ -41,6 +41,7 @@ PREFILL_CHUNK = 256  # longer inputs run in chunks: less masked attention work, 
 MAX_DEFAULT_CACHE = 4096
 BATCH_PASSES_KEPT = 32  # recorded batched passes kept per paged cache (by N, B, R)
 BATCH_WORKSPACES_KEPT = 8  # work buffers kept per paged cache (by N)
+GRAPH_DECODE = "graph-decode"  # KVCache.passes key of the single-sequence decoding pass replayed as a graph
 
 
 def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
@@ -111,24 +112,42 @@ class BatchIndex:
 
 
 class BatchPass:
-    """The recorded op calls of a batched pass of one shape (N, B, R) over a paged cache, the
-    head included: the rows whose logits are wanted are gathered, normalised, then projected."""
+    """The recorded op calls of a batched pass of one shape (N, B, R) over paged block pools
+    (per layer (K, V), each (NB, BS, KH, Dh), block tables ``max_blocks`` wide), the head
+    included: the rows whose logits are wanted are gathered, normalised, then projected. Its
+    inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
+    so a run can be replayed from a graph."""
 
-    def __init__(self, model: "CausalLM", ws: Workspace, cache: PagedKVCache, n: int, b: int, r: int):
+    def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
+                 n: int, b: int, r: int):
         self.ws = ws
-        self.idx = BatchIndex(n, b, cache.max_blocks, r, model.device)
+        self.idx = BatchIndex(n, b, max_blocks, r, model.device)
         self.plan = plan = ops.Plan()
         self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
         self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
 
         def attend(i: int, lp: LayerParams) -> None:
-            paged_attention(ws, lp, (cache.k_layers[i], cache.v_layers[i]), self.idx, model.config, model._scale,
-                            plan)
+            paged_attention(ws, lp, pools[i], self.idx, model.config, model._scale, plan)
 
         record_layers(model, ws, plan, attend)
         if r:
             ops.embedding(self.h_rows, self.idx.logit_rows, ws.h, plan=plan)  # (R, D): gather the rows
             ops.linear(self.logits, self.h_rows, model.params.lm_head, plan=plan)  # (R, V)
+
+
+def pad_decode_batch(batch: TokenBatch, size: int) -> TokenBatch:
+    """A decoding batch (one token per sequence, B of them) grown to ``size`` sequences and
+    ``size`` logit rows, for a graph captured at that bucket. The extra sequences repeat the
+    first one (its token, position, slot and block table), so every index stays valid and the
+    extra K/V writes put the same values in the same slot; extra logit rows repeat row 0.
+    The caller keeps the first R rows of the logits."""
+    b, r = batch.num_seqs, int(batch.logit_rows.shape[0])
+    if b == size and r == size:
+        return batch
+    more = lambda a: np.concatenate([a, np.repeat(a[:1], size - b, axis=0)])  # noqa: E731
+    rows = np.concatenate([batch.logit_rows, np.zeros(size - r, np.int64)]).astype(np.int64)
+    return TokenBatch(more(batch.token_ids), more(batch.positions), more(batch.slots), more(batch.block_tables),
+                      np.arange(size + 1, dtype=np.int64), more(batch.context_lens), rows)
 
 
 class CausalLM:
@@ -162,6 +181,7 @@ class CausalLM:
         self._file_info = dict(file_info or {})
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._workspaces: OrderedDict[int, Workspace] = OrderedDict()
+        self._graph_caches: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # per cache
         self._lock = threading.RLock()  # guards the shared workspaces: one chunk runs at a time
 
     # ---- cache -------------------------------------------------------------------------
@@ -247,7 +267,18 @@ class CausalLM:
 
     __call__ = forward
 
-    def _forward_chunks(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+    def forward_greedy(self, token_ids: "Sequence[int] | np.ndarray", cache: KVCache) -> int:
+        """``forward(token_ids, cache)`` and the argmax of its last logits (the first index of
+        the maximum, as ``np.argmax``), taken on the model's device: off the CPU only the id
+        crosses to the host, not V logits. Raises as ``forward`` does."""
+        if self.device.is_cpu or self.shard is not None:
+            return int(np.argmax(self.forward(token_ids, cache)))
+        ids = self._check_ids(token_ids)
+        self._check_cache(cache, len(ids))
+        return self._forward_chunks(ids, cache, False, greedy=True)
+
+    def _forward_chunks(self, ids: np.ndarray, cache: KVCache, all_logits: bool,
+                        greedy: bool = False) -> "np.ndarray | int":
         outputs = []
         for begin in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[begin:begin + PREFILL_CHUNK]
@@ -255,17 +286,25 @@ class CausalLM:
             if all_logits:
                 outputs.append(self._run(chunk, cache, all_rows=True))
             else:
-                logits = self._run(chunk, cache, all_rows=False, head=last)
+                logits = self._run(chunk, cache, all_rows=False, head=last, greedy=greedy)
                 if last:
                     outputs.append(logits)
         return np.concatenate(outputs, axis=0) if all_logits else outputs[0]
 
-    def _run(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool = True) -> np.ndarray | None:
+    def _run(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool = True,
+             greedy: bool = False) -> "np.ndarray | int | None":
         with self._lock:
-            return self._run_locked(ids, cache, all_rows, head)
+            return self._run_locked(ids, cache, all_rows, head, greedy)
 
-    def _run_locked(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool) -> np.ndarray | None:
+    def _run_locked(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool,
+                    greedy: bool = False) -> "np.ndarray | int | None":
+        """Run ``ids`` after the cache's content: host logits (S, V) with ``all_rows``, else
+        the last row's (V,) (None without ``head``), or with ``greedy`` its argmax id."""
         s = len(ids)
+        if s == 1 and head and not all_rows:
+            graphs = self._graphs(cache)
+            if graphs is not None:
+                return self._head_result(self._decode_graphed(ids, cache, graphs), greedy)
         start, end = cache.length, cache.length + s
         step = self._pass(cache, s, start, end)
         ws = step.ws
@@ -281,7 +320,54 @@ class CausalLM:
         if not head:
             return None
         ops.linear(ws.logits, ws.h_last, p.lm_head)  # (1, V or c)
-        return self._gathered(ws.logits).reshape(-1)  # (V,)
+        return self._head_result(ws.logits, greedy)
+
+    def _head_result(self, logits: Tensor, greedy: bool) -> "np.ndarray | int":
+        """Host logits (V,) of a (1, V or c) device row, or with ``greedy`` the argmax, taken
+        on the device (a single process holds the whole row then)."""
+        if not greedy:
+            return self._gathered(logits).reshape(-1)  # (V,)
+        idx = Tensor.empty((1,), DataType.I64, self.device)
+        ops.argmax(idx, Tensor.empty((1,), self.dtype, self.device), logits)  # (1,)
+        return int(idx.numpy()[0])
+
+    def _graphs(self, cache: "KVCache | PagedKVCache") -> Any:
+        """The graph cache (``backends.nvidia.graphs.GraphCache``) that replays the decoding
+        passes over ``cache``, or None: on a device whose backend captures no graphs (the CPU,
+        plugins), with ``LLAISYS_NVIDIA_GRAPHS=0``, or under tensor parallelism (its plans hold
+        collective calls)."""
+        if self.shard is not None or self.device.is_cpu:
+            return None
+        try:
+            return self._graph_caches[cache]
+        except KeyError:
+            pass
+        from ..runtime import get_runtime
+
+        make = getattr(get_runtime(self.device).backend, "graph_cache", None)
+        graphs = self._graph_caches[cache] = make(self.device.index) if make is not None else None
+        return graphs
+
+    def _decode_graphed(self, ids: np.ndarray, cache: KVCache, graphs: Any) -> Tensor:
+        """One token after the cache's content, as a paged pass over the cache (each layer one
+        block of max_tokens slots) replayed from a graph: the same kernels and arithmetic as
+        the plain pass, with the position and key count read from static device buffers
+        instead of being baked into the launches. Returns the logits row (1, V) on the device."""
+        step = cache.passes.get(GRAPH_DECODE)
+        if step is None:
+            pools = [(k.view(1, *k.shape), v.view(1, *v.shape)) for k, v in zip(cache.k_layers, cache.v_layers)]
+            step = cache.passes[GRAPH_DECODE] = BatchPass(self, self._workspace(1), pools, 1, 1, 1, 1)
+            step.idx.block_tables.load(np.zeros((1, 1), np.int64))  # constant: the one block, the query, row 0
+            step.idx.query_starts.load(np.arange(2, dtype=np.int64))
+            step.idx.logit_rows.load(np.zeros(1, np.int64))
+        t = np.array([cache.length], np.int64)  # (1,) the new token's position, and its slot in block 0
+        step.ws.ids.load(ids)
+        step.ws.pos.load(t)
+        step.idx.slots.load(t)
+        step.idx.context_lens.load(t + 1)
+        graphs.run(GRAPH_DECODE, step.plan.run)
+        cache.length += 1
+        return step.logits
 
     def _pass(self, cache: KVCache, s: int, start: int, end: int) -> Pass:
         """The recorded pass of ``s`` tokens over ``cache``, pointed at ``start:end``; the
@@ -289,7 +375,7 @@ class CausalLM:
         step = cache.passes.get(s)
         if step is None:
             step = Pass(self, self._workspace(s), cache, start, end)
-            for other in [k for k in cache.passes if k != 1]:
+            for other in [k for k in cache.passes if k not in (1, GRAPH_DECODE)]:
                 del cache.passes[other]
             cache.passes[s] = step
         step.move(cache, start, end)
@@ -317,18 +403,32 @@ class CausalLM:
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
         with self._lock:
             self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
-            step = cache.passes.get((n, b, r))
+            # A decoding step (a token per sequence) replays its bucket's graph, padded to it.
+            decode = n == b and np.array_equal(batch.query_starts, np.arange(b + 1))
+            graphs = self._graphs(cache) if decode else None
+            if graphs is not None:
+                size = graphs.bucket(b)
+                batch = pad_decode_batch(batch, size)
+                n = b = size
+            key = (n, b, b if graphs is not None else r)
+            step = cache.passes.get(key)
             if step is None:
-                step = BatchPass(self, self._batch_workspace(cache, n), cache, n, b, r)
-                cache.passes[(n, b, r)] = step
+                pools = list(zip(cache.k_layers, cache.v_layers))
+                step = BatchPass(self, self._batch_workspace(cache, n), pools, cache.max_blocks, *key)
+                cache.passes[key] = step
                 while len(cache.passes) > BATCH_PASSES_KEPT:
                     cache.passes.popitem(last=False)
+                if graphs is not None:
+                    graphs.drop(size)  # captured over a pass of this shape that was dropped since
             else:
-                cache.passes.move_to_end((n, b, r))
+                cache.passes.move_to_end(key)
             ids = batch.token_ids if self.shard is None else self.shard.local_ids(batch.token_ids)
             step.ws.ids.load(ids)
             step.ws.pos.load(batch.positions)
             step.idx.load(batch)
+            if graphs is not None:
+                graphs.run(size, step.plan.run)
+                return self._gathered(step.logits.slice(0, 0, r))  # (R, V): the batch's own rows
             step.plan.run()
             return self._gathered(step.logits)  # (R, V)
 

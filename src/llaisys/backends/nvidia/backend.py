@@ -316,9 +316,12 @@ class NvidiaBackend(DeviceBackend):
     def capture(self, index: int, fn: Callable[[], None], warmup: int = 1) -> Callable[[], None]:
         """``fn`` (kernel launches on the device, no host syncs) recorded as a CUDA graph;
         returns the replay. ``fn`` runs ``warmup`` times first on a side stream (Triton
-        compiles there). Simulated mode records nothing: the replay calls ``fn``."""
+        compiles there). Simulated mode (tests only) has no graphs: a ``SimulatedGraph`` keeps
+        ``fn`` and its replay calls it (no warm-up: the interpreter compiles nothing)."""
         if self.simulate:
-            return fn
+            from .graphs import SimulatedGraph
+
+            return SimulatedGraph(fn).replay
         side = torch.cuda.Stream(device=index)
         side.wait_stream(torch.cuda.current_stream(index))
         with torch.cuda.stream(side):
@@ -326,9 +329,17 @@ class NvidiaBackend(DeviceBackend):
                 fn()
         torch.cuda.current_stream(index).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA calls of other threads (a server's) do not break this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
         return graph.replay
+
+    def graph_cache(self, index: int) -> "Any":
+        """A new ``graphs.GraphCache`` for device ``index`` to replay decoding steps from, or
+        None when ``LLAISYS_NVIDIA_GRAPHS=0`` turns graphs off."""
+        from .graphs import GraphCache, graphs_enabled
+
+        return GraphCache(self, index) if graphs_enabled() else None
 
     def is_capturing(self) -> bool:
         """True while a CUDA graph is being captured on the current stream (no host syncs then)."""

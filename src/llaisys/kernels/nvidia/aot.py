@@ -7,7 +7,9 @@ nvidia device whose backend allocates host memory and whose kernels are recorded
 then compiled with ``triton.compile`` for each target (``GPUTarget("cuda", 80 / 90, 32)``),
 through ptxas to a cubin. This catches what Triton's interpreter forgives (types, layouts,
 register and shared-memory limits). Needs Triton without ``TRITON_INTERPRET``: run it in a
-process of its own.
+process of its own. ``--cover`` compiles a covering subset instead (``covering``: every
+argument type and constexpr value of each kernel at least once, and its largest tiles in each
+float type), what CI runs; the default compiles every distinct launch.
 """
 from __future__ import annotations
 
@@ -145,15 +147,50 @@ def recorded_launches(dtypes: tuple = ("F32", "F16", "BF16")) -> list[tuple]:
     return list(seen.values())
 
 
-def compile_all(archs: tuple[int, ...] = (80, 90), dtypes: tuple = ("F32", "F16", "BF16")) -> list[dict]:
-    """Compile every recorded launch for each compute capability in ``archs``; one result per
-    (launch, arch): kernel, arch, constexprs, ok, error, cubin bytes, seconds."""
+def _features(launch: tuple) -> set:
+    _kernel, sig, consts, options = launch
+    return ({("type", n, t) for n, t in sig.items() if t != "constexpr"} | {("const", n, v) for n, v in consts.items()}
+            | {("option", n, v) for n, v in options.items()})
+
+
+def covering(launches: list[tuple]) -> list[tuple]:
+    """A subset of ``launches`` in which, per kernel, every argument type and every constexpr
+    and option value occurs at least once, holding each kernel's largest variant per float type
+    (the largest sum of its integer constexprs: the biggest tiles, the most shared memory).
+    Greedy set cover: each pick covers the most values not yet covered."""
+    by_kernel: dict[str, list[tuple]] = {}
+    for launch in launches:
+        by_kernel.setdefault(launch[0].__name__, []).append(launch)
+    chosen: list[tuple] = []
+    for group in by_kernel.values():
+        largest: dict[str, tuple] = {}
+        for launch in group:
+            kind = next((t for t in launch[1].values() if t in ("*fp32", "*fp16", "*bf16")), "")
+            size = sum(int(v) for v in launch[2].values() if isinstance(v, (int, np.integer)))
+            if kind not in largest or size > largest[kind][0]:
+                largest[kind] = (size, launch)
+        picked = [launch for _size, launch in largest.values()]
+        missing = set().union(*map(_features, group)) - set().union(*map(_features, picked))
+        while missing:
+            best = max(group, key=lambda launch: len(_features(launch) & missing))
+            picked.append(best)
+            missing -= _features(best)
+        chosen += picked
+    return chosen
+
+
+def compile_all(archs: tuple[int, ...] = (80, 90), dtypes: tuple = ("F32", "F16", "BF16"),
+                cover: bool = False) -> list[dict]:
+    """Compile every recorded launch (``cover``: the ``covering`` subset) for each compute
+    capability in ``archs``; one result per (launch, arch): kernel, arch, constexprs, ok,
+    error, cubin bytes, seconds."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     results = []
-    for kernel, sig, consts, options in recorded_launches(dtypes):
+    launches = recorded_launches(dtypes)
+    for kernel, sig, consts, options in covering(launches) if cover else launches:
         for arch in archs:
             start = time.perf_counter()
             entry = {"kernel": kernel.__name__, "arch": f"sm_{arch}", "constexprs": consts,
@@ -174,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llaisys.kernels.nvidia.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (80 = A100)")
     parser.add_argument("--dtype", nargs="+", default=["F32", "F16", "BF16"], choices=["F32", "F16", "BF16"])
+    parser.add_argument("--cover", action="store_true",
+                        help="a covering subset: every type and constexpr value of each kernel once, its largest tiles")
     parser.add_argument("--json", action="store_true", help="print one JSON object per compiled kernel")
     args = parser.parse_args(argv)
-    results = compile_all(tuple(args.arch), tuple(args.dtype))
+    results = compile_all(tuple(args.arch), tuple(args.dtype), args.cover)
     failed = [r for r in results if not r["ok"]]
     for r in results:
         if args.json:
