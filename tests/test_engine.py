@@ -195,6 +195,34 @@ def test_a_seed_reproduces_the_same_text_alone_or_batched(smollm2_model):
     assert batched[1].token_ids == alone.token_ids and batched[1].text == alone.text
 
 
+def test_a_batch_of_mixed_settings_picks_what_each_sampler_picks_alone(smollm2_model):
+    # The engine samples a step's rows in one call; the single-sequence loop uses Sampler row by row.
+    configs = [GenerationConfig(max_new_tokens=10, temperature=t, top_k=k, top_p=p, min_p=mp, repetition_penalty=rep,
+                                frequency_penalty=f, presence_penalty=pr, min_tokens=mt, logprobs=lp, seed=i)
+               for i, (t, k, p, mp, rep, f, pr, mt, lp) in enumerate([
+                   (0.3, 0, 0.9, 0.0, 1.0, 0.3, 0.0, 0, None), (0.0, 0, 1.0, 0.0, 1.2, 0.5, 0.0, 5, 2),
+                   (1.0, 40, 0.95, 0.0, 1.0, 0.0, 0.0, 0, 1), (0.7, 0, 1.0, 0.1, 1.1, 0.0, 0.6, 3, None),
+                   (1.3, 0, 0.8, 0.05, 1.0, 0.0, 0.0, 0, 0), (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, None),
+                   (0.9, 5, 1.0, 0.0, 1.0, -0.5, 0.0, 0, None), (0.5, 0, 0.5, 0.0, 0.9, 0.0, 1.0, 10, 3)])]
+    engine = LLMEngine(smollm2_model)
+    ids = [engine.add_request(None, prompt, config) for prompt, config in zip(PROMPTS, configs)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    logprobs: dict[str, list] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            logprobs[out.request_id] += out.logprobs or []
+    for i, prompt, config in zip(ids, PROMPTS, configs):
+        alone = list(generate(smollm2_model, prompt, config).token_ids)
+        assert tokens[i] == alone, prompt
+        if config.logprobs is not None:
+            single, want = LLMEngine(smollm2_model), []
+            single.add_request("x", prompt, config)
+            while single.has_unfinished():
+                want += [lp for out in single.step() for lp in out.logprobs]
+            assert logprobs[i] == want  # batched logits are bitwise those of a request alone
+
+
 def test_stop_strings_and_finish_reasons(smollm2_model):
     greedy = _alone(smollm2_model, PROMPTS[2], GenerationConfig(max_new_tokens=12))
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12

@@ -372,3 +372,15 @@ def test_config_accepts_the_edges() -> None:
     assert (cfg.presence_penalty, cfg.frequency_penalty, cfg.logprobs, cfg.min_tokens) == (-2, 2.0, 20, 10)
     assert GenerationConfig(logprobs=0).logprobs == 0
     assert GenerationConfig().logprobs is None and GenerationConfig().min_tokens == 0
+
+
+def test_in_place_penalties_and_top_p_ids_match_the_copying_processors() -> None:
+    x = _logits(17)
+    kw = dict(repetition=1.3, presence=0.5, frequency=0.7, stop_token_ids=list(EOS_IDS) + [V + 1], min_tokens=20)
+    y = x.copy()
+    P.penalize_(y, PROMPT_ONLY + GENERATED, GENERATED, **kw)
+    np.testing.assert_array_equal(y, P.penalize(x, PROMPT_ONLY + GENERATED, GENERATED, **kw))
+    assert P.penalties_apply(PROMPT_ONLY, [], repetition=1.3) and not P.penalties_apply(PROMPT_ONLY, [])
+    for p, keep in ((0.3, 1), (0.9, 1), (0.9, 7)):
+        ids = P.top_p_keep(P.softmax(x), p, keep)
+        np.testing.assert_array_equal(np.sort(ids), np.flatnonzero(np.isfinite(P.top_p(x, p, keep))))

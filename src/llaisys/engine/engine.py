@@ -9,7 +9,8 @@
 Each ``step`` asks the scheduler for a batch (decode tokens of running requests, prefill chunks
 of new ones), runs it through ``model.forward_batch`` over the paged KV cache so every weight
 is read once for all of them, then lets each request that reached its end pick its next token
-with its own sampler. A request whose config carries a grammar (``grammar.GuidedConfig``)
+with its own sampler, all of the step's rows in one ``sample_batch`` call (the tokens each
+sampler would pick alone). A request whose config carries a grammar (``grammar.GuidedConfig``)
 picks among the tokens its grammar allows: the masks of the step's constrained requests are
 filled together, unconstrained requests are untouched. Not thread-safe: ``EngineThread`` runs
 it behind a queue.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
+from ..generation.batch_sampler import sample_batch
 from ..models.paged_cache import TokenBatch
 from .blocks import KVBlockManager
 from .grammar import MaskBatch, grammar_of
@@ -166,17 +168,27 @@ class LLMEngine:
         self.scheduler.commit(step)
         sampling = [self.requests[c.seq.seq_id] for c in step.chunks if c.samples]  # logits row order
         allowed = self._grammar_masks(sampling, logits.shape[-1])
-        outputs = []
+        outputs: list[RequestOutput | None] = []
+        picking = []  # rows that pick a token, all sampled in one call
         for row, request in enumerate(sampling):
             if request.pooler is not None:  # an embedding: its prompt ran, nothing is generated
-                out = request.pooled()
-            else:
-                out = request.take(logits[row], allowed.get(row))
-                self.generation_tokens += 1
+                outputs.append(request.pooled())
+                continue
+            outputs.append(request.prepare(allowed.get(row)))
+            self.generation_tokens += 1
+            if outputs[-1] is None:
+                picking.append(row)
+        if picking:
+            rows = logits if len(picking) == logits.shape[0] else logits[picking]  # (P, V)
+            seqs = [sampling[row].seq for row in picking]
+            picked = sample_batch([sampling[row].sampler for row in picking], rows, [s.token_ids for s in seqs],
+                                  [s.output_ids for s in seqs], [allowed.get(row) for row in picking])
+            for row, token in zip(picking, picked):
+                outputs[row] = sampling[row].accept(token)
+        for request, out in zip(sampling, outputs):
             if out.finished:
                 self.scheduler.finish(request.seq)
                 del self.requests[request.request_id]
-            outputs.append(out)
         return outputs
 
     def _pool(self, chunks: list, num_tokens: int) -> None:

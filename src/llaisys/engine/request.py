@@ -96,18 +96,32 @@ class Request:
 
     def take(self, logits, allowed: np.ndarray | None = None) -> RequestOutput:
         """Pick the next token from ``logits`` (V,) (among ``allowed`` (V,) bool, a grammar's
-        mask, when given), append it, and say what it released."""
+        mask, when given), append it, and say what it released: ``prepare``, this request's
+        sampler, then ``accept`` (the engine samples a whole step's requests at once between the
+        two)."""
+        out = self.prepare(allowed)
+        if out is not None:
+            return out
         seq = self.seq
+        return self.accept(self.sampler.sample(logits, seq.token_ids, seq.output_ids, allowed=allowed))
+
+    def prepare(self, allowed: np.ndarray | None = None) -> RequestOutput | None:
+        """Get ready to pick among ``allowed`` (V,) bool (a grammar's mask, or None): None when a
+        token is to be picked, else the request's last output (its grammar allows nothing)."""
         if allowed is not None and not allowed.any():  # the grammar allows nothing, not even an end
             self.finish_reason = self.text.finish_reason = "stop"
             self.times.finished = time.perf_counter()
             return self.output(self._end(), [], None)
-        if allowed is not None and len(seq.output_ids) < self.config.min_tokens:
+        if allowed is not None and len(self.seq.output_ids) < self.config.min_tokens:
             eos = self.eos[self.eos < allowed.shape[0]]
             if np.count_nonzero(allowed) == np.count_nonzero(allowed[eos]):
                 # the grammar can only end here: min_tokens gives way (it would mask every token)
                 self.sampler.config = self.config = self.config.replace(min_tokens=0)
-        picked = self.sampler.sample(logits, seq.token_ids, seq.output_ids, allowed=allowed)
+        return None
+
+    def accept(self, picked: SampledToken) -> RequestOutput:
+        """Append the token ``picked`` by this request's sampler, and say what it released."""
+        seq = self.seq
         seq.output_ids.append(picked.token_id)
         delta = self.text.push(picked.token_id)
         if self.matcher is not None and self.text.finish_reason is None:

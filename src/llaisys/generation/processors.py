@@ -6,7 +6,8 @@ penalties and the min-tokens mask follow OpenAI and vLLM. ``penalize`` applies t
 and the mask with at most one copy, in vLLM's order (repetition, frequency and presence
 penalties); ``process_logits`` then adds temperature, top-k, top-p and min-p (Hugging Face's
 order). A filtered-out token gets ``-inf``. ``logsumexp`` and ``top_logprobs`` give the
-model's own log-probabilities of the raw logits.
+model's own log-probabilities of the raw logits. ``penalize_`` (in place on the caller's copy)
+and ``top_p_keep`` (the ids top-p keeps) are the pieces ``batch_sampler`` shares with these.
 """
 from __future__ import annotations
 
@@ -100,19 +101,36 @@ def penalize(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray = (),
     ``presence_frequency_penalty`` over ``generated_ids`` (generated only), then ``min_tokens_mask``
     with ``len(generated_ids)`` tokens generated: logits (V,) in, logits (V,) out. Makes at most one
     copy of ``logits`` and returns ``logits`` itself when nothing applies."""
-    rep = repetition != 1.0 and len(context_ids) > 0
-    pf = (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0
-    mask = _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens)
-    if not (rep or pf or mask):
+    if not penalties_apply(context_ids, generated_ids, repetition=repetition, presence=presence,
+                           frequency=frequency, stop_token_ids=stop_token_ids, min_tokens=min_tokens):
         return logits
     out = logits.copy()  # (V,)
-    if rep:
-        _repetition_penalty_(out, context_ids, repetition)
-    if pf:
-        _presence_frequency_penalty_(out, generated_ids, presence, frequency)
-    if mask:
-        _mask_(out, np.asarray(stop_token_ids, dtype=np.int64))
+    penalize_(out, context_ids, generated_ids, repetition=repetition, presence=presence, frequency=frequency,
+              stop_token_ids=stop_token_ids, min_tokens=min_tokens)
     return out
+
+
+def penalties_apply(context_ids: Sequence[int] | np.ndarray = (), generated_ids: Sequence[int] | np.ndarray = (), *,
+                    repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0,
+                    stop_token_ids: Sequence[int] | np.ndarray = (), min_tokens: int = 0) -> bool:
+    """Whether ``penalize`` with these arguments would change anything."""
+    return (repetition != 1.0 and len(context_ids) > 0
+            or (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0
+            or _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens))
+
+
+def penalize_(x: np.ndarray, context_ids: Sequence[int] | np.ndarray = (),
+              generated_ids: Sequence[int] | np.ndarray = (), *, repetition: float = 1.0, presence: float = 0.0,
+              frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
+              min_tokens: int = 0) -> None:
+    """``penalize`` in place on ``x`` (V,) float32 (the caller's own copy): the same operations
+    on the same few entries, no (V,) temporary."""
+    if repetition != 1.0 and len(context_ids) > 0:
+        _repetition_penalty_(x, context_ids, repetition)
+    if (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0:
+        _presence_frequency_penalty_(x, generated_ids, presence, frequency)
+    if _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens):
+        _mask_(x, np.asarray(stop_token_ids, dtype=np.int64))
 
 
 def temperature(logits: np.ndarray, value: float) -> np.ndarray:
@@ -139,10 +157,18 @@ def top_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarr
     """
     if p >= 1.0:
         return logits
-    probs = softmax(logits)  # (V,)
+    keep = top_p_keep(softmax(logits), p, min_tokens_to_keep)  # (n,)
+    out = np.full_like(logits, FILTERED)
+    out[keep] = logits[keep]
+    return out
+
+
+def top_p_keep(probs: np.ndarray, p: float, min_tokens_to_keep: int = 1, top: float | None = None) -> np.ndarray:
+    """The ids (n,) int64 ``top_p`` keeps, most likely first, given ``probs`` (V,) float64 (the
+    softmax of the logits) and ``top`` (``probs.max()``, computed here when None)."""
     # The kept tokens are a prefix of the descending order, so all tokens at or above a
     # threshold hold it once their mass reaches p; only those are sorted.
-    threshold = probs.max() * 1e-3
+    threshold = (probs.max() if top is None else top) * 1e-3
     while True:
         head = np.flatnonzero(probs >= threshold)  # (m,)
         if head.size >= min_tokens_to_keep and probs[head].sum() >= p or threshold == 0.0:
@@ -151,10 +177,7 @@ def top_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarr
     head = head[np.argsort(-probs[head], kind="stable")]  # (m,) descending
     cumulative = np.cumsum(probs[head])  # (m,)
     n_keep = max(int(np.searchsorted(cumulative, p, side="left")) + 1, min_tokens_to_keep)
-    out = np.full_like(logits, FILTERED)
-    keep = head[:n_keep]
-    out[keep] = logits[keep]
-    return out
+    return head[:n_keep]
 
 
 def min_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarray:

@@ -42,6 +42,9 @@ class Sampler:
     id that would end the request (the model's EOS ids and ``config.eos_token_ids``; none when
     ``config.ignore_eos``). None takes ``config.eos_token_ids`` (unless ``ignore_eos``), which does
     not know the model's own EOS ids: a caller that has a model should pass them.
+
+    ``batch_sampler.sample_batch`` picks the tokens of many samplers' rows (R, V) in one call,
+    exactly as ``sample`` on each row would (the engine's step uses it).
     """
 
     __slots__ = ("config", "rng", "stop_token_ids")
