@@ -5,6 +5,7 @@
     for event in stream(model, "Once upon a time", GenerationConfig(temperature=0.7, seed=1)):
         print(event.text_delta, end="")
 """
+from .batch_sampler import sample_batch
 from .chat import chat, chat_prompt_ids, check_messages, stream_chat
 from .config import GenerationConfig
 from .detokenizer import IncrementalDetokenizer
@@ -19,6 +20,6 @@ __all__ = [
     "FinishReason", "GenerationConfig", "GenerationResult", "GenerationStream", "IncrementalDetokenizer",
     "PrefillProgress", "PromptCache", "SampledToken", "Sampler", "StopStringMatcher", "StreamEvent", "TextStream",
     "Timings", "chat",
-    "chat_prompt_ids", "check_messages", "encode_prompt", "generate", "has_tokenizer", "sample_from_logits", "stream",
+    "chat_prompt_ids", "check_messages", "encode_prompt", "generate", "has_tokenizer", "sample_batch", "sample_from_logits", "stream",
     "stream_chat",
 ]
