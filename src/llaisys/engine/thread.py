@@ -11,9 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from ..generation import GenerationConfig
@@ -21,6 +23,23 @@ from .engine import LLMEngine
 from .request import RequestOutput
 
 log = logging.getLogger(__name__)
+
+STEP_LOG = 4096  # recent steps kept in EngineThread.step_log
+
+
+@dataclass(slots=True, frozen=True)
+class StepRecord:
+    """One ``engine.step()`` as the engine thread saw it."""
+
+    start: float  # time.perf_counter() when the step began
+    end: float  # and when it returned
+    outputs: int  # requests that picked a token (or finished) in the step
+    prompt_tokens: int  # prompt tokens the step computed (0: a decode-only step)
+
+    @property
+    def seconds(self) -> float:
+        """The step's wall time (forward pass, sampling, detokenizing)."""
+        return self.end - self.start
 
 
 class EngineStopped(RuntimeError):
@@ -67,10 +86,21 @@ class AsyncRequestStream(RequestStream):
     def __init__(self, loop: "EngineThread", request_id: str) -> None:
         super().__init__(loop, request_id)
         self._event_loop = asyncio.get_running_loop()
-        self._aqueue: asyncio.Queue = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()  # delivered, not yet read
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits
 
     def push(self, item: "RequestOutput | BaseException") -> None:
-        self._event_loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+        post(self._event_loop, [(self, item)])
+
+    def deliver(self, item: "RequestOutput | BaseException") -> None:
+        """Hand ``item`` to the reader (on the stream's event loop)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def ready(self) -> bool:
+        """Whether the next output is here already (reading it will not wait for a step)."""
+        return bool(self._items)
 
     def __aiter__(self) -> "AsyncRequestStream":
         return self
@@ -78,12 +108,34 @@ class AsyncRequestStream(RequestStream):
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._aqueue.get()
+        while not self._items:
+            self._waiter = self._event_loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         self.finished = item.finished
         return item
+
+
+def _deliver_all(items: list[tuple[AsyncRequestStream, "RequestOutput | BaseException"]]) -> None:
+    for stream, item in items:
+        stream.deliver(item)
+
+
+def post(event_loop: asyncio.AbstractEventLoop,
+         items: list[tuple[AsyncRequestStream, "RequestOutput | BaseException"]]) -> None:
+    """Deliver ``items`` to their streams on ``event_loop``: one wake-up of the loop for all of
+    them (each wake-up is a write to the loop's self-pipe and a GIL hand-off). A closed loop
+    has no reader left: the items are dropped."""
+    try:
+        event_loop.call_soon_threadsafe(_deliver_all, items)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 class EngineThread:
@@ -96,7 +148,11 @@ class EngineThread:
         self._wake = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
-        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # e.g. metrics, on the engine thread
+        # called on the engine thread after each step with its outputs and its seconds (e.g. metrics)
+        self.on_step: Callable[[list[RequestOutput], float], None] | None = None
+        self.steps = 0  # steps run, and their seconds in all
+        self.step_seconds = 0.0
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)  # the most recent steps
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -179,20 +235,41 @@ class EngineThread:
                 if stopping:
                     break
                 if self.engine.has_unfinished():
+                    prompt_before = getattr(self.engine, "prompt_tokens", 0)
+                    start = time.perf_counter()
                     outputs = self.engine.step()
-                    for out in outputs:
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream.push(out)
-                            if out.finished:
-                                del self._streams[out.request_id]
-                    if self.on_step is not None:
-                        self.on_step(outputs)
+                    end = time.perf_counter()
+                    self._record(start, end, len(outputs), getattr(self.engine, "prompt_tokens", 0) - prompt_before)
+                    if self.on_step is not None:  # before the readers wake: they would hold the GIL meanwhile
+                        self.on_step(outputs, end - start)
+                    self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001  (a failed step ends every request with the reason)
             log.exception("the engine loop failed")
             self.error = exc
         finally:
             self._shutdown()
+
+    def _record(self, start: float, end: float, outputs: int, prompt_tokens: int) -> None:
+        self.steps += 1
+        self.step_seconds += end - start
+        self.step_log.append(StepRecord(start, end, outputs, prompt_tokens))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop for the whole
+        step, not one per output, so a step of 16 requests costs the event loop one hand-off."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if isinstance(stream, AsyncRequestStream):
+                batches.setdefault(stream._event_loop, []).append((stream, out))
+            else:
+                stream.push(out)
+        for event_loop, items in batches.items():
+            post(event_loop, items)
 
     def _shutdown(self) -> None:
         with self._wake:

@@ -58,6 +58,10 @@ class ChoiceState:
     last: RequestOutput | None = None
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def _logprob(value: float | None) -> float:
     return MIN_LOGPROB if value is None or value < MIN_LOGPROB else float(value)
 
@@ -247,12 +251,20 @@ class Run:
         self.created = int(time.time())
         self.want_logprobs = jobs[0].config.logprobs is not None
         self.states = [ChoiceState() for _ in jobs]
+        self._merged = Merge(streams)
+        # every chunk's envelope up to its choices, as json.dumps writes it (the same bytes)
+        self._head = (f'data: {{"id":{_dumps(self.id)},"object":{_dumps(self.fmt.chunk_object)},'
+                      f'"created":{self.created},"model":{_dumps(service.model_name)},"choices":')
+
+    def ready(self) -> bool:
+        """Whether the next output is here already (it came with the same engine step)."""
+        return self._merged.ready()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice, output) pairs as they come, until every choice finished. Raises APIError
         when the server ends the requests (shutdown) or the engine fails."""
         try:
-            async for i, out in merge(self.streams):
+            async for i, out in self._merged:
                 if out.finish_reason == "abort":
                     raise shutting_down()
                 self.states[i].last = out
@@ -287,75 +299,103 @@ class Run:
         return {**self._envelope(self.fmt.object, choices), "usage": self.usage()}
 
     def _event(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
-        body = self._envelope(self.fmt.chunk_object, choices)
-        if self.req.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        """One chunk's event: ``data: {envelope, choices[, usage]}`` (``_head`` is the envelope)."""
+        tail = f',"usage":{_dumps(usage)}}}\n\n' if self.req.include_usage else "}\n\n"
+        return self._head + _dumps(choices) + tail
 
     async def events(self) -> AsyncIterator[str]:
         """The server-sent events of a streamed response, ending with ``data: [DONE]``. Text a
         possible stop string holds back is sent once it cannot be one; logprobs go with the
-        text of their tokens."""
+        text of their tokens. Events that are ready together go out as one write: those of the
+        outputs of one engine step (the choices of a request), and the last chunk with the
+        usage and ``[DONE]``."""
         readers = [self.fmt.reader(job) for job in self.jobs]  # reasoning, tool calls: read as the text streams
+        batch: list[str] = []  # events not yet written
         try:
             for job in self.jobs:
                 first = self.fmt.first_delta(job.index)
                 if first is not None:
-                    yield self._event([first])
+                    batch.append(self._event([first]))
+            if batch:
+                yield "".join(batch)
+                batch = []
             async for i, out in self.outputs():
-                state = self.states[i]
-                if out.logprobs:
-                    state.pending += out.logprobs
-                if not out.text_delta and not out.finished:
-                    continue
-                text, parts, reason = out.text_delta, None, out.finish_reason
-                reader = readers[i]
-                if reader is not None:
-                    parts = reader.read(text, out.finished)
-                    text = parts.content
-                    if reader.calls:
-                        text = text if text.strip() else ""  # blanks between calls are not content
-                        reason = "tool_calls" if reason == "stop" else reason
-                    if not (parts or out.finished or (self.want_logprobs and state.pending)):
-                        continue
-                lp = None
-                if self.want_logprobs:
-                    lp, state.pending = self.fmt.logprobs(state.pending, state), []
-                yield self._event([self.fmt.delta(self.jobs[i].index, text, lp, reason, parts)])
+                event = self._chunk(i, out, readers[i])
+                if event is not None:
+                    batch.append(event)
+                if batch and not self.ready() and not all(s.finished for s in self.streams):
+                    yield "".join(batch)  # nothing more is here: the rest waits for a step
+                    batch = []
             if self.req.include_usage:
-                yield self._event([], self.usage())
+                batch.append(self._event([], self.usage()))
         except APIError as err:
-            yield err.sse()
-        yield "data: [DONE]\n\n"
+            batch.append(err.sse())
+        batch.append("data: [DONE]\n\n")
+        yield "".join(batch)
+
+    def _chunk(self, i: int, out: RequestOutput, reader: ReplyReader | None) -> str | None:
+        """The event of choice ``i``'s output ``out``, or None when it has nothing to send yet."""
+        state = self.states[i]
+        if out.logprobs:
+            state.pending += out.logprobs
+        if not out.text_delta and not out.finished:
+            return None
+        text, parts, reason = out.text_delta, None, out.finish_reason
+        if reader is not None:
+            parts = reader.read(text, out.finished)
+            text = parts.content
+            if reader.calls:
+                text = text if text.strip() else ""  # blanks between calls are not content
+                reason = "tool_calls" if reason == "stop" else reason
+            if not (parts or out.finished or (self.want_logprobs and state.pending)):
+                return None
+        lp = None
+        if self.want_logprobs:
+            lp, state.pending = self.fmt.logprobs(state.pending, state), []
+        return self._event([self.fmt.delta(self.jobs[i].index, text, lp, reason, parts)])
 
 
-async def merge(streams: Sequence[AsyncRequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several streams as they come, tagged with the stream's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
+class Merge:
+    """The outputs of several streams as they come, tagged with the stream's position:
+    ``async for i, out in Merge(streams)``."""
+
+    def __init__(self, streams: Sequence[AsyncRequestStream]) -> None:
+        self.streams = streams
+        self._queue: asyncio.Queue | None = None  # outputs taken from the streams, not yet read
+
+    def ready(self) -> bool:
+        """Whether an output is here already (reading it will not wait for a step)."""
+        return bool(self._queue is not None and self._queue.qsize()) or any(s.ready() for s in self.streams)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._merged() if len(self.streams) > 1 else self._single()
+
+    async def _single(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for out in self.streams[0]:
             yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncRequestStream) -> None:
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue = self._queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncRequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as exc:  # noqa: BLE001  (handed to the reader)
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as exc:  # noqa: BLE001  (handed to the reader)
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield i, item
-            left -= item.finished
-    finally:
-        for task in tasks:
-            task.cancel()
+            left = len(self.streams)
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+                left -= item.finished
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 async def until_disconnected(receive: Receive, work: Any) -> Any:

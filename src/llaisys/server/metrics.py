@@ -1,8 +1,9 @@
 """Prometheus metrics under vLLM's names, in a registry of the app's own.
 
 Per-request figures (time to first token, inter-token latency, end-to-end latency, queue time,
-tokens, finish reasons) are recorded by ``on_step``, which the engine thread calls after every
-step with that step's outputs; an abort, which yields no step output, is recorded by
+tokens, finish reasons) and the engine's step time (``llaisys:engine_step_seconds``) are
+recorded by ``on_step``, which the engine thread calls after every step with that step's
+outputs and seconds; an abort, which yields no step output, is recorded by
 ``aborted``, also run on the engine thread. Gauges and the prefix-cache counters are refreshed
 from ``LLMEngine.stats()`` when /metrics is scraped (``refresh``), so they are current even
 while the engine is idle.
@@ -30,6 +31,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -67,6 +69,10 @@ class Metrics:
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens", "Tokens generated per request.",
                                             TOKEN_BUCKETS)
+        # ours (vLLM has no such metric): the engine's own step time, to compare with in-process runs
+        self.step = Histogram("llaisys:engine_step_seconds", "Wall time of one engine step (forward pass, "
+                              "sampling, detokenizing), measured on the engine thread.", labels,
+                              buckets=STEP_BUCKETS, registry=self.registry).labels(model_name)
         # engine-thread state: requests not yet finished, and each one's last token time
         self._live: set[str] = set()
         self._last_token: dict[str, float] = {}
@@ -77,10 +83,12 @@ class Metrics:
         """A request is about to be added to the engine (any thread; before it can finish)."""
         self._live.add(request_id)
 
-    def on_step(self, outputs: list[RequestOutput]) -> None:
-        """Record one engine step's outputs (engine thread). Never raises: a metrics bug must
-        not stop the engine."""
+    def on_step(self, outputs: list[RequestOutput], step_s: float | None = None) -> None:
+        """Record one engine step's outputs and its wall time in seconds (engine thread). Never
+        raises: a metrics bug must not stop the engine."""
         try:
+            if step_s is not None:
+                self.step.observe(step_s)
             for out in outputs:
                 self._record(out)
         except Exception:  # noqa: BLE001
