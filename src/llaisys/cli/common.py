@@ -7,7 +7,7 @@ import re
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ..generation import GenerationConfig, PrefillProgress
 from ..generation.defaults import FALLBACK_SAMPLING, SAMPLING_KEYS, sampling_defaults
@@ -30,48 +30,29 @@ def command_name(args: argparse.Namespace) -> str:
     return f"{name} {action}" if action else name
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
+def _number_type(convert: type, low: float, high: float, what: str, name: str) -> "Callable[[str], Any]":
+    """An argparse type converting with ``convert`` (int or float) and accepting ``low <= value
+    <= high``; ``what`` names the expected value in its error."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            kind = "a whole number" if convert is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0 to 65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {value}")
-    return value
+INF = float("inf")
+positive_int = _number_type(int, 1, INF, "a number >= 1", "positive_int")
+non_negative_int = _number_type(int, 0, INF, "a number >= 0", "non_negative_int")
+non_negative_float = _number_type(float, 0, float.fromhex("0x1.fffffffffffffp+1023"), "a number >= 0",
+                                  "non_negative_float")  # finite
+port_number = _number_type(int, 0, 65535, "a port number in [0, 65535] (0: any free one)", "port_number")
 
 
 def add_verbose(parser: argparse.ArgumentParser, dest: str = "verbose") -> None:

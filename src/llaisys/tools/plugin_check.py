@@ -697,23 +697,28 @@ def model_bytes(shape: Mapping[str, int]) -> list[int]:
     return [4 * n for n in f32] + [8 * len(PROMPT)] * 2 + [8] * 2  # I64 ids and positions
 
 
-def random_model_run(device: str, seed: int = 0, shape: Mapping[str, int] | None = None) -> tuple[np.ndarray, list[int]]:
-    """Load ``write_random_qwen2``'s model of ``shape`` on ``device``; return the logits (S, V)
-    of the 6-token ``PROMPT`` and 8 greedy tokens decoded after it with the KV cache."""
+def load_random_qwen2(device: str, seed: int, shape: Mapping[str, int]) -> Any:
+    """``write_random_qwen2``'s model of ``shape``, loaded on ``device`` from a temporary folder."""
     import tempfile
 
     from ..models import load_model
 
-    shape = MODEL_SHAPES[0] if shape is None else shape
     with tempfile.TemporaryDirectory() as folder:
         write_random_qwen2(folder, seed, shape)
         models_log = logging.getLogger("llaisys.models")
         level = models_log.level
         models_log.setLevel(logging.ERROR)  # the folder has no tokenizer, on purpose
         try:
-            model = load_model(folder, device=device)
+            return load_model(folder, device=device)
         finally:
             models_log.setLevel(level)
+
+
+def random_model_run(device: str, seed: int = 0, shape: Mapping[str, int] | None = None) -> tuple[np.ndarray, list[int]]:
+    """Load ``write_random_qwen2``'s model of ``shape`` on ``device``; return the logits (S, V)
+    of the 6-token ``PROMPT`` and 8 greedy tokens decoded after it with the KV cache."""
+    shape = MODEL_SHAPES[0] if shape is None else shape
+    model = load_random_qwen2(device, seed, shape)
     prompt = [t % shape["vocab"] for t in PROMPT]
     cache = model.new_cache(len(prompt) + NEW_TOKENS)
     logits = model.forward(prompt, cache, all_logits=True)  # (S, V)
@@ -731,20 +736,8 @@ def dispatch_run(device: str, seed: int = 0, shape: Mapping[str, int] | None = N
     ``write_random_qwen2``'s model on ``device``, after the ``PROMPT``: the step's time per
     token and the part of it outside the kernels (dispatch: Python, crossings into C, the
     fallback's copies, calls made from Python), median of ``DISPATCH_RUNS`` replays."""
-    import tempfile
-
-    from ..models import load_model
-
     shape = MODEL_SHAPES[0] if shape is None else shape
-    with tempfile.TemporaryDirectory() as folder:
-        write_random_qwen2(folder, seed, shape)
-        models_log = logging.getLogger("llaisys.models")
-        level = models_log.level
-        models_log.setLevel(logging.ERROR)  # the folder has no tokenizer, on purpose
-        try:
-            model = load_model(folder, device=device)
-        finally:
-            models_log.setLevel(level)
+    model = load_random_qwen2(device, seed, shape)
     prompt = [t % shape["vocab"] for t in PROMPT]
     cache = model.new_cache(len(prompt) + 2)
     model.forward(prompt, cache)
