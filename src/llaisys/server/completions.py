@@ -229,7 +229,14 @@ async def _respond(service: ModelService, fmt: ChatFormat, req: SamplingRequest,
     response_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
     streams = await submit_jobs(service, jobs, response_id)
     run = Run(service, fmt, req, jobs, streams, response_id)
-    if req.stream:
+    return await answer(service, streams, run, req.stream, request)
+
+
+async def answer(service: ModelService, streams: Any, run: Any, stream: bool, request: Request) -> Response:
+    """The response of a submitted ``run`` (anything with ``events()`` and ``whole()``): its
+    events as a stream, or its whole body once done (499 when the client left first). The
+    engine streams are released either way."""
+    if stream:
         return EventStreamResponse(run.events(), on_close=lambda: service.release(streams))
     try:
         body = await until_disconnected(request.receive, run.whole())

@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
-from .completions import ChatFormat, EventStreamResponse, Job, Run, chat_jobs, submit_jobs, until_disconnected
+from .completions import ChatFormat, Job, Run, answer, chat_jobs, submit_jobs
 from .errors import APIError, bad_request, validation_error
 from .protocol import ChatCompletionRequest, Strict
 from .reasoning import ReplyDeltas
@@ -328,12 +328,4 @@ async def create_response(service: ModelService, req: ResponsesRequest, request:
     response_id = _id("resp")
     streams = await submit_jobs(service, jobs, response_id)
     run = ResponseRun(service, req, chat, fmt, jobs[0], Run(service, fmt, chat, jobs, streams, response_id))
-    if req.stream:
-        return EventStreamResponse(run.events(), on_close=lambda: service.release(streams))
-    try:
-        body = await until_disconnected(request.receive, run.whole())
-    finally:
-        service.release(streams)
-    if body is None:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await answer(service, streams, run, req.stream, request)
