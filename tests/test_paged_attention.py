@@ -419,6 +419,66 @@ def test_plan_records_and_replays(rng):
     np.testing.assert_allclose(out.numpy(), reference(*batch.inputs, batch.scale).numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [DataType.F32, DataType.F16])
+def test_plan_runs_both_ops_in_one_native_stretch(cache_dtype, rng, native_built):
+    """A replayed plan runs both paged ops inside one native stretch (``native_call``) with
+    the bits of the direct calls; it reads index tensors reloaded in place at each run,
+    follows a rebind, and a bad index raises the direct call's error."""
+    from llaisys.kernels.cpu import native_calls
+    from llaisys.ops.plan import ReplayStats
+
+    assert native_calls.available(), NOT_BUILT
+    h, kh, d, bs = 6, 2, 32, 4
+    batch = Batch(rng, MIXED, bs, h, kh, d, dtype=cache_dtype)
+    n = batch.n
+    k = _t(rng.standard_normal((n, kh, d)), cache_dtype)
+    v = _t(rng.standard_normal((n, kh, d)), cache_dtype)
+    qs, cl, bt = batch.query_starts.numpy(), batch.context_lens.numpy(), batch.block_tables.numpy()
+    pos = np.concatenate([np.arange(cl[b] - (qs[b + 1] - qs[b]), cl[b]) for b in range(len(cl))])
+    seq = np.repeat(np.arange(len(cl)), np.diff(qs))
+    slots = _i64(bt[seq, pos // bs] * bs + pos % bs)
+    out = Tensor.zeros(batch.out_shape, cache_dtype)
+    plan = ops.Plan()
+    ops.kv_cache_write(batch.k_cache, batch.v_cache, k, v, slots, plan=plan)
+    ops.paged_attention(out, *batch.inputs, batch.scale, plan=plan)
+    if cache_dtype is DataType.F32:  # both in one stretch, nothing called from Python
+        assert plan.stats() == ReplayStats(calls=2, native=2, stretches=1, python=0)
+    else:  # the cache write is native for every float type; F16 attention is NumPy
+        assert plan.stats() == ReplayStats(calls=2, native=1, stretches=1, python=1)
+    k_before, v_before = batch.k_cache.numpy(), batch.v_cache.numpy()
+    plan.run()
+    replayed, k_after = out.numpy(), batch.k_cache.numpy()
+    batch.k_cache.load(k_before), batch.v_cache.load(v_before)
+    write("numpy", batch.k_cache, batch.v_cache, k, v, slots)
+    assert np.array_equal(batch.k_cache.numpy(), k_after)
+    direct = batch.run("op")
+    assert np.array_equal(replayed, direct.numpy())
+    # the next step: one more key for the first sequence, its index tensors reloaded in place
+    cl2 = cl.copy()
+    cl2[0] += 1
+    slot0 = bt[0, cl[0] // bs] * bs + cl[0] % bs
+    slots.load(np.where(np.arange(n) == 0, slot0, slots.numpy()))
+    batch.context_lens.load(cl2)
+    k.load(rng.standard_normal((n, kh, d)).astype(np.float32))
+    plan.run()
+    assert batch.k_cache.numpy()[slot0 // bs, slot0 % bs].tolist() == k.numpy()[0].tolist()
+    assert np.array_equal(out.numpy(), batch.run("op").numpy())
+    # a rebind to another output moves the block's pointer
+    out2 = Tensor.zeros(batch.out_shape, cache_dtype)
+    plan.rebind(1, outputs=(out2,))
+    plan.run()
+    assert np.array_equal(out2.numpy(), out.numpy()) and plan.stats().stretches == 1
+    # bad indices reloaded in place: the direct calls' errors, raised from the replay
+    slots.load(np.full(n, batch.k_cache.shape[0] * bs, np.int64))
+    with pytest.raises(ValueError, match=r"kv_cache_write: slots\[0\] = .* is outside"):
+        plan.run()
+    slots.load(bt[seq, pos // bs] * bs + pos % bs)
+    if cache_dtype is DataType.F32:
+        batch.context_lens.load(np.full(len(cl), 10_000, np.int64))
+        with pytest.raises(ValueError, match=r"paged_attention: context_lens\[0\] = 10000 exceeds"):
+            plan.run()
+
+
 # ---- on a device without these kernels (the registry's CPU fallback) ------------------------
 def test_both_ops_through_the_cpu_fallback(fake_device, rng):
     """The fallback hands kernels uninitialised host copies of dense outputs; kv_cache_write

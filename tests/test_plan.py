@@ -144,3 +144,86 @@ def test_stretch_goes_on_after_a_status_its_call_accepts():
     with pytest.raises(RuntimeError, match="copy 1 failed with status 1 in a replayed plan"):
         native_calls.batch([call(1), call(2)])()
     assert seen == [1, 2, 3, 1]
+
+
+@pytest.fixture(scope="module")
+def half_weights_model(tmp_path_factory):
+    """A random 3-layer Llama with F16 weights computed in f32: every kernel of its layers has
+    a native form (the F16 linear is the quantized library's)."""
+    from conftest import random_hf_model
+    from llaisys.models import load_model
+
+    hf = random_hf_model("llama", 5, vocab_size=300, num_hidden_layers=3, max_position_embeddings=128).half()
+    folder = tmp_path_factory.mktemp("llama-f16")
+    hf.save_pretrained(folder)
+    return load_model(folder, dtype="f32")
+
+
+def _serve_sixteen(model) -> tuple[list[np.ndarray], ReplayStats, list[str]]:
+    """Sixteen sequences: a mixed prefill pass, then three decoding steps over a new paged
+    cache; their logits, and how the decoding pass replays (stats, the kernels run from Python)."""
+    from llaisys.models.paged_cache import TokenBatch
+
+    rng = np.random.default_rng(7)
+    bs = 4
+    cache = model.new_paged_cache(num_blocks=96, block_size=bs)
+    prompts = [list(rng.integers(0, 300, 3 + i % 7)) for i in range(16)]
+    tables = [list(range(6 * i, 6 * i + 6))[::-1] for i in range(16)]  # disjoint, out of order
+    logits = [model.forward_batch(TokenBatch.build([(p, 0, t, True) for p, t in zip(prompts, tables)], bs,
+                                                   cache.max_blocks), cache)]
+    for step in range(3):
+        chunks = [([int(rng.integers(0, 300))], len(p) + step, t, True) for p, t in zip(prompts, tables)]
+        logits.append(model.forward_batch(TokenBatch.build(chunks, bs, cache.max_blocks), cache))
+    plan = cache.passes[(16, 16, 16)].plan
+    python = [getattr(c[0], "__name__", "?") for c, native in zip(plan.calls, plan._native) if not native]
+    return logits, plan.stats(), python
+
+
+@pytest.mark.usefixtures("native_ops_registered")
+def test_batched_decoding_step_is_one_native_stretch(half_weights_model, monkeypatch):
+    """A recorded batched pass replays as one native stretch, every layer's kv_cache_write and
+    paged_attention and the head's row gather included; its logits are the bits of today's replay (the paged
+    kernels called from Python between stretches) and of the kernel-by-kernel one."""
+    from llaisys.kernels.cpu import native_calls, paged_native
+
+    if not native_calls.available():
+        pytest.fail("the native ops library is not built; the test suite runs against a built package")
+    logits, stats, python = _serve_sixteen(half_weights_model)
+    layers = half_weights_model.config.num_hidden_layers
+    assert stats == ReplayStats(calls=stats.calls, native=stats.calls, stretches=1, python=0), python
+    assert stats.calls >= 10 * layers
+    with monkeypatch.context() as m:  # today's replay: the paged kernels from Python, once per layer
+        m.delattr(paged_native.paged_attention, "native_call")
+        m.delattr(paged_native.kv_cache_write, "native_call")
+        before, before_stats, _ = _serve_sixteen(half_weights_model)
+    assert before_stats.stretches == layers + 1 and before_stats.python == stats.python + 2 * layers
+    with monkeypatch.context() as m:  # every kernel called from Python
+        m.setattr(native_calls, "available", lambda: False)
+        one_by_one, one_stats, _ = _serve_sixteen(half_weights_model)
+    assert one_stats.stretches == 0
+    for got, today, plain in zip(logits, before, one_by_one):
+        assert np.array_equal(got, today) and np.array_equal(got, plain)
+
+
+@pytest.mark.parametrize("dtype", [DataType.F32, DataType.F16])
+def test_embedding_replays_as_a_native_gather(dtype):
+    """A recorded embedding (a pass's gather of its logit rows) runs in C with np.take's
+    bytes, reads its index at every run, and an index out of range raises the direct error."""
+    from llaisys.kernels.cpu import native_calls
+
+    if not native_calls.available():
+        pytest.fail("the native ops library is not built; the test suite runs against a built package")
+    rng = np.random.default_rng(3)
+    table = Tensor.from_numpy(rng.standard_normal((9, 24)).astype(np.float32), dtype=dtype)
+    rows = Tensor.from_numpy(np.array([4, 0, 8], np.int64))
+    out = Tensor.zeros((3, 24), dtype=dtype)
+    plan = ops.Plan()
+    ops.embedding(out, rows, table, plan=plan)
+    assert plan.stats() == ReplayStats(calls=1, native=1, stretches=1, python=0)
+    for index in ([4, 0, 8], [1, 1, 7]):
+        rows.load(np.array(index, np.int64))
+        plan.run()
+        assert np.array_equal(out.numpy(), ops.functional.embedding(rows, table).numpy())
+    rows.load(np.array([2, 9, -1], np.int64))
+    with pytest.raises(ValueError, match="embedding: index 9 is out of range for a table of 9 rows"):
+        plan.run()

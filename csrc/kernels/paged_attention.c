@@ -490,3 +490,14 @@ LQ_EXPORT int llaisys_paged_kv_write(lp_write_args *a) {
     }
     return LP_OK;
 }
+
+/* ---- as calls of a replayed stretch (llaisys_ops_run: int f(const void *block)) ---------- */
+
+/* The block is the argument struct itself, owned by the Python binding and writable (the
+ * kernels report what went wrong in its `bad`): a serving step's paged calls then run inside
+ * the same native stretch as the rest of its layers. */
+LQ_EXPORT int llaisys_paged_attention_call(const void *block) {
+    return llaisys_paged_attention((lp_attention_args *)block);
+}
+
+LQ_EXPORT int llaisys_paged_kv_write_call(const void *block) { return llaisys_paged_kv_write((lp_write_args *)block); }

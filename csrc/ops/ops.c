@@ -221,6 +221,24 @@ LO_EXPORT int llaisys_ops_add_call(const void *block) {
     return LO_OK;
 }
 
+/* Rows of a table gathered by index (lo_gather_call); every index is checked first. */
+LO_EXPORT int llaisys_ops_gather_call(const void *block) {
+    lo_gather_call *c = (lo_gather_call *)block; /* the binding's block: `bad` is written */
+    if (c->rows < 0 || c->row_bytes < 0) return LO_ERR_SHAPE;
+    for (int64_t i = 0; i < c->rows; i++) {
+        const int64_t r = c->index[i * c->index_s];
+        if (r < 0 || r >= c->v) {
+            c->bad[0] = i, c->bad[1] = r;
+            return LO_ERR_SHAPE;
+        }
+    }
+    for (int64_t i = 0; i < c->rows; i++) {
+        const char *row = c->weight + c->index[i * c->index_s] * c->weight_s;
+        memcpy(c->out + i * c->out_s, row, (size_t)c->row_bytes);
+    }
+    return LO_OK;
+}
+
 /* Run calls[0 .. n) in order; stop at the first that returns a nonzero status, returning it
  * with its index in *failed. */
 LO_EXPORT int llaisys_ops_run(const lo_call *calls, int64_t n, int64_t *failed) {

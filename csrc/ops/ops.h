@@ -85,6 +85,19 @@ typedef struct { const lo_rope_args *a; const float *cos, *sin; } lo_rope_call;
 typedef struct { const lo_attention_args *a; const float *k, *v; int64_t t; } lo_attention_call;
 typedef struct { void *dst; const void *src; int64_t nbytes; } lo_copy_call; /* memmove */
 typedef struct { float *out; const float *a, *b; int64_t n; } lo_add_call;  /* dense out = a + b */
+/* out[i] = weight[index[i]] for i < rows: rows of row_bytes bytes at strides in bytes (an
+ * embedding, or the gather of the rows whose logits a pass wants). An index outside [0, v)
+ * stops it before anything is written, with bad = (i, index[i]). */
+typedef struct {
+    char *out;
+    int64_t out_s;
+    const int64_t *index;
+    int64_t index_s; /* in elements */
+    const char *weight;
+    int64_t weight_s;
+    int64_t rows, row_bytes, v;
+    int64_t bad[2];
+} lo_gather_call;
 
 /* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */
 typedef struct {

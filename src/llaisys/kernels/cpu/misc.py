@@ -1,6 +1,7 @@
 """argmax and embedding on the CPU."""
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,3 +33,41 @@ def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
         bad = index[(index < 0) | (index >= weight.shape[0])][0]
         raise ValueError(f"embedding: index {int(bad)} is out of range for a table of {weight.shape[0]} rows")
     np.take(weight, index, axis=0, out=out)
+
+
+class _GatherCall(ctypes.Structure):
+    """``lo_gather_call`` of csrc/ops/ops.h: strides in bytes, the index's in elements."""
+
+    _fields_ = [("out", ctypes.c_void_p), ("out_s", ctypes.c_int64), ("index", ctypes.c_void_p),
+                ("index_s", ctypes.c_int64), ("weight", ctypes.c_void_p), ("weight_s", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64), ("v", ctypes.c_int64),
+                ("bad", ctypes.c_int64 * 2)]
+
+
+def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                     attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
+    """``embedding`` as a row gather in C (``llaisys_ops_gather_call``: the same bytes as
+    ``np.take``), for a replayed plan: a batched pass's gather of the rows whose logits it
+    wants then stays inside the pass's native stretch. The index is read at every run; an
+    index out of range raises the direct call's ValueError. None where rows are strided or
+    the library lacks the call."""
+    from ... import _native
+    from . import native_calls
+
+    (out,), (index, weight) = outputs, inputs
+    lib = _native.load("ops")
+    if (lib is None or not hasattr(lib, "llaisys_ops_gather_call") or not native_calls.available()
+            or out.strides[-1] != 1 or weight.strides[-1] != 1 or weight.dtype is not out.dtype):
+        return None
+    z = out.dtype.itemsize
+    block = _GatherCall(out.data_ptr, out.strides[0] * z, index.data_ptr, index.strides[0], weight.data_ptr,
+                        weight.strides[0] * z, out.shape[0], out.shape[1] * z, weight.shape[0])
+
+    def fail(status: int) -> None:
+        raise ValueError(f"embedding: index {block.bad[1]} is out of range for a table of {weight.shape[0]} rows")
+
+    return native_calls.NativeCall("embedding", native_calls.address(lib, "llaisys_ops_gather_call"), block,
+                                   keep=(out, index, weight), fail=fail)
+
+
+embedding.native_call = native_embedding  # type: ignore[attr-defined]

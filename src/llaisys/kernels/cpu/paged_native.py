@@ -9,9 +9,15 @@ NumPy kernels run instead (same results to float32 rounding, not bit for bit).
 
 A decoding step calls these twice per layer, so the ctypes argument block of a call is built
 once and kept with the output tensor (``Tensor.derived``), reused while the same tensors come
-back (as a replayed ``ops.Plan`` passes them): a call then costs a couple of microseconds on
-top of the C code. The block holds its tensors (so its pointers stay valid) until a call with
-other tensors replaces it.
+back: a direct call then costs a couple of microseconds on top of the C code. The block holds
+its tensors (so its pointers stay valid) until a call with other tensors replaces it.
+
+A replayed ``ops.Plan`` does not call them from Python at all: both kernels have a
+``native_call`` (their own argument block, run by ``llaisys_paged_attention_call`` and
+``llaisys_paged_kv_write_call`` inside the stretch of the layer around them), so a serving
+step's batched pass crosses into C once. The block points at the pass's index tensors, which
+the pass reloads in place before each replay; the C function checks them at every run, and a
+bad index raises the same ValueError as a direct call.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _native
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
-from . import paged
+from . import native_calls, paged
 from ._common import FLOATS
 
 if TYPE_CHECKING:
@@ -197,6 +203,73 @@ def native_kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
         raise RuntimeError("the native kv_cache_write needs the native library and contiguous last dimensions")
     _run_write(entry, outputs)
 
+
+# ---- the same calls as argument blocks, for a replayed plan (``native_calls``) ------------------
+def _call_function(function: str) -> "int | None":
+    """The address of ``function`` (a stretch call of paged_attention.c), None where the
+    library is missing, older than it, or no stretch can run (the ops library is not built)."""
+    lib = _library()
+    if not lib or not hasattr(lib, function) or not native_calls.available():
+        return None
+    return native_calls.address(lib, function)
+
+
+def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                                attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``paged_attention`` as an argument block run by ``llaisys_paged_attention_call``: the
+    same C function as a direct call, the same block layout, so the same bits (each (token, KV
+    head) task on the library's pool, batch invariant). None where the direct call would run
+    NumPy. The index tensors are read at every run (a pass reloads them in place); a rebind to
+    other tensors rewrites the block in place."""
+    scale = attrs["scale"]
+    fn = _call_function("llaisys_paged_attention_call")
+    args = None if fn is None else _make_attention_args(outputs[0], inputs, scale)
+    if args is None:
+        return None
+    kept = [args, outputs, inputs]  # the block, and the tensors its pointers point into
+
+    def rebind(outputs2: tuple, inputs2: tuple) -> bool:
+        new = _make_attention_args(outputs2[0], inputs2, scale)
+        if new is None:
+            return False
+        ctypes.pointer(args)[0] = new  # the stretch's table keeps the block's address
+        kept[1:] = [outputs2, inputs2]
+        return True
+
+    def fail(status: int) -> None:
+        raise paged.sequence_error(status, args.bad[0], args.bad[1], kept[2])
+
+    return native_calls.NativeCall("paged_attention", fn, args, keep=kept, rebind=rebind, fail=fail)
+
+
+def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                               attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``kv_cache_write`` as an argument block run by ``llaisys_paged_kv_write_call`` (the
+    direct call's C function and block); None under the CPU fallback (the caches come in as
+    inputs too) or where the direct call would run NumPy. Slots are read at every run."""
+    fn = None if len(inputs) > 3 else _call_function("llaisys_paged_kv_write_call")
+    args = None if fn is None else _make_write_args(outputs, inputs)
+    if args is None:
+        return None
+    kept = [args, outputs, inputs]
+
+    def rebind(outputs2: tuple, inputs2: tuple) -> bool:
+        new = None if len(inputs2) > 3 else _make_write_args(outputs2, inputs2)
+        if new is None:
+            return False
+        ctypes.pointer(args)[0] = new
+        kept[1:] = [outputs2, inputs2]
+        return True
+
+    def fail(status: int) -> None:
+        nb, bs = kept[1][0].shape[:2]
+        raise paged.slot_error(args.bad[0], args.bad[1], nb, bs)
+
+    return native_calls.NativeCall("kv_cache_write", fn, args, keep=kept, rebind=rebind, fail=fail)
+
+
+paged_attention.native_call = native_paged_attention_call  # type: ignore[attr-defined]
+kv_cache_write.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
 
 register_kernel("paged_attention", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
 register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)
