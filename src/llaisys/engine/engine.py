@@ -12,12 +12,15 @@ is read once for all of them, then lets each request that reached its end pick i
 with its own sampler, all of the step's rows in one ``sample_batch`` call (the tokens each
 sampler would pick alone). A request whose config carries a grammar (``grammar.GuidedConfig``)
 picks among the tokens its grammar allows: the masks of the step's constrained requests are
-filled together, unconstrained requests are untouched. Not thread-safe: ``EngineThread`` runs
+filled together, unconstrained requests are untouched. On an nvidia device the logits stay
+there and the rows that need no host processing are sampled on the device, only their ids
+crossing (``kernels.nvidia.sampling``; docs/nvidia.md). Not thread-safe: ``EngineThread`` runs
 it behind a queue.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,7 +29,9 @@ import numpy as np
 
 from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
 from ..generation.batch_sampler import sample_batch
+from ..generation.results import SampledToken
 from ..models.paged_cache import TokenBatch
+from ..runtime.device import DeviceType
 from .blocks import KVBlockManager
 from .grammar import MaskBatch, grammar_of
 from .pooling import pooling_of
@@ -50,6 +55,19 @@ class EngineStats:
     generation_tokens: int
     preemptions: int
     steps: int
+
+
+def _device_sampling(model):
+    """The module that samples on the model's device (``kernels.nvidia.sampling``) for a
+    single-process model on an nvidia device, else None (the CPU, plugins, tensor
+    parallelism: host logits and ``sample_batch``). ``LLAISYS_NVIDIA_SAMPLING=0`` turns it off."""
+    if (getattr(getattr(model, "device", None), "type", None) is not DeviceType.NVIDIA
+            or getattr(model, "shard", None) is not None
+            or os.environ.get("LLAISYS_NVIDIA_SAMPLING", "1") == "0"):
+        return None
+    from ..kernels.nvidia import sampling
+
+    return sampling
 
 
 class LLMEngine:
@@ -94,6 +112,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         self._masks = MaskBatch()
+        self._device_sampling = _device_sampling(model)
+
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: "str | Sequence[int] | np.ndarray",
@@ -163,7 +183,10 @@ class LLMEngine:
             if c.start < len(seq.prompt_ids):  # prompt tokens (recomputed ones too) count as prompt work
                 self.prompt_tokens += min(c.length, len(seq.prompt_ids) - c.start)
         batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
-        logits = self.model.forward_batch(batch, self.cache)  # (R, V)
+        if self._device_sampling is None:
+            logits = self.model.forward_batch(batch, self.cache)  # (R, V) float32 on the host
+        else:
+            logits = self.model.forward_batch_logits(batch, self.cache)  # (R, V) on the device
         self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
         sampling = [self.requests[c.seq.seq_id] for c in step.chunks if c.samples]  # logits row order
@@ -179,17 +202,53 @@ class LLMEngine:
             if outputs[-1] is None:
                 picking.append(row)
         if picking:
-            rows = logits if len(picking) == logits.shape[0] else logits[picking]  # (P, V)
-            seqs = [sampling[row].seq for row in picking]
-            picked = sample_batch([sampling[row].sampler for row in picking], rows, [s.token_ids for s in seqs],
-                                  [s.output_ids for s in seqs], [allowed.get(row) for row in picking])
-            for row, token in zip(picking, picked):
+            for row, token in self._pick(sampling, picking, logits, allowed).items():
                 outputs[row] = sampling[row].accept(token)
         for request, out in zip(sampling, outputs):
             if out.finished:
                 self.scheduler.finish(request.seq)
                 del self.requests[request.request_id]
         return outputs
+
+    def _pick(self, sampling: list[Request], picking: list[int], logits, allowed: dict[int, np.ndarray]
+              ) -> dict[int, SampledToken]:
+        """The token of each row in ``picking`` of ``logits`` (R, V): host float32 logits go to
+        ``sample_batch``; device logits (an nvidia model) are sampled there for the rows the
+        device can serve (``Request.device_pickable``), only their ids crossing, and only the
+        other rows are copied to the host for ``sample_batch``."""
+        on_device: list[int] = []
+        if self._device_sampling is not None:
+            on_device = [row for row in picking if sampling[row].device_pickable(allowed.get(row))]
+        device_rows = set(on_device)
+        on_host = [row for row in picking if row not in device_rows]
+        picked: dict[int, SampledToken] = {}
+        if on_device:
+            picked.update(zip(on_device, self._sample_on_device([sampling[row] for row in on_device], logits,
+                                                                on_device)))
+        if on_host:
+            if self._device_sampling is not None:
+                rows = self._device_sampling.rows_to_host(logits, on_host)  # (P, V) only these rows cross
+            else:
+                rows = logits if len(on_host) == logits.shape[0] else logits[on_host]  # (P, V)
+            seqs = [sampling[row].seq for row in on_host]
+            picked.update(zip(on_host, sample_batch([sampling[row].sampler for row in on_host], rows,
+                                                    [s.token_ids for s in seqs], [s.output_ids for s in seqs],
+                                                    [allowed.get(row) for row in on_host])))
+        return {row: picked[row] for row in picking}
+
+    def _sample_on_device(self, requests: list[Request], logits, rows: list[int]) -> list[SampledToken]:
+        """One ``sample`` call for ``rows`` of the device ``logits``: greedy rows take the
+        argmax, the others draw with their request's own device generator (seeded from its
+        seed: reproducible, but not the draws the host sampler would make)."""
+        sampling = self._device_sampling
+        configs = [r.config for r in requests]
+        for r in requests:
+            if r.device_rng is None and not r.config.greedy:
+                r.device_rng = sampling.new_generator(self.model.device, r.config.seed)
+        ids = sampling.sample(logits, [0.0 if c.greedy else c.temperature for c in configs],
+                              [c.top_k for c in configs], [c.top_p for c in configs],
+                              [r.device_rng for r in requests], rows=rows)  # (P,) int64
+        return [SampledToken(int(t)) for t in ids]
 
     def _pool(self, chunks: list, num_tokens: int) -> None:
         """Hand each embedding request of the step its rows of the final hidden states."""

@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 
 from ..generation import GenerationConfig, Sampler
+from ..generation.processors import penalties_apply
 from ..generation.results import SampledToken
 from ..generation.text_stream import TextStream
 from .grammar import GrammarMatcher, MaskBatch, grammar_of
@@ -67,7 +68,7 @@ class Request:
     """Engine-side state of one request."""
 
     __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
-                 "pooler")
+                 "pooler", "device_rng")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -83,6 +84,18 @@ class Request:
         self.matcher: GrammarMatcher | None = grammar.matcher() if grammar is not None else None
         pooling = pooling_of(config)
         self.pooler = Pooler(pooling, len(prompt_ids)) if pooling is not None else None
+        self.device_rng = None  # its generator on the model's device, made at its first draw there
+
+    def device_pickable(self, allowed: np.ndarray | None) -> bool:
+        """Whether this step's token may be picked on the model's device (``prepare`` done):
+        argmax, or temperature, top-k and top-p only; no grammar mask (``allowed``), no
+        penalty or min-tokens mask that applies now, no logprobs, no min-p."""
+        c, seq = self.config, self.seq
+        if allowed is not None or c.logprobs is not None or penalties_apply(
+                seq.token_ids, seq.output_ids, repetition=c.repetition_penalty, presence=c.presence_penalty,
+                frequency=c.frequency_penalty, stop_token_ids=self.sampler.stop_token_ids, min_tokens=c.min_tokens):
+            return False
+        return c.greedy or (c.min_p == 0.0 and c.min_tokens_to_keep == 1)
 
     def allowed(self, mask: np.ndarray, vocab: int) -> np.ndarray:
         """The tokens (vocab,) bool this request may pick next, from its grammar's bitmask (W,):

@@ -389,6 +389,24 @@ class CausalLM:
         Raises ValueError for out-of-vocabulary ids, a cache of another model, or index
         arrays that do not fit the cache. Serialized by the model's lock, like ``forward``.
         """
+        with self._lock:
+            return self._gathered(self._forward_batch(batch, cache))  # (R, V)
+
+    def forward_batch_logits(self, batch: TokenBatch, cache: PagedKVCache) -> Tensor:
+        """``forward_batch`` without the copy: the logits (R, V) of ``batch.logit_rows`` as a
+        tensor on the model's device, in the model's dtype, for sampling there. The tensor is
+        the pass's own buffer: valid until the next pass over ``cache``. Raises as
+        ``forward_batch`` does, and ValueError under tensor parallelism (each rank holds a
+        slice of the vocabulary)."""
+        if self.shard is not None:
+            raise ValueError("forward_batch_logits: under tensor parallelism the logits are gathered on the host; "
+                             "use forward_batch")
+        with self._lock:
+            return self._forward_batch(batch, cache)
+
+    def _forward_batch(self, batch: TokenBatch, cache: PagedKVCache) -> Tensor:
+        """The pass of ``forward_batch`` (under the model's lock): this rank's logits (R, V or
+        c) on the device."""
         if not isinstance(cache, PagedKVCache) or not cache.made_by(self):
             raise ValueError(f"cache {cache!r} was not made for this model; use model.new_paged_cache()")
         self._check_ids(batch.token_ids)
@@ -401,36 +419,35 @@ class CausalLM:
                              f"query_starts {batch.query_starts.shape} must be ({n},), ({n},) and ({b + 1},)")
         if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
-        with self._lock:
-            self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
-            # A decoding step (a token per sequence) replays its bucket's graph, padded to it.
-            decode = n == b and np.array_equal(batch.query_starts, np.arange(b + 1))
-            graphs = self._graphs(cache) if decode else None
+        self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
+        # A decoding step (a token per sequence) replays its bucket's graph, padded to it.
+        decode = n == b and np.array_equal(batch.query_starts, np.arange(b + 1))
+        graphs = self._graphs(cache) if decode else None
+        if graphs is not None:
+            size = graphs.bucket(b)
+            batch = pad_decode_batch(batch, size)
+            n = b = size
+        key = (n, b, b if graphs is not None else r)
+        step = cache.passes.get(key)
+        if step is None:
+            pools = list(zip(cache.k_layers, cache.v_layers))
+            step = BatchPass(self, self._batch_workspace(cache, n), pools, cache.max_blocks, *key)
+            cache.passes[key] = step
+            while len(cache.passes) > BATCH_PASSES_KEPT:
+                cache.passes.popitem(last=False)
             if graphs is not None:
-                size = graphs.bucket(b)
-                batch = pad_decode_batch(batch, size)
-                n = b = size
-            key = (n, b, b if graphs is not None else r)
-            step = cache.passes.get(key)
-            if step is None:
-                pools = list(zip(cache.k_layers, cache.v_layers))
-                step = BatchPass(self, self._batch_workspace(cache, n), pools, cache.max_blocks, *key)
-                cache.passes[key] = step
-                while len(cache.passes) > BATCH_PASSES_KEPT:
-                    cache.passes.popitem(last=False)
-                if graphs is not None:
-                    graphs.drop(size)  # captured over a pass of this shape that was dropped since
-            else:
-                cache.passes.move_to_end(key)
-            ids = batch.token_ids if self.shard is None else self.shard.local_ids(batch.token_ids)
-            step.ws.ids.load(ids)
-            step.ws.pos.load(batch.positions)
-            step.idx.load(batch)
-            if graphs is not None:
-                graphs.run(size, step.plan.run)
-                return self._gathered(step.logits.slice(0, 0, r))  # (R, V): the batch's own rows
-            step.plan.run()
-            return self._gathered(step.logits)  # (R, V)
+                graphs.drop(size)  # captured over a pass of this shape that was dropped since
+        else:
+            cache.passes.move_to_end(key)
+        ids = batch.token_ids if self.shard is None else self.shard.local_ids(batch.token_ids)
+        step.ws.ids.load(ids)
+        step.ws.pos.load(batch.positions)
+        step.idx.load(batch)
+        if graphs is not None:
+            graphs.run(size, step.plan.run)
+            return step.logits.slice(0, 0, r)  # (R, V): the batch's own rows
+        step.plan.run()
+        return step.logits  # (R, V)
 
     def _batch_workspace(self, cache: PagedKVCache, n: int) -> Workspace:
         """The workspace for passes of ``n`` tokens over ``cache`` (shared by its passes of
