@@ -26,7 +26,8 @@ figure is the median tokens/s over --repeats runs after one warm-up run.
 The table gives each device's decode tokens/s and its ratio to the CPU's in the same run, and,
 from ``ops.Plan.profile`` of the recorded decoding step, the step's time and its dispatch
 part (outside the kernels: Python, crossings into C, the fallback's copies, calls made from
-Python). On a shared machine compare ratios within one run, not figures across runs.
+Python); the output head, replayed as a plan of its own after the step, counts in tok/s only.
+On a shared machine compare ratios within one run, not figures across runs.
 """
 from __future__ import annotations
 

@@ -413,6 +413,49 @@ def test_bundled_model_keeps_the_cpu_text_on_the_plugin(plugin):
     assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
 
 
+def test_bundled_model_head_runs_from_c_on_the_plugin(plugin):
+    """The decoding step's output head (a quantized matrix: the CPU fallback on the plugin) is
+    a recorded plan replayed in one native stretch, bit for bit as the call from Python."""
+    from llaisys.models import default_model_path, load_model
+
+    model = load_model(default_model_path(), device=DEV)
+    cache = model.new_cache(8)
+    model.forward([3, 17, 42, 5], cache)
+    got = model.forward([7], cache)  # (V,)
+    step = cache.passes[1]
+    stats = step.head.stats()
+    assert (stats.calls, stats.native, stats.stretches, stats.python) == (1, 1, 1, 0), stats
+    llaisys.ops.linear(step.ws.logits, step.ws.h_last, model.params.lm_head)  # from Python
+    np.testing.assert_array_equal(got, step.ws.logits.numpy().reshape(-1))
+
+
+def test_rebind_follows_moved_tensors_in_place(plugin):
+    """A rebind of a plugin call rewrites its descriptors (pointer, shape) in place; one of
+    another rank is refused and leaves them as they were."""
+    from llaisys.plugins.kernels import _Descs
+
+    a, b = dev(np.ones((2, 8), np.float32)), dev(np.zeros((3, 8), np.float32))
+    descs = _Descs((a, None))
+    assert descs.follow(descs.given)
+    assert descs.follow((b, None))
+    desc = descs.descs[0]
+    assert (desc.data, desc.shape[0], desc.shape[1], descs.ptrs[1]) == (b.data_ptr, 3, 8, None)
+    assert not descs.follow((dev(np.ones(8, np.float32)), None))
+    assert not descs.follow((b,))
+    assert (desc.data, desc.shape[0], descs.tensors[0]) == (b.data_ptr, 3, b)
+    x, w = dev(np.arange(16, dtype=np.float32).reshape(2, 8)), dev(np.ones(8, np.float32))
+    out = Tensor.empty((2, 8), DataType.F32, DEV)
+    plan = llaisys.ops.Plan()
+    llaisys.ops.rms_norm(out, x, w, 1e-6, plan=plan)
+    plan.run()
+    x2 = dev(np.arange(16, 40, dtype=np.float32).reshape(3, 8))
+    out2 = Tensor.empty((3, 8), DataType.F32, DEV)
+    plan.rebind(0, outputs=(out2,), inputs=(x2, w))
+    plan.run()
+    assert plan.stats().native == 1
+    np.testing.assert_array_equal(out2.numpy(), F.rms_norm(x2, w, 1e-6).numpy())
+
+
 # ---- the conformance check ------------------------------------------------------------------
 def test_conformance_check_passes(plugin):
     report = run_check(build_reference_plugin(), device_index=1)

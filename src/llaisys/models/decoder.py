@@ -63,7 +63,7 @@ class Pass:
 
     Everything but the cache rows stays put between passes of one size (the workspace, the
     weights), so only the three calls per layer that touch the cache are rebound to the
-    rows of each new position (``move``)."""
+    rows of each new position (``move``). ``head`` is the output head of the last row."""
 
     def __init__(self, model: "CausalLM", ws: Workspace, cache: KVCache, start: int, end: int):
         self.ws = ws
@@ -77,6 +77,10 @@ class Pass:
 
         record_layers(model, ws, plan, attend)
         self.span = (start, end)
+        # the last row's logits (1, V or c), replayed after the pass when wanted (on a plugin
+        # device a quantized head's CPU fallback then runs from C too)
+        self.head = ops.Plan()
+        ops.linear(ws.logits, ws.h_last, model.params.lm_head, plan=self.head)
 
     def move(self, cache: KVCache, start: int, end: int) -> None:
         """Point the cache calls at positions ``start:end`` (end - start = S)."""
@@ -319,7 +323,7 @@ class CausalLM:
             return self._gathered(out)  # (S, V)
         if not head:
             return None
-        ops.linear(ws.logits, ws.h_last, p.lm_head)  # (1, V or c)
+        step.head.run()  # ws.logits (1, V or c) = linear(ws.h_last, lm_head)
         return self._head_result(ws.logits, greedy)
 
     def _head_result(self, logits: Tensor, greedy: bool) -> "np.ndarray | int":

@@ -147,7 +147,7 @@ class _Descs:
     """Descriptors of a fixed list of tensors (None: a NULL entry) that own their shape and
     stride arrays, so a rebind can rewrite them in place."""
 
-    __slots__ = ("descs", "ptrs", "entries", "tensors")
+    __slots__ = ("descs", "ptrs", "entries", "tensors", "given")
 
     def __init__(self, tensors: Sequence["Tensor | None"]):
         n = max(len(tensors), 1)
@@ -155,6 +155,7 @@ class _Descs:
         self.ptrs = (ctypes.c_void_p * n)()
         self.entries: list[tuple | None] = []  # per tensor: (desc, shape array, strides array, dtype, rank)
         self.tensors = list(tensors)  # the tensors described now
+        self.given = self._frozen(tensors)  # the tuple they came as (a rebind often passes it again)
         base = ctypes.addressof(self.descs)
         for i, t in enumerate(tensors):
             if t is None:
@@ -172,24 +173,34 @@ class _Descs:
     def follow(self, tensors: Sequence["Tensor | None"]) -> bool:
         """Point the descriptors at ``tensors`` (same dtypes and ranks); False when they differ
         (then nothing is changed)."""
-        if len(tensors) != len(self.tensors):
+        if tensors is self.given:
+            return True  # the same tuple again: the other side of the call was rebound
+        olds, entries = self.tensors, self.entries
+        if len(tensors) != len(olds):
             return False
-        for t, old, entry in zip(tensors, self.tensors, self.entries):
-            if t is old:
+        moved = []  # a decoding step moves one or two tensors of a call
+        for i, t in enumerate(tensors):
+            if t is olds[i]:
                 continue
-            if (t is None) != (entry is None) or (t is not None and (t.dtype, len(t.shape)) != entry[3:]):
+            entry = entries[i]
+            if t is None or entry is None or t.dtype != entry[3] or len(t.shape) != entry[4]:
                 return False
-        for i, (t, old, entry) in enumerate(zip(tensors, self.tensors, self.entries)):
-            if t is old or t is None:
-                continue
-            desc, shape, strides = entry[:3]
+            moved.append(i)
+        for i in moved:
+            t, old = tensors[i], olds[i]
+            desc, shape, strides, _, _ = entries[i]
             if t.shape != old.shape:
                 shape[:len(t.shape)] = t.shape
             if t.strides != old.strides:
                 strides[:len(t.strides)] = t.strides
-            desc.data = t.data_ptr
-            self.tensors[i] = t
+            desc.data = t.storage.ptr + t.offset  # t.data_ptr
+            olds[i] = t
+        self.given = self._frozen(tensors)
         return True
+
+    @staticmethod
+    def _frozen(tensors: Sequence["Tensor | None"]) -> "tuple | None":
+        return tensors if isinstance(tensors, tuple) else None  # a list could change behind our back
 
 
 def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequence["Tensor"],
@@ -215,8 +226,7 @@ def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequen
         backend.check_status(api, status, index)
 
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
-        return len(outputs2) == len(outputs) and len(inputs2) == len(inputs) and outs.follow(outputs2) and \
-            ins.follow(inputs2)
+        return outs.follow(outputs2) and ins.follow(inputs2)  # each checks its length
 
     fn = native_calls.address(lib, "llaisys_ops_plugin_kernel_call")
     return native_calls.NativeCall(f"{api} of {backend.device_type.name}", fn, block,
