@@ -83,7 +83,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
     """--greedy, --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --presence-penalty,
-    --frequency-penalty, --seed, --max-new-tokens, --stop."""
+    --frequency-penalty, --seed, --max-new-tokens, --stop, --speculative-tokens."""
     fallback = describe_sampling(GenerationConfig(**FALLBACK_SAMPLING), seed=False)
     g = parser.add_argument_group("sampling", f"defaults: the model's generation_config.json, else {fallback}")
     g.add_argument("--greedy", action="store_true",
@@ -104,6 +104,9 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int
                    help=f"stop after N tokens (default: {max_new_tokens})")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT appears (not printed); may be repeated")
+    g.add_argument("--speculative-tokens", type=non_negative_int, default=0, metavar="N",
+                   help="draft N tokens by prompt lookup and check them in one pass; the same text, "
+                        "faster when the reply copies from the prompt; CPU only (default: 0, off)")
 
 
 def _flag_names(message: str) -> str:
@@ -116,7 +119,8 @@ def check_sampling_args(args: argparse.Namespace) -> None:
     the option and the values it takes."""
     values = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k) is not None}
     try:
-        GenerationConfig(**values, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+        GenerationConfig(**values, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                         speculative_tokens=args.speculative_tokens)
     except (TypeError, ValueError) as exc:
         raise UsageError(_flag_names(str(exc))) from None
 
@@ -253,7 +257,8 @@ def config_from_args(args: argparse.Namespace, model: Any) -> GenerationConfig:
         overrides["temperature"] = 0.0
     try:
         cfg = GenerationConfig.from_defaults(defaults, **overrides, seed=args.seed,
-                                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) or None)
+                                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) or None,
+                                             speculative_tokens=args.speculative_tokens)
     except (TypeError, ValueError) as exc:
         bad = str(exc).replace("GenerationConfig.", "")
         raise type(exc)(f"the model's generation_config.json has a bad value: {bad}; "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20  # most top tokens one step may report (OpenAI's limit)
+MAX_SPECULATIVE_TOKENS = 64  # most draft tokens one verifying pass may run
 
 
 def _number(name: str, value: object, *, integer: bool = False) -> None:
@@ -42,6 +43,10 @@ class GenerationConfig:
     ``logprobs`` None returns no log-probabilities; an int k in [0, 20] returns, at each step,
     the picked token's logprob and the k most likely tokens' logprobs, of the model's own
     distribution (log_softmax of the raw logits, before penalties, temperature and filters).
+
+    ``speculative_tokens`` k > 0 turns on speculative decoding (single-sequence ``generate`` and
+    ``stream``, on the CPU): k tokens drafted by prompt lookup are checked in one forward
+    pass; the output is identical to decoding without it (0 = off; see ``generation.speculative``).
     """
 
     max_new_tokens: int = 256
@@ -60,6 +65,7 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logprobs: int | None = None
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         _number("max_new_tokens", self.max_new_tokens, integer=True)
@@ -95,6 +101,10 @@ class GenerationConfig:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"GenerationConfig.logprobs must be None or in [0, {MAX_LOGPROBS}] "
                                  f"(how many top tokens to report), got {self.logprobs}")
+        _number("speculative_tokens", self.speculative_tokens, integer=True)
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"GenerationConfig.speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] "
+                             f"(draft tokens per step, 0 = off), got {self.speculative_tokens}")
         _number("min_tokens_to_keep", self.min_tokens_to_keep, integer=True)
         if self.min_tokens_to_keep < 1:
             raise ValueError(f"GenerationConfig.min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")

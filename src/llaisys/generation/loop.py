@@ -1,4 +1,5 @@
-"""The generation loop: prefill the prompt, then pick, stream and feed back one token at a time."""
+"""The generation loop: prefill the prompt, then pick, stream and feed back one token at a time
+(or, with speculation, a token and a draft of the next ones, checked in one pass)."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,7 @@ from .prompt_cache import PromptCache
 from .protocol import LanguageModel
 from .results import FinishReason, GenerationResult, StreamEvent, Timings
 from .sampler import Sampler
+from .speculative import Drafter
 from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,19 @@ class GenerationStream:
         return (c.greedy and c.repetition_penalty == 1.0 and c.presence_penalty == 0.0 and c.frequency_penalty == 0.0
                 and hasattr(self.model, "forward_greedy") and device is not None and not device.is_cpu)
 
+    def _speculates(self) -> bool:
+        """Whether to draft and verify (``config.speculative_tokens``): on the CPU only (or a
+        model with no device), whose passes give multi-token logits bit for bit as one-token
+        passes do; elsewhere that is not established, so decoding goes one token at a time."""
+        if not self.config.speculative_tokens:
+            return False
+        device = getattr(self.model, "device", None)
+        if device is not None and not device.is_cpu:
+            logger.warning("speculative_tokens: speculation runs on the CPU only (on %s its output is not shown "
+                           "to equal plain decoding's); decoding without it", device)
+            return False
+        return True
+
     def _forward_greedy(self, ids: list[int]) -> int:
         token = self.model.forward_greedy(ids, self.prompt_cache.cache)
         self.prompt_cache.token_ids.extend(ids)
@@ -153,30 +168,63 @@ class GenerationStream:
                           cfg.skip_special_tokens)
         on_device = self._greedy_on_device()
         picked: int | None = None  # the next token when the device picked it
-        for step in range(limit):
-            token = picked if picked is not None else sampler(logits, context, self.token_ids)
-            if step == 0:
-                self.timings.ttft_s = time.perf_counter() - t0
-            self.token_ids.append(token)
-            context.append(token)
-            self.timings.generated_tokens = len(self.token_ids)
-            delta = text.push(token)
-            finish = text.finish_reason
-            self.text += delta
-            if finish is not None:
-                self.finish_reason = finish
-                self.timings.total_s = time.perf_counter() - t0
-                logger.debug("finished (%s): %s", finish, self.timings.as_dict())
-            if step > 0:  # time spent by the consumer between events is not decode time
-                self.timings.decode_s += time.perf_counter() - t_resume
-            yield StreamEvent(delta, token, finish)
-            if finish is not None:
-                return
-            t_resume = time.perf_counter()
-            if on_device and (not eos or len(self.token_ids) >= cfg.min_tokens):  # (no min-tokens mask to apply)
-                picked = self._forward_greedy([token])
-            else:
-                picked, logits = None, self._forward([token])
+        rows: list[np.ndarray] = [logits]  # logits (V,) of the next steps: 1, or 1 + len(draft) after verifying
+        draft: list[int] = []  # draft tokens run but not yet accepted: the cache's tail
+        drafter = Drafter(cfg.speculative_tokens)
+        speculate = self._speculates()
+        try:
+            for step in range(limit):
+                token = picked if picked is not None else sampler(rows.pop(0), context, self.token_ids)
+                if step == 0:
+                    self.timings.ttft_s = time.perf_counter() - t0
+                self.token_ids.append(token)
+                context.append(token)
+                self.timings.generated_tokens = len(self.token_ids)
+                delta = text.push(token)
+                finish = text.finish_reason
+                self.text += delta
+                if finish is not None:
+                    self.finish_reason = finish
+                    self.timings.total_s = time.perf_counter() - t0
+                    logger.debug("finished (%s): %s", finish, self.timings.as_dict())
+                if step > 0:  # time spent by the consumer between events is not decode time
+                    self.timings.decode_s += time.perf_counter() - t_resume
+                yield StreamEvent(delta, token, finish)
+                if finish is not None:
+                    return
+                t_resume = time.perf_counter()
+                if draft and token == draft[0]:  # the draft guessed right: the next row is already computed
+                    draft.pop(0)
+                    self.timings.accepted_tokens += 1
+                    continue
+                self._drop(draft)
+                # up to limit - generated tokens remain, and the verifying pass picks 1 + len(draft) of them
+                guess = drafter.propose(context, limit - len(self.token_ids) - 1) if speculate else []
+                if guess:
+                    rows, draft = self._verify([token, *guess]), guess
+                    picked = None
+                elif on_device and (not eos or len(self.token_ids) >= cfg.min_tokens):  # (no min-tokens mask)
+                    picked = self._forward_greedy([token])
+                else:
+                    picked, rows = None, [self._forward([token])]
+        finally:
+            self._drop(draft)  # the cache keeps what was picked, as without speculation
+
+    def _verify(self, ids: list[int]) -> list[np.ndarray]:
+        """Run the last token and a draft in one pass: the logits (V,) after each of ``ids``.
+        The kernels compute each row as one-at-a-time decoding would, bit for bit."""
+        logits = self.model.forward(ids, self.prompt_cache.cache, all_logits=True)  # (1 + k, V)
+        self.prompt_cache.token_ids.extend(ids)
+        self.timings.drafted_tokens += len(ids) - 1
+        return list(logits)
+
+    def _drop(self, draft: list[int]) -> None:
+        """Take the rejected ``draft`` tokens (the cache's last ones) out of the cache; their
+        K/V are overwritten by later passes."""
+        if draft:
+            self.prompt_cache.cache.truncate(self.prompt_cache.cache.length - len(draft))
+            del self.prompt_cache.token_ids[-len(draft):]
+            draft.clear()
 
 
 def stream(model: LanguageModel, prompt: str | Sequence[int] | np.ndarray,

@@ -18,6 +18,8 @@ class Timings:
     ttft_s: float = 0.0  # first step of the stream to the first token picked (prefill and sampling included)
     decode_s: float = 0.0  # running and picking the tokens after the first (time with the consumer left out)
     total_s: float = 0.0  # first step to the last token, wall clock
+    drafted_tokens: int = 0  # speculative decoding: draft tokens run in verifying passes
+    accepted_tokens: int = 0  # of those, the ones kept (each saved a forward pass)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -36,6 +38,7 @@ class Timings:
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens, "prefill_s": self.prefill_s, "ttft_s": self.ttft_s,
             "decode_s": self.decode_s, "total_s": self.total_s,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 

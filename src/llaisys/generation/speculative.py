@@ -1,0 +1,53 @@
+"""Speculative decoding's draft source: prompt lookup (n-gram matching in the ids so far).
+
+The loop runs the last token and a draft of k tokens in one forward pass, then samples each
+position as plain decoding would and keeps the draft while it matches (see ``loop``). The
+output equals plain decoding's because a pass of k tokens computes each row's logits bit for
+bit as k one-token passes do; that holds for the CPU kernels (tested), so the loop speculates
+only on the CPU. Plain Python, no tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_NGRAM = 3  # longest suffix looked up; shorter ones are tried when it is not found
+MIN_NGRAM = 1
+DRAFTER_MIN_NGRAM = 2  # the loop's drafter: a lone recurring id predicts too little of text that does not copy
+
+
+def draft_tokens(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to ``k`` ids that followed the most recent earlier occurrence of the last n ids of
+    ``ids`` (n from ``max_ngram`` down to ``min_ngram``, the longest match winning); [] when
+    no suffix recurs. The occurrence may overlap the suffix (a run repeats itself)."""
+    if k <= 0:
+        return []
+    size = len(ids)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        suffix, last = list(ids[size - n:]), ids[size - 1]
+        for start in range(size - n - 1, -1, -1):  # most recent first, the suffix itself excluded
+            if ids[start + n - 1] == last and list(ids[start:start + n]) == suffix:
+                return list(ids[start + n:start + n + k])
+    return []
+
+
+class Drafter:
+    """Drafts of exactly ``k`` ids for one request, so every verifying pass has one width,
+    1 + k (the model records a pass per width and keeps few; a new width costs about a
+    decoding step). A lookup that finds fewer than k ids is padded with its last one (a
+    guess like any other: verified, and kept only if right); no draft when fewer than k
+    tokens remain to pick after the next. Only suffixes of ``min_ngram`` or more ids are
+    looked up."""
+
+    __slots__ = ("k", "min_ngram")
+
+    def __init__(self, k: int, min_ngram: int = DRAFTER_MIN_NGRAM) -> None:
+        self.k = k
+        self.min_ngram = min_ngram
+
+    def propose(self, ids: Sequence[int], room: int) -> list[int]:
+        """k ids continuing ``ids`` (see ``draft_tokens``), or [] when no suffix recurs or
+        ``room`` (the tokens that may still be picked after the next one) is under k."""
+        if room < self.k:
+            return []
+        draft = draft_tokens(ids, self.k, min_ngram=self.min_ngram)
+        return draft + draft[-1:] * (self.k - len(draft))

@@ -1,0 +1,166 @@
+"""Speculative decoding (prompt lookup): the drafter on small id lists, and on the bundled model
+the same token ids and text with speculation as without it, greedy and seeded sampling alike,
+whether the drafts are accepted (a prompt that copies from itself) or rejected."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from llaisys.generation import GenerationConfig, PromptCache, generate, stream
+from llaisys.generation.speculative import Drafter, draft_tokens
+
+CODE = '''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    mu = mean(values)
+    total = 0
+    for v in values:
+        total += (v - mu) ** 2
+    return total / len(values)
+'''
+COPYING = "# stats.py, version 1\n" + CODE + "\n\n# stats.py, version 2 (the same code, with type hints added)\n"
+OTHER = "Once upon a time, in a small village by the sea, there lived"
+
+
+# ---- the drafter ---------------------------------------------------------------------------
+def test_draft_follows_the_most_recent_longest_match():
+    ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert draft_tokens(ids, 2) == [7, 8]  # "2 3" last seen before 7 8 (the trigram "5 2 3" never recurs)
+    assert draft_tokens([4, 1, 2, 3, 5, 6, 0, 2, 3, 8, 1, 2, 3], 3) == [5, 6, 0]  # "1 2 3" beats the later "2 3"
+
+
+def test_draft_is_cut_at_k_and_at_the_end():
+    assert draft_tokens([1, 2, 3, 4, 5, 1, 2], 2) == [3, 4]
+    assert draft_tokens([1, 2, 3, 1, 2], 8) == [3, 1, 2]  # all that followed, up to the end
+    assert draft_tokens([7, 7, 7], 4) == [7]  # a run repeats itself (the match overlaps the suffix)
+
+
+def test_no_draft_without_a_match():
+    assert draft_tokens([1, 2, 3, 4], 4) == []
+    assert draft_tokens([5], 4) == []
+    assert draft_tokens([], 4) == []
+    assert draft_tokens([1, 2, 1], 0) == []
+
+
+def test_draft_takes_numpy_ids():
+    assert draft_tokens(np.array([3, 4, 5, 3, 4]), 1) == [5]
+
+
+@pytest.mark.parametrize("bad", [-1, 65, 2.0, True])
+def test_config_checks_speculative_tokens(bad):
+    with pytest.raises((TypeError, ValueError), match="speculative_tokens"):
+        GenerationConfig(speculative_tokens=bad)
+
+
+# ---- on the bundled model ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    from llaisys.models import load_model
+
+    return load_model()
+
+
+CONFIGS = {
+    "greedy": GenerationConfig(max_new_tokens=48),
+    "sampled": GenerationConfig(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=7),
+    "penalized": GenerationConfig(max_new_tokens=48, temperature=0.7, top_k=40, repetition_penalty=1.1,
+                                  presence_penalty=0.5, frequency_penalty=0.3, seed=11),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("prompt", [COPYING, OTHER], ids=["copying", "other"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_speculation_changes_nothing(model, name, prompt, k):
+    cfg = CONFIGS[name]
+    plain = generate(model, prompt, cfg)
+    fast = generate(model, prompt, cfg.replace(speculative_tokens=k))
+    assert fast.token_ids == plain.token_ids
+    assert fast.text.encode() == plain.text.encode()
+    assert fast.finish_reason == plain.finish_reason
+    t = fast.timings
+    assert 0 <= t.accepted_tokens <= t.drafted_tokens
+    assert plain.timings.drafted_tokens == 0
+
+
+def test_drafts_are_accepted_on_a_copying_prompt(model):
+    r = generate(model, COPYING, GenerationConfig(max_new_tokens=64, speculative_tokens=6))
+    assert r.timings.accepted_tokens >= 20, r.timings.as_dict()
+
+
+def test_drafts_are_rejected_and_dropped(model):
+    r = generate(model, OTHER, GenerationConfig(max_new_tokens=48, temperature=1.0, seed=3, speculative_tokens=8))
+    assert r.timings.drafted_tokens > r.timings.accepted_tokens
+
+
+def test_stop_rules_per_accepted_token(model):
+    """A stop string or the token limit falling inside an accepted draft ends it there."""
+    base = GenerationConfig(max_new_tokens=37)
+    plain = generate(model, COPYING, base)
+    for cfg in (base, base.replace(stop=("len(",)), base.replace(max_new_tokens=5), base.replace(stop=("total",))):
+        want = generate(model, COPYING, cfg)
+        got = generate(model, COPYING, cfg.replace(speculative_tokens=8))
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    short = generate(model, COPYING, base.replace(max_new_tokens=5, speculative_tokens=8))
+    assert short.token_ids == plain.token_ids[:5]
+
+
+def test_cache_holds_what_plain_decoding_leaves(model):
+    """After the end, and after closing a stream early, the cache holds the prompt and the
+    tokens picked (the last one not run), with no rejected draft left behind."""
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain_cache, fast_cache = PromptCache(model, 512), PromptCache(model, 512)
+    generate(model, COPYING, cfg, prompt_cache=plain_cache)
+    generate(model, COPYING, cfg.replace(speculative_tokens=8), prompt_cache=fast_cache)
+    assert fast_cache.token_ids == plain_cache.token_ids
+    assert fast_cache.cache.length == len(fast_cache.token_ids)
+
+    s = stream(model, COPYING, cfg.replace(speculative_tokens=8), prompt_cache=fast_cache)
+    events = [next(s) for _ in range(7)]
+    s.close()
+    assert fast_cache.cache.length == len(fast_cache.token_ids) == len(s.prompt_ids) + len(events) - 1
+    assert fast_cache.token_ids == s.prompt_ids + [e.token_id for e in events[:-1]]
+
+
+def test_multi_token_logits_are_bitwise_one_at_a_time(model):
+    """The premise: a pass of k tokens gives each row bit for bit as k one-token passes do."""
+    ids = model.tokenizer.encode(COPYING)
+    one, many = model.new_cache(512), model.new_cache(512)
+    model.forward(ids[:-6], one)
+    model.forward(ids[:-6], many)
+    rows = np.stack([model.forward([t], one) for t in ids[-6:]])  # (6, V)
+    assert np.array_equal(model.forward(ids[-6:], many, all_logits=True), rows)
+
+
+def test_drafter_drafts_k_ids_or_none():
+    d = Drafter(4)
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3, 4, 5, 6]
+    assert d.propose([1, 2, 3, 1, 2], 100) == [3, 1, 2, 2]  # padded with its last id: one width
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 3) == []  # fewer than k tokens left to pick
+    assert d.propose([5, 1, 9, 1], 100) == []  # a lone recurring id is no match at min_ngram 2
+
+
+class OffTheCpu:
+    """The bundled model, claiming to run on a device where speculation is not established."""
+
+    device = SimpleNamespace(is_cpu=False)
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+def test_no_speculation_off_the_cpu(model):
+    cfg = GenerationConfig(max_new_tokens=24)
+    r = generate(OffTheCpu(model), COPYING, cfg.replace(speculative_tokens=4))
+    assert r.timings.drafted_tokens == 0
+    assert r.token_ids == generate(model, COPYING, cfg).token_ids
