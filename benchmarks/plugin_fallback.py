@@ -89,7 +89,7 @@ def dispatch_ms(models: dict[str, Any], prompt: list[int], runs: int = 20) -> di
         cache = model.new_cache(len(prompt) + 4)
         model.forward(prompt, cache)
         model.forward([1], cache)
-        plan = cache.passes[1].plan
+        plan = model.runner.decoding_pass(cache).plan
         profile, stats = plan.profile(runs), plan.stats()
         how = f"{stats.native}/{stats.calls} calls in {stats.stretches} native stretches, {stats.python} from Python"
         out[name] = (profile.total * 1e3, profile.kernels * 1e3, how)

@@ -119,7 +119,7 @@ def test_decoding_with_cuda_graphs_equals_eager_and_the_cpu(gpu_model, smollm2_m
     prompt = "The capital of France is"
     kept = PromptCache(gpu_model, 64)
     on = generate(gpu_model, prompt, config, prompt_cache=kept).token_ids
-    graphs = gpu_model._graph_caches[kept.cache]
+    graphs = gpu_model.runner._graph_caches[kept.cache]
     assert (graphs.captures, graphs.replays) == (1, 15)
     assert on == generate(smollm2_model, prompt, config).token_ids
     prompts = ["1, 2, 3, 4,", "def fibonacci(n):", "The three primary colours are"]  # 3 sequences: bucket 4

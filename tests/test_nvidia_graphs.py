@@ -39,7 +39,7 @@ def nv_model(nvidia_device, model_dir):
 
 
 def _graph_caches(model) -> list:
-    return [g for g in model._graph_caches.values() if g is not None]
+    return [g for g in model.runner._graph_caches.values() if g is not None]
 
 
 def test_single_sequence_decode_with_graphs_equals_without_and_the_cpu(nv_model, cpu_model, monkeypatch):
@@ -54,7 +54,7 @@ def test_single_sequence_decode_with_graphs_equals_without_and_the_cpu(nv_model,
     kept = PromptCache(nv_model, 32)
     on = generate(nv_model, prompt, config, prompt_cache=kept).token_ids
     assert on == off == want
-    graphs = nv_model._graph_caches[kept.cache]  # captured once, replayed at every decoding step
+    graphs = nv_model.runner._graph_caches[kept.cache]  # captured once, replayed at every decoding step
     assert (graphs.captures, graphs.replays) == (1, len(want) - 1)
 
 
@@ -100,7 +100,7 @@ def test_batched_decode_captures_once_per_bucket(nv_model, cpu_model, monkeypatc
     monkeypatch.delenv("LLAISYS_NVIDIA_GRAPHS")
     graphed, cache = _decode_steps(nv_model, sizes)
     cpu, _ = _decode_steps(cpu_model, sizes)
-    graphs = nv_model._graph_caches[cache]
+    graphs = nv_model.runner._graph_caches[cache]
     assert graphs.captures == 3 and len(graphs) == 3
     assert graphs.replays == len(sizes)
     assert {k for k in cache.passes if k[0] == k[1]} >= {(4, 4, 4), (1, 1, 1), (2, 2, 2)}
@@ -143,7 +143,7 @@ def test_forward_greedy_is_the_argmax_of_forward(nv_model, cpu_model):
 
 
 def test_pad_decode_batch_repeats_the_first_sequence():
-    from llaisys.models.decoder import pad_decode_batch
+    from llaisys.models.runner import pad_decode_batch
 
     batch = TokenBatch.build([([5], 3, [0], True), ([6], 7, [1], True), ([8], 1, [2], False)], 8, 2)
     padded = pad_decode_batch(batch, 4)

@@ -311,7 +311,8 @@ def test_kernel_under_a_layout_never_asked_for_is_refused(tmp_path, layout, refu
 def test_native_fallback_equals_the_python_fallback(minimal):
     """On a device without kernels a recorded plan runs the CPU fallback from C (the plugin's
     copies around the CPU kernel's native call): the bundled model's decode step is one
-    stretch, and its logits are those of the Python fallback (and the CPU's) bit for bit."""
+    stretch, and its logits are those of the Python fallback bit for bit (and the CPU's, which
+    attends through the paged kernel, to float32 rounding)."""
     from unittest import mock
 
     from llaisys.kernels.cpu import native_calls
@@ -325,7 +326,7 @@ def test_native_fallback_equals_the_python_fallback(minimal):
             logits = [model.forward([1, 504, 3458], cache)]
             while len(logits) < 6:  # the K/V rows the fallback copies grow each step (rebinds)
                 logits.append(model.forward([int(np.argmax(logits[-1]))], cache))
-        return np.stack(logits), cache.passes[1].plan
+        return np.stack(logits), model.runner.decoding_pass(cache).plan
 
     native, plan = decode("mini_dev:0", python=False)
     stats = plan.stats()
@@ -333,4 +334,6 @@ def test_native_fallback_equals_the_python_fallback(minimal):
     python, python_plan = decode("mini_dev:0", python=True)
     assert python_plan.stats().python == python_plan.stats().calls
     np.testing.assert_array_equal(native, python)
-    np.testing.assert_array_equal(native, decode("cpu", python=False)[0])
+    cpu = decode("cpu", python=False)[0]
+    np.testing.assert_allclose(native, cpu, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(native.argmax(-1), cpu.argmax(-1))

@@ -124,7 +124,8 @@ def test_plugin_that_memsets_its_table_loads_and_runs(libs, caplog):
 def test_paddle_plugin_keeps_the_cpu_greedy_text(libs):
     """The bundled model on a PaddlePaddle-style plugin (no kernels: every op on the CPU
     fallback, replayed from C between the plugin's copies) decodes the CPU's greedy tokens,
-    with the same logits bits."""
+    its logits equal to float32 rounding (a device without paged kernels attends with the
+    contiguous kernel, the CPU with the paged one)."""
     from llaisys.models import load_model
 
     plugin = load_plugin(libs["habits"])
@@ -138,8 +139,8 @@ def test_paddle_plugin_keeps_the_cpu_greedy_text(libs):
                 logits.append(model.forward([int(np.argmax(logits[-1]))], cache))
             runs.append(np.stack(logits))
         assert runs[1].argmax(-1).tolist() == runs[0].argmax(-1).tolist()
-        np.testing.assert_array_equal(runs[1], runs[0])
-        stats = cache.passes[1].plan.stats()
+        np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-4)
+        stats = model.runner.decoding_pass(cache).plan.stats()
         assert stats.python <= 1 and stats.stretches == 1, stats  # only the quantized embedding runs from Python
         del dev, cache
     finally:

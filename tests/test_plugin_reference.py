@@ -344,7 +344,7 @@ def decode_logits(device: str, steps: int = 6, python_replay: bool = False, mode
         logits = [model.forward([3, 17, 42, 5], cache)]
         while len(logits) < steps:
             logits.append(model.forward([int(np.argmax(logits[-1]))], cache))
-    return np.stack(logits), cache.passes[1].plan
+    return np.stack(logits), model.runner.decoding_pass(cache).plan
 
 
 def random_model_on(device: str):
@@ -422,7 +422,7 @@ def test_bundled_model_head_runs_from_c_on_the_plugin(plugin):
     cache = model.new_cache(8)
     model.forward([3, 17, 42, 5], cache)
     got = model.forward([7], cache)  # (V,)
-    step = cache.passes[1]
+    step = model.runner.decoding_pass(cache)
     stats = step.head.stats()
     assert (stats.calls, stats.native, stats.stretches, stats.python) == (1, 1, 1, 0), stats
     llaisys.ops.linear(step.ws.logits, step.ws.h_last, model.params.lm_head)  # from Python

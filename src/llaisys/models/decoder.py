@@ -1,13 +1,13 @@
-"""The decoder of Qwen2/Llama-family models, written with ``llaisys.ops`` only; each layer is
-the one its architecture module names (``models.architectures``, ``models.layers``).
+"""A loaded decoder-only model (``CausalLM``): config, weights, tokenizer, its caches, and the
+checked entry points that run it: ``forward`` for one sequence over a ``KVCache``,
+``forward_batch`` for many over a ``PagedKVCache``. Both go through the model's one
+``ModelRunner`` (``models.runner``), which records the layers of its architecture
+(``models.architectures``, ``models.layers``) as paged passes and replays them.
 
 Per layer: x += o_proj(attention(rope(q), rope(k), v)) over rms_norm(x), then
 x += down(swiglu(gate, up)) over rms_norm(x); each residual add runs in one op with the norm
 that follows it (``add_rms_norm``). Qwen2 and Llama differ only in config (q/k/v
-biases, tied embeddings, rope theta). Intermediate results go to preallocated buffers
-(``Workspace``) through the output-first ops, so a decoding step allocates nothing; a pass's
-op calls are checked once, recorded (``Pass``, an ``ops.Plan``) and replayed by later passes
-of the same size over the same cache.
+biases, tied embeddings, rope theta).
 Shapes: S tokens in this pass, T = cache length after it, D hidden, H/KH query/kv heads,
 Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
 """
@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import threading
 import weakref
-from collections import Counter, OrderedDict
-from typing import Any, Callable, Sequence
+from collections import Counter
+from typing import Any, Sequence
 
 import numpy as np
 
 from .. import ops
-from ..parallel.comm import Communicator, SingleProcess, record_all_reduce
+from ..parallel.comm import Communicator, SingleProcess
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
@@ -32,126 +31,13 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from .paged_cache import PagedKVCache, TokenBatch
 from . import architectures
-from .layers import CACHE_CALLS_AT, Workspace, attention, paged_attention
-from .params import DecoderParams, LayerParams
+from .params import DecoderParams
+from .runner import ModelRunner
 from .tensor_parallel import Shard
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 256  # longer inputs run in chunks: less masked attention work, bounded score memory
 MAX_DEFAULT_CACHE = 4096
-BATCH_PASSES_KEPT = 32  # recorded batched passes kept per paged cache (by N, B, R)
-BATCH_WORKSPACES_KEPT = 8  # work buffers kept per paged cache (by N)
-GRAPH_DECODE = "graph-decode"  # KVCache.passes key of the single-sequence decoding pass replayed as a graph
-
-
-def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
-                  attend: Callable[[int, LayerParams], None]) -> None:
-    """Record embedding, every layer (``attend(i, lp)`` records layer i's attention block) and
-    the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
-    p, layer = model.params, model.architecture.decoder_layer
-    ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (S, D)
-    if ws.comm is not None:  # each rank looked up the ids of its vocabulary range, zeros for the rest
-        record_all_reduce(plan, ws.comm, ws.x)
-    ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (S, D)
-    next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
-    for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
-        layer(ws, lp, next_norm, lambda: attend(i, lp), model.config, plan)
-
-
-class Pass:
-    """The checked op calls of a pass of S tokens over one cache, recorded once and replayed.
-
-    Everything but the cache rows stays put between passes of one size (the workspace, the
-    weights), so only the three calls per layer that touch the cache are rebound to the
-    rows of each new position (``move``). ``head`` is the output head of the last row."""
-
-    def __init__(self, model: "CausalLM", ws: Workspace, cache: KVCache, start: int, end: int):
-        self.ws = ws
-        self.plan = ops.Plan()
-        self.kv_at: list[int] = []  # per layer: index of its first call that touches the cache
-        plan = self.plan
-
-        def attend(i: int, lp: LayerParams) -> None:
-            self.kv_at.append(len(plan) + CACHE_CALLS_AT)
-            attention(ws, lp, cache.rows(i, start, end), model.config, model._scale, plan)
-
-        record_layers(model, ws, plan, attend)
-        self.span = (start, end)
-        # the last row's logits (1, V or c), replayed after the pass when wanted (on a plugin
-        # device a quantized head's CPU fallback then runs from C too)
-        self.head = ops.Plan()
-        ops.linear(ws.logits, ws.h_last, model.params.lm_head, plan=self.head)
-
-    def move(self, cache: KVCache, start: int, end: int) -> None:
-        """Point the cache calls at positions ``start:end`` (end - start = S)."""
-        if self.span == (start, end):
-            return
-        plan, q = self.plan, self.ws.q
-        for layer, at in enumerate(self.kv_at):
-            k_new, v_new, k_seen, v_seen = cache.rows(layer, start, end)
-            plan.rebind(at, outputs=(k_new,))
-            plan.rebind(at + 1, outputs=(v_new,))
-            plan.rebind(at + 2, inputs=(q, k_seen, v_seen))
-        self.span = (start, end)
-
-
-class BatchIndex:
-    """Device index tensors of a batched pass over a paged cache (see ``TokenBatch``): N
-    tokens, B sequences, block tables MB wide, R rows of logits."""
-
-    def __init__(self, n: int, b: int, mb: int, r: int, device: Device):
-        new = lambda *shape: Tensor.empty(shape, DataType.I64, device)  # noqa: E731
-        self.slots = new(n)  # (N,)
-        self.block_tables = new(b, mb)  # (B, MB)
-        self.query_starts = new(b + 1)  # (B+1,)
-        self.context_lens = new(b)  # (B,)
-        self.logit_rows = new(r)  # (R,)
-
-    def load(self, batch: TokenBatch) -> None:
-        self.slots.load(batch.slots)
-        self.block_tables.load(batch.block_tables)
-        self.query_starts.load(batch.query_starts)
-        self.context_lens.load(batch.context_lens)
-        self.logit_rows.load(batch.logit_rows)
-
-
-class BatchPass:
-    """The recorded op calls of a batched pass of one shape (N, B, R) over paged block pools
-    (per layer (K, V), each (NB, BS, KH, Dh), block tables ``max_blocks`` wide), the head
-    included: the rows whose logits are wanted are gathered, normalised, then projected. Its
-    inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
-    so a run can be replayed from a graph."""
-
-    def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
-                 n: int, b: int, r: int):
-        self.ws = ws
-        self.idx = BatchIndex(n, b, max_blocks, r, model.device)
-        self.plan = plan = ops.Plan()
-        self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
-        self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
-
-        def attend(i: int, lp: LayerParams) -> None:
-            paged_attention(ws, lp, pools[i], self.idx, model.config, model._scale, plan)
-
-        record_layers(model, ws, plan, attend)
-        if r:
-            ops.embedding(self.h_rows, self.idx.logit_rows, ws.h, plan=plan)  # (R, D): gather the rows
-            ops.linear(self.logits, self.h_rows, model.params.lm_head, plan=plan)  # (R, V)
-
-
-def pad_decode_batch(batch: TokenBatch, size: int) -> TokenBatch:
-    """A decoding batch (one token per sequence, B of them) grown to ``size`` sequences and
-    ``size`` logit rows, for a graph captured at that bucket. The extra sequences repeat the
-    first one (its token, position, slot and block table), so every index stays valid and the
-    extra K/V writes put the same values in the same slot; extra logit rows repeat row 0.
-    The caller keeps the first R rows of the logits."""
-    b, r = batch.num_seqs, int(batch.logit_rows.shape[0])
-    if b == size and r == size:
-        return batch
-    more = lambda a: np.concatenate([a, np.repeat(a[:1], size - b, axis=0)])  # noqa: E731
-    rows = np.concatenate([batch.logit_rows, np.zeros(size - r, np.int64)]).astype(np.int64)
-    return TokenBatch(more(batch.token_ids), more(batch.positions), more(batch.slots), more(batch.block_tables),
-                      np.arange(size + 1, dtype=np.int64), more(batch.context_lens), rows)
 
 
 class CausalLM:
@@ -183,10 +69,8 @@ class CausalLM:
         self.eos_token_ids: list[int] = list(dict.fromkeys(
             [*config.eos_token_id, *eos_token_ids, *tokenizer.eos_token_ids]))
         self._file_info = dict(file_info or {})
-        self._scale = 1.0 / math.sqrt(config.head_dim)
-        self._workspaces: OrderedDict[int, Workspace] = OrderedDict()
-        self._graph_caches: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # per cache
-        self._lock = threading.RLock()  # guards the shared workspaces: one chunk runs at a time
+        self._lock = threading.RLock()  # one pass at a time: a cache's passes share work buffers
+        self.runner = ModelRunner(self)  # runs the layers: inputs, recorded passes, graphs
 
     # ---- cache -------------------------------------------------------------------------
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
@@ -197,16 +81,6 @@ class CausalLM:
         cache = KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
                         owner=self)
         return self._keyed(cache, ("kv", max_tokens))
-
-    def _workspace(self, s: int) -> Workspace:
-        ws = self._workspaces.get(s)
-        if ws is None:
-            ws = Workspace(self.local_config, s, self.dtype, self.device, self.comm)
-            self._workspaces[s] = ws
-            while len(self._workspaces) > 3:  # keep the decode one and the last prefill sizes
-                oldest = next(k for k in self._workspaces if k != 1)
-                del self._workspaces[oldest]
-        return ws
 
     def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
@@ -283,48 +157,21 @@ class CausalLM:
 
     def _forward_chunks(self, ids: np.ndarray, cache: KVCache, all_logits: bool,
                         greedy: bool = False) -> "np.ndarray | int":
+        """Run ``ids`` in chunks of at most PREFILL_CHUNK tokens (under the model's lock):
+        host logits (S, V) with ``all_logits``, else the last row's (V,), or with ``greedy``
+        its argmax id."""
         outputs = []
-        for begin in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[begin:begin + PREFILL_CHUNK]
-            last = begin + PREFILL_CHUNK >= len(ids)
-            if all_logits:
-                outputs.append(self._run(chunk, cache, all_rows=True))
-            else:
-                logits = self._run(chunk, cache, all_rows=False, head=last, greedy=greedy)
-                if last:
-                    outputs.append(logits)
-        return np.concatenate(outputs, axis=0) if all_logits else outputs[0]
-
-    def _run(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool = True,
-             greedy: bool = False) -> "np.ndarray | int | None":
         with self._lock:
-            return self._run_locked(ids, cache, all_rows, head, greedy)
-
-    def _run_locked(self, ids: np.ndarray, cache: KVCache, all_rows: bool, head: bool,
-                    greedy: bool = False) -> "np.ndarray | int | None":
-        """Run ``ids`` after the cache's content: host logits (S, V) with ``all_rows``, else
-        the last row's (V,) (None without ``head``), or with ``greedy`` its argmax id."""
-        s = len(ids)
-        if s == 1 and head and not all_rows:
-            graphs = self._graphs(cache)
-            if graphs is not None:
-                return self._head_result(self._decode_graphed(ids, cache, graphs), greedy)
-        start, end = cache.length, cache.length + s
-        step = self._pass(cache, s, start, end)
-        ws = step.ws
-        ws.ids.load(ids if self.shard is None else self.shard.local_ids(ids))
-        ws.pos.load(np.arange(start, end, dtype=np.int64))
-        step.plan.run()
-        cache.length = end
-        p = self.params
-        if all_rows:
-            out = Tensor.empty((s, self.local_config.vocab_size), self.dtype, self.device)  # (S, V or c)
-            ops.linear(out, ws.h, p.lm_head)  # from the finally normalised rows
-            return self._gathered(out)  # (S, V)
-        if not head:
-            return None
-        step.head.run()  # ws.logits (1, V or c) = linear(ws.h_last, lm_head)
-        return self._head_result(ws.logits, greedy)
+            for begin in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[begin:begin + PREFILL_CHUNK]
+                last = begin + PREFILL_CHUNK >= len(ids)
+                rows = "all" if all_logits else "last" if last else "none"
+                logits = self.runner.run_sequence(chunk, cache, rows)
+                if all_logits:
+                    outputs.append(self._gathered(logits))
+                elif last:
+                    return self._head_result(logits, greedy)
+        return np.concatenate(outputs, axis=0)
 
     def _head_result(self, logits: Tensor, greedy: bool) -> "np.ndarray | int":
         """Host logits (V,) of a (1, V or c) device row, or with ``greedy`` the argmax, taken
@@ -334,56 +181,6 @@ class CausalLM:
         idx = Tensor.empty((1,), DataType.I64, self.device)
         ops.argmax(idx, Tensor.empty((1,), self.dtype, self.device), logits)  # (1,)
         return int(idx.numpy()[0])
-
-    def _graphs(self, cache: "KVCache | PagedKVCache") -> Any:
-        """The graph cache (``backends.nvidia.graphs.GraphCache``) that replays the decoding
-        passes over ``cache``, or None: on a device whose backend captures no graphs (the CPU,
-        plugins), with ``LLAISYS_NVIDIA_GRAPHS=0``, or under tensor parallelism (its plans hold
-        collective calls)."""
-        if self.shard is not None or self.device.is_cpu:
-            return None
-        try:
-            return self._graph_caches[cache]
-        except KeyError:
-            pass
-        from ..runtime import get_runtime
-
-        make = getattr(get_runtime(self.device).backend, "graph_cache", None)
-        graphs = self._graph_caches[cache] = make(self.device.index) if make is not None else None
-        return graphs
-
-    def _decode_graphed(self, ids: np.ndarray, cache: KVCache, graphs: Any) -> Tensor:
-        """One token after the cache's content, as a paged pass over the cache (each layer one
-        block of max_tokens slots) replayed from a graph: the same kernels and arithmetic as
-        the plain pass, with the position and key count read from static device buffers
-        instead of being baked into the launches. Returns the logits row (1, V) on the device."""
-        step = cache.passes.get(GRAPH_DECODE)
-        if step is None:
-            pools = [(k.view(1, *k.shape), v.view(1, *v.shape)) for k, v in zip(cache.k_layers, cache.v_layers)]
-            step = cache.passes[GRAPH_DECODE] = BatchPass(self, self._workspace(1), pools, 1, 1, 1, 1)
-            step.idx.block_tables.load(np.zeros((1, 1), np.int64))  # constant: the one block, the query, row 0
-            step.idx.query_starts.load(np.arange(2, dtype=np.int64))
-            step.idx.logit_rows.load(np.zeros(1, np.int64))
-        t = np.array([cache.length], np.int64)  # (1,) the new token's position, and its slot in block 0
-        step.ws.ids.load(ids)
-        step.ws.pos.load(t)
-        step.idx.slots.load(t)
-        step.idx.context_lens.load(t + 1)
-        graphs.run(GRAPH_DECODE, step.plan.run)
-        cache.length += 1
-        return step.logits
-
-    def _pass(self, cache: KVCache, s: int, start: int, end: int) -> Pass:
-        """The recorded pass of ``s`` tokens over ``cache``, pointed at ``start:end``; the
-        cache keeps the decoding one (S = 1) and the last other size."""
-        step = cache.passes.get(s)
-        if step is None:
-            step = Pass(self, self._workspace(s), cache, start, end)
-            for other in [k for k in cache.passes if k not in (1, GRAPH_DECODE)]:
-                del cache.passes[other]
-            cache.passes[s] = step
-        step.move(cache, start, end)
-        return step
 
     def forward_batch(self, batch: TokenBatch, cache: PagedKVCache) -> np.ndarray:
         """Run a flat batch of tokens from many sequences (``TokenBatch``) in one pass over the
@@ -424,50 +221,7 @@ class CausalLM:
         if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
         self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
-        # A decoding step (a token per sequence) replays its bucket's graph, padded to it.
-        decode = n == b and np.array_equal(batch.query_starts, np.arange(b + 1))
-        graphs = self._graphs(cache) if decode else None
-        if graphs is not None:
-            size = graphs.bucket(b)
-            batch = pad_decode_batch(batch, size)
-            n = b = size
-        key = (n, b, b if graphs is not None else r)
-        step = cache.passes.get(key)
-        if step is None:
-            pools = list(zip(cache.k_layers, cache.v_layers))
-            step = BatchPass(self, self._batch_workspace(cache, n), pools, cache.max_blocks, *key)
-            cache.passes[key] = step
-            while len(cache.passes) > BATCH_PASSES_KEPT:
-                cache.passes.popitem(last=False)
-            if graphs is not None:
-                graphs.drop(size)  # captured over a pass of this shape that was dropped since
-        else:
-            cache.passes.move_to_end(key)
-        ids = batch.token_ids if self.shard is None else self.shard.local_ids(batch.token_ids)
-        step.ws.ids.load(ids)
-        step.ws.pos.load(batch.positions)
-        step.idx.load(batch)
-        if graphs is not None:
-            graphs.run(size, step.plan.run)
-            return step.logits.slice(0, 0, r)  # (R, V): the batch's own rows
-        step.plan.run()
-        return step.logits  # (R, V)
-
-    def _batch_workspace(self, cache: PagedKVCache, n: int) -> Workspace:
-        """The workspace for passes of ``n`` tokens over ``cache`` (shared by its passes of
-        every B and R with that N; the least recently made beyond a few are dropped)."""
-        spaces = cache.workspaces
-        ws = spaces.get(n)
-        if ws is None:
-            ws = spaces[n] = Workspace(self.local_config, n, self.dtype, self.device, self.comm)
-            while len(spaces) > BATCH_WORKSPACES_KEPT:
-                oldest = next(iter(spaces))
-                spaces.pop(oldest)
-                for key in [k for k in cache.passes if k[0] == oldest]:
-                    del cache.passes[key]
-        else:
-            spaces.move_to_end(n)
-        return ws
+        return self.runner.run_batch(batch, cache)
 
     def _check_ids(self, token_ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         try:

@@ -1,19 +1,20 @@
-"""The key/value cache: per layer, keys and values of every token seen, preallocated in the
-model's device memory."""
+"""The key/value cache of one sequence: per layer, keys and values of every token seen,
+preallocated in the model's device memory. It is a paged cache of one block whose slot i holds
+position i, so the model runs it with the same paged pass as a serving batch
+(``models.runner``)."""
 from __future__ import annotations
-
-import weakref
-from typing import Any
 
 import numpy as np
 
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
+from .paged_cache import PagedKVCache
 
 
-class KVCache:
-    """Keys and values for up to ``max_tokens`` positions of each of ``num_layers`` layers.
+class KVCache(PagedKVCache):
+    """Keys and values for up to ``max_tokens`` positions of each of ``num_layers`` layers:
+    a ``PagedKVCache`` of one block of ``max_tokens`` slots, k and v (L, 1, Tmax, KH, Dh).
 
     ``length`` tokens are held; a forward pass writes the next ones at ``length`` onwards.
     ``owner`` is the model that made the cache (``CausalLM.new_cache``); a model refuses a cache
@@ -24,16 +25,10 @@ class KVCache:
                  dtype: DataType, device: Device, owner: Any = None):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        # Never zeroed: positions at or past ``length`` are always written before they are read.
+        super().__init__(num_layers, 1, max_tokens, kv_heads, head_dim, dtype, device, 1, owner=owner)
         self.max_tokens = max_tokens
         self.length = 0
-        self.spec = (num_layers, kv_heads, head_dim, dtype, device)
-        self._owner = weakref.ref(owner) if owner is not None else None  # weak: a cache does not keep a model alive
-        # Never zeroed: positions at or past ``length`` are always written before they are read.
-        self.k = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
-        self.v = Tensor.empty((num_layers, max_tokens, kv_heads, head_dim), dtype, device)  # (L, Tmax, KH, Dh)
-        self.k_layers = [self.k.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
-        self.v_layers = [self.v.slice(0, i, i + 1).view(max_tokens, kv_heads, head_dim) for i in range(num_layers)]
-        self.passes: dict = {}  # the owner's recorded passes over this cache, by token count (see CausalLM)
 
     @property
     def length(self) -> int:
@@ -56,17 +51,13 @@ class KVCache:
 
         Built directly (bounds are the caller's: 0 <= start <= end <= max_tokens) because a
         decoding step asks for them in every layer."""
-        k, v = self.k_layers[layer], self.v_layers[layer]
-        row = k.strides[0] * k.dtype.itemsize  # bytes per position
-        new, seen = (end - start,) + k.shape[1:], (end,) + k.shape[1:]
-        return (Tensor(k.storage, k.offset + start * row, new, k.strides, k.dtype),
-                Tensor(v.storage, v.offset + start * row, new, v.strides, v.dtype),
-                Tensor(k.storage, k.offset, seen, k.strides, k.dtype),
-                Tensor(v.storage, v.offset, seen, v.strides, v.dtype))
-
-    def made_by(self, model: Any) -> bool:
-        """Whether ``model`` made this cache."""
-        return self._owner is not None and self._owner() is model
+        k, v = self.k_layers[layer], self.v_layers[layer]  # (1, Tmax, KH, Dh)
+        row = k.strides[1] * k.dtype.itemsize  # bytes per position
+        new, seen = (end - start,) + k.shape[2:], (end,) + k.shape[2:]
+        return (Tensor(k.storage, k.offset + start * row, new, k.strides[1:], k.dtype),
+                Tensor(v.storage, v.offset + start * row, new, v.strides[1:], v.dtype),
+                Tensor(k.storage, k.offset, seen, k.strides[1:], k.dtype),
+                Tensor(v.storage, v.offset, seen, v.strides[1:], v.dtype))
 
     def reset(self) -> None:
         """Forget every token."""

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .params import LayerParams
 
 if TYPE_CHECKING:
-    from .decoder import BatchIndex
+    from .runner import BatchIndex
 
 
 class Workspace:

@@ -742,7 +742,7 @@ def dispatch_run(device: str, seed: int = 0, shape: Mapping[str, int] | None = N
     cache = model.new_cache(len(prompt) + 2)
     model.forward(prompt, cache)
     model.forward([prompt[0]], cache)  # records the decode step
-    plan = cache.passes[1].plan
+    plan = model.runner.decoding_pass(cache).plan
     return plan.profile(DISPATCH_RUNS), plan.stats()
 
 
