@@ -65,7 +65,9 @@ def add_verbose(parser: argparse.ArgumentParser, dest: str = "verbose") -> None:
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --plugin, --threads, -v."""
     parser.add_argument("-m", "--model", default=None, metavar="PATH",
-                        help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M)")
+                        help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows: "
+                             "org/name[:QUANT] of the Hugging Face cache, name[:tag] of ollama's "
+                             "(default: the bundled SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
                         help="weight data type (default: the model's own; quantized GGUF runs in f32)")
     parser.add_argument("--device", default=None,

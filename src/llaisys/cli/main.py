@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-SUBCOMMANDS = ("generate", "chat", "info", "bench", "plugin", "serve")
+SUBCOMMANDS = ("generate", "chat", "info", "bench", "plugin", "serve", "list")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # Errors that mean bad input or a missing file: reported in one line, without a traceback;
 # status 2 for a bad command line (common.UsageError, as argparse's own), 1 for the rest.

