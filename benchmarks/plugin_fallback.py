@@ -26,12 +26,17 @@ figure is the median tokens/s over --repeats runs after one warm-up run.
 The table gives each device's decode tokens/s and its ratio to the CPU's in the same run, and,
 from ``ops.Plan.profile`` of the recorded decoding step, the step's time and its dispatch
 part (outside the kernels: Python, crossings into C, the fallback's copies, calls made from
-Python); the output head, replayed as a plan of its own after the step, counts in tok/s only.
+Python); the output head, replayed as a plan of its own after the step on a plugin device,
+counts in tok/s. The last column, overhead, is the one figure of what the device pays beyond
+its kernels: a whole token's time (the step, the head, the argmax and everything around them)
+less the time inside every kernel of the step and the head, both taken in the timed runs (the
+stretches time their kernels in C as they replay).
 On a shared machine compare ratios within one run, not figures across runs.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -63,21 +68,55 @@ def load_device(name: str, build_dir: str) -> str:
     raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICES)}")
 
 
-def decode_run(models: dict[str, Any], prompt: list[int], tokens: int) -> dict[str, float]:
+def kernel_clock(model: Any, cache: Any):
+    """A function giving the seconds spent inside kernels (timed in C) by the decoding step and
+    its head since its last call, for the recorded decoding step over ``cache`` (after one
+    decoding step ran): it turns on the timing of that step's native stretches."""
+    from llaisys.kernels.cpu import native_calls
+
+    step = model.runner.decoding_pass(cache)
+    plans = [step.plan] + ([step.head] if getattr(step, "head", None) is not None else [])
+    stretches = []
+    for plan in plans:
+        program = plan._program if plan._program is not None else plan._compile()
+        plan._program = program
+        stretches += [st for st in program if isinstance(st, native_calls.Stretch)]
+    for st in stretches:
+        st.profile = (ctypes.c_int64 * len(st))()
+
+    def read() -> float:
+        ns = 0
+        for st in stretches:
+            ns += sum(t for call, t in zip(st.calls, st.profile) if call.kernel)
+            ctypes.memset(st.profile, 0, ctypes.sizeof(st.profile))
+        return ns / 1e9
+    return read
+
+
+def decode_run(models: dict[str, Any], prompt: list[int], tokens: int) -> tuple[dict[str, float], dict[str, float]]:
     """One greedy decode of ``tokens`` tokens after ``prompt`` on each model, with fresh KV
-    caches; decode tokens/s of each. The models take turns token by token, so a burst of
-    other work on the machine slows each alike."""
+    caches: decode tokens/s of each, and its overhead per token in ms (the token's time less
+    the time inside the kernels of its decoding step and head, both timed in the same run).
+    The models take turns token by token, so a burst of other work on the machine slows each
+    alike."""
     import numpy as np
 
-    caches = {name: model.new_cache(len(prompt) + tokens + 1) for name, model in models.items()}
+    caches = {name: model.new_cache(len(prompt) + tokens + 2) for name, model in models.items()}
     last = {name: int(np.argmax(model.forward(prompt, caches[name]))) for name, model in models.items()}
-    spent = dict.fromkeys(models, 0.0)
+    for name, model in models.items():  # records the decoding step (not timed)
+        last[name] = int(np.argmax(model.forward([last[name]], caches[name])))
+    clocks = {name: kernel_clock(model, caches[name]) for name, model in models.items()}
+    spent, inside = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
     for _ in range(tokens):
         for name, model in models.items():
+            clocks[name]()
             start = time.perf_counter()
             last[name] = int(np.argmax(model.forward([last[name]], caches[name])))
             spent[name] += time.perf_counter() - start
-    return {name: tokens / seconds for name, seconds in spent.items()}
+            inside[name] += clocks[name]()
+    rates = {name: tokens / seconds for name, seconds in spent.items()}
+    overhead = {name: (spent[name] - inside[name]) / tokens * 1e3 for name in models}
+    return rates, overhead
 
 
 def dispatch_ms(models: dict[str, Any], prompt: list[int], runs: int = 20) -> dict[str, tuple[float, float, str]]:
@@ -96,8 +135,9 @@ def dispatch_ms(models: dict[str, Any], prompt: list[int], runs: int = 20) -> di
     return out
 
 
-def measure(devices: list[str], model_path: str | None, prompt_tokens: int, tokens: int, repeats: int) -> dict[str, float]:
-    """Median decode tokens/s on each device over ``repeats`` runs, after a warm-up run."""
+def measure(devices: list[str], model_path: str | None, prompt_tokens: int, tokens: int, repeats: int) -> tuple:
+    """Median decode tokens/s and median overhead ms per token on each device over ``repeats``
+    runs, after a warm-up run; and ``dispatch_ms`` of each."""
     from llaisys.models import load_model
 
     if "reference" in devices and "reference-nk" in devices:
@@ -108,7 +148,9 @@ def measure(devices: list[str], model_path: str | None, prompt_tokens: int, toke
     prompt = [(7 * i + 1) % vocab for i in range(prompt_tokens)]
     decode_run(models, prompt, tokens)  # warm-up; makes the weights' host copies
     runs = [decode_run(models, prompt, tokens) for _ in range(repeats)]
-    return {name: statistics.median(run[name] for run in runs) for name in devices}, dispatch_ms(models, prompt)
+    rates = {name: statistics.median(run[0][name] for run in runs) for name in devices}
+    overheads = {name: statistics.median(run[1][name] for run in runs) for name in devices}
+    return rates, overheads, dispatch_ms(models, prompt)
 
 
 def python_dispatch() -> None:
@@ -144,20 +186,24 @@ def main() -> None:
         devices.insert(0, "cpu")
     if args.python_dispatch:
         python_dispatch()
-    rates, steps = measure(devices, args.model, args.prompt_tokens, args.tokens, args.repeats)
+    rates, overheads, steps = measure(devices, args.model, args.prompt_tokens, args.tokens, args.repeats)
     if args.json:
         print(json.dumps({"decode_tok_s": rates, "ratio_to_cpu": {d: r / rates["cpu"] for d, r in rates.items()},
                           "step_ms": {d: v[0] for d, v in steps.items()},
-                          "step_kernels_ms": {d: v[1] for d, v in steps.items()}}))
+                          "step_kernels_ms": {d: v[1] for d, v in steps.items()},
+                          "overhead_ms_per_token": overheads}))
         return
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     print(f"decode of {args.tokens} tokens after {args.prompt_tokens}, median of {args.repeats}{load}")
     print("step: the recorded decoding step's time per token; kernels: its part inside kernels (timed in C);\n"
-          "dispatch: the rest (Python, crossings into C, the fallback's copies, calls made from Python)")
-    print(f"{'device':12} {'tok/s':>8} {'vs cpu':>7} {'step ms':>8} {'kernels':>8} {'dispatch':>9}  replay")
+          "dispatch: the rest (Python, crossings into C, the fallback's copies, calls made from Python);\n"
+          "overhead: a whole token's time less the time inside the kernels of its step and head (same run)")
+    print(f"{'device':12} {'tok/s':>8} {'vs cpu':>7} {'step ms':>8} {'kernels':>8} {'dispatch':>9} {'overhead':>9}  replay")
     for name, rate in rates.items():
         step, kernels, how = steps[name]
-        print(f"{name:12} {rate:8.2f} {rate / rates['cpu']:7.2f} {step:8.2f} {kernels:8.2f} {step - kernels:9.3f}  {how}")
+        overhead = overheads[name]
+        print(f"{name:12} {rate:8.2f} {rate / rates['cpu']:7.2f} {step:8.2f} {kernels:8.2f} {step - kernels:9.3f} "
+              f"{overhead:9.3f}  {how}")
 
 
 if __name__ == "__main__":
