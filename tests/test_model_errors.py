@@ -132,12 +132,13 @@ def test_unexpected_tensor_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("name,what", [
-    ("rope_freqs.weight", "Llama 3 rope scaling"),
     ("rope_factors_long.weight", "LongRoPE scaling factors"),
+    ("rope_factors_short.weight", "LongRoPE scaling factors"),
 ])
 def test_gguf_rope_tensors_are_refused_by_name(tmp_path, name, what):
-    """Llama 3.x files carry their rope scaling as rope_freqs.weight (per-frequency divisors):
-    skipping it would run the model with the wrong rotary frequencies."""
+    """LongRoPE files carry their factors as tensors llaisys does not apply: skipping them would
+    run the model with the wrong rotary frequencies (rope_freqs.weight, Llama 3.x's, is applied:
+    tests/test_rope_scaling.py)."""
     tensors = _gguf_tensors()
     tensors[name] = np.full(4, 2.0, np.float32)  # (Dh / 2,)
     path = tmp_path / "llama3.gguf"
@@ -153,15 +154,13 @@ def test_every_gguf_tensor_is_used_or_refused():
 
     for arch in names():
         table = get(arch).gguf_names
-        assert table.ignored.match("rope_freqs.weight") is None
-        assert "rope_freqs.weight" in table.refused
+        assert table.ignored.match("rope_factors_long.weight") is None
+        assert "rope_factors_long.weight" in table.refused
 
 
 @pytest.mark.parametrize("meta,message", [
-    ({"rope_scaling_type": gguf.RopeScalingType.YARN}, r"rope\.scaling\.type='yarn' is not supported"),
-    ({"rope_scaling_type": gguf.RopeScalingType.LINEAR, "rope_scaling_factor": 2.0},
-     r"rope\.scaling\.type='linear' is not supported"),
-    ({"rope_scaling_factor": 4.0}, r"llama\.rope\.scaling\.factor=4\.0 asks for linear rope scaling"),
+    ({"rope_scaling_type": gguf.RopeScalingType.LONGROPE}, r"rope\.scaling\.type='longrope' is not supported"),
+    ({"rope_scaling_type": gguf.RopeScalingType.YARN}, r"rope\.scaling\.type='yarn' needs llama\.rope\.scaling\.factor"),
     ({"rope_dimension_count": 4}, r"rope\.dimension_count=4 rotates part of each head"),
 ])
 def test_unsupported_gguf_settings(tmp_path, meta, message):
@@ -173,10 +172,9 @@ def test_unsupported_gguf_settings(tmp_path, meta, message):
         load_model(path)
 
 
-def test_gguf_old_linear_scale_key_is_refused(tmp_path):
+def test_gguf_old_linear_scale_key_is_linear_scaling(tmp_path):
     path = _kv_gguf(tmp_path / "scale.gguf", {"llama.rope.scale_linear": (2.0, T.FLOAT32, None)})
-    with pytest.raises(ModelLoadError, match=r"scale\.gguf: llama\.rope\.scale_linear=2\.0 asks for linear rope scaling"):
-        load_model(path)
+    assert load_model(path).config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
 @pytest.mark.parametrize("meta", [
@@ -368,11 +366,12 @@ def test_the_base_folder_loads(tmp_path):
     ({**HF_CONFIG, "num_key_value_heads": 3}, r"config\.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({**HF_CONFIG, "intermediate_size": -5}, r"config\.json: intermediate_size must be a positive integer, got -5"),
     ({**HF_CONFIG, "hidden_size": "32"}, r"config\.json: hidden_size must be a positive integer, got '32'"),
-    ({**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"config\.json: rope type 'llama3' is not supported"),
-    ({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     r"config\.json: rope type 'linear' is not supported \(rope_scaling\)"),
-    ({**HF_CONFIG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-     r"config\.json: rope type 'yarn' is not supported \(rope_parameters\)"),
+    ({**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     r"config\.json: rope type 'llama3' needs low_freq_factor"),
+    ({**HF_CONFIG, "rope_scaling": {"type": "longrope", "factor": 2.0}},
+     r"config\.json: rope type 'longrope' \(rope_type\) is not supported"),
+    ({**HF_CONFIG, "rope_parameters": {"rope_type": "su", "rope_theta": 1e6, "factor": 4.0}},
+     r"config\.json: rope type 'su' \(rope_type\) is not supported"),
     ({**HF_CONFIG, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
      r"config\.json: rope_parameters holds per-layer-type entries \('full_attention'\)"),
     ({**HF_CONFIG, "rope_scaling": [1, 2]}, r"config\.json: rope_scaling must be an object, got \[1, 2\]"),

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-KERNELS = {"_attention", "_dequantize", "_rms_norm", "_elementwise", "_rope", "_kv_write", "_embedding", "_argmax",
+KERNELS = {"_attention", "_dequantize", "_rms_norm", "_elementwise", "_rope", "_rope_freqs", "_kv_write", "_embedding", "_argmax",
            "_qlinear"}
 
 

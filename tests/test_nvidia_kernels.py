@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 
 FLOATS = (DataType.F32, DataType.F16, DataType.BF16)
 OPS = ("add", "add_rms_norm", "argmax", "embedding", "kv_cache_write", "linear", "paged_attention", "rearrange",
-       "rms_norm", "rope", "self_attention", "swiglu")
+       "rms_norm", "rope", "rope_freqs", "self_attention", "swiglu")
 
 
 @pytest.fixture

@@ -77,9 +77,9 @@ LO_EXPORT int llaisys_ops_swiglu(const lo_swiglu_args *a) {
     return LO_OK;
 }
 
-/* cos, sin (S, D/2): the rotation of each position, as the NumPy kernel tabulates them. */
+/* cos, sin (S, R/2): the rotation of each position, as the NumPy kernel tabulates them. */
 LO_EXPORT int llaisys_ops_rope(const lo_rope_args *a, const float *cos, const float *sin) {
-    if (a->s < 0 || a->h < 0 || a->d < 0 || a->d % 2) return LO_ERR_SHAPE;
+    if (a->s < 0 || a->h < 0 || a->d < 0 || a->d % 2 || a->r < 0 || a->r > a->d || a->r % 2) return LO_ERR_SHAPE;
     kernels()->rope(a, cos, sin);
     return LO_OK;
 }

@@ -48,13 +48,14 @@ typedef struct {
     int64_t rows, n;
 } lo_swiglu_args;
 
-/* Rotary embedding of x (S, H, D) into out; the tables cos, sin (S, D/2) come with the call. */
+/* Rotary embedding of x (S, H, D) into out: the halves of the first r dims (r even, <= d) are
+ * rotated, dims r.. copied; the tables cos, sin (S, r/2) come with the call. */
 typedef struct {
     float *out;
     int64_t out_s0, out_s1;
     const float *x;
     int64_t x_s0, x_s1;
-    int64_t s, h, d;
+    int64_t s, h, d, r;
 } lo_rope_args;
 
 /* Causal GQA: q (S, H, D), k (T, KH, D), v (T, KH, Dv) -> out (S, H, Dv); query i sits at

@@ -121,10 +121,11 @@ LO_INLINE void lo_swiglu_body(const lo_swiglu_args *a) {
 
 /* ---- rope ---------------------------------------------------------------------------------- */
 
-/* With a, b the halves of a head: a cos - b sin, b cos + a sin (each product rounded, as NumPy
- * computes it); both halves are read before either is written, so out may be x. */
+/* With a, b the halves of a head's first r dims: a cos - b sin, b cos + a sin (each product
+ * rounded, as NumPy computes it); both halves are read before either is written, so out may be
+ * x. Dims r.. are copied (none when r = d, the plain rope). */
 LO_INLINE void lo_rope_body(const lo_rope_args *a, const float *cos, const float *sin) {
-    const int64_t half = a->d / 2;
+    const int64_t half = a->r / 2;
     for (int64_t s = 0; s < a->s; s++) {
         const float *c = cos + s * half, *sn = sin + s * half;
         for (int64_t h = 0; h < a->h; h++) {
@@ -136,6 +137,9 @@ LO_INLINE void lo_rope_body(const lo_rope_args *a, const float *cos, const float
                 o[j] = ra;
                 o[j + half] = rb;
             }
+            if (o != x)
+                for (int64_t j = a->r; j < a->d; j++)
+                    o[j] = x[j];
         }
     }
 }

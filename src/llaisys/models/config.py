@@ -29,6 +29,9 @@ class ModelConfig:
     head_dim: int = 0  # Dh; 0 means D // H
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # rope type and its parameters (models.rope); None: plain rope
+    partial_rotary_factor: float = 1.0  # rotated share of each head: R = int(Dh * factor) dims
+    rope_freq_factors: list[float] | None = None  # (R/2,) divisors of the frequencies (GGUF rope_freqs.weight)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on the q/k/v projections
@@ -76,6 +79,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
+        value = self.partial_rotary_factor
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+            raise ModelLoadError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {value!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
+            raise ModelLoadError(f"{source}: rope_scaling must be an object, got {self.rope_scaling!r}")
+        from .rope import rope_frequencies  # here: models.rope imports this module's type
+
+        rope_frequencies(self, source)  # refuses a rope type or parameter llaisys does not apply
         for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelLoadError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
@@ -127,27 +138,38 @@ def json_flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> b
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 
-def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
-    """rope_theta as transformers 5 reads it (``convert_rope_params_to_dict``): the rope table
-    is ``rope_scaling`` when it is non-empty, otherwise ``rope_parameters``; its ``rope_theta``
-    comes first, then the flat ``rope_theta``, then 10000. A rope type other than "default" in
-    that table is refused by name, as is a table of per-layer-type entries."""
+def _rope_parameters(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and partial_rotary_factor as transformers 5 reads them
+    (``convert_rope_params_to_dict``, ``standardize_rope_params``): the rope table is
+    ``rope_scaling`` when it is non-empty, otherwise ``rope_parameters``; its ``rope_theta``
+    comes first, then the flat ``rope_theta``, then 10000; its ``partial_rotary_factor`` first,
+    then the flat one, then 1. A table of type "llama3", "yarn" or "longrope" takes a flat
+    ``original_max_position_embeddings`` over its own, else its own, else
+    ``max_position_embeddings``. A table of per-layer-type entries is refused; the rope type is
+    checked with the rest of the config (``models.rope``). rope_scaling is None for the plain rope."""
     for key in ("rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], Mapping):
             raise ModelLoadError(f"{source}: {key} must be an object, got {raw[key]!r}")
     key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    table = raw.get(key) or {}
+    table = dict(raw.get(key) or {})
     nested = [name for name, value in table.items() if isinstance(value, Mapping)]
     if nested:
         raise ModelLoadError(f"{source}: {key} holds per-layer-type entries ({', '.join(map(repr, nested))}), "
                              f"which llaisys does not apply; expected one table of rope parameters")
     kind = table.get("rope_type", table.get("type", "default"))
-    if kind != "default":
-        raise ModelLoadError(f"{source}: rope type {kind!r} is not supported ({key}); llaisys applies only "
-                             f"'default' (plain rotary embeddings)")
-    if "rope_theta" in table:
-        return table["rope_theta"]
-    return raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    theta = table.pop("rope_theta") if "rope_theta" in table else raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    partial = table.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = raw.get("partial_rotary_factor")
+    if kind in ("llama3", "yarn", "longrope"):
+        if raw.get("original_max_position_embeddings") is not None:
+            table["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        elif table.get("original_max_position_embeddings") is None:
+            table["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    table["rope_type"] = kind
+    table.pop("type", None)
+    return {"rope_theta": theta, "rope_scaling": None if kind == "default" else table,
+            "partial_rotary_factor": 1.0 if partial is None else partial}
 
 
 def config_from_hf(raw: Any, source: str) -> ModelConfig:
@@ -171,7 +193,7 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: use_sliding_window=true is not supported; expected full attention")
     values = dict(raw)
     values["architecture"] = arch.name
-    values["rope_theta"] = _rope_theta(raw, source)
+    values.update(_rope_parameters(raw, source))
     values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
     values.update(arch.hf_config(raw, source))
     for key in ("num_key_value_heads", "head_dim"):

@@ -68,7 +68,7 @@ def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, 
     K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read)."""
     k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
     ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (S, H+KH, Dh)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (S, H+KH, Dh)
     ops.rearrange(k_new, ws.k, plan=plan)  # (S, KH, Dh) into the cache
     ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
     ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
@@ -94,7 +94,7 @@ def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor],
     their slots first, then each sequence attends to its own keys through its block table."""
     k_pool, v_pool = pool
     ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (N, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, plan=plan)  # (N, H+KH, Dh)
+    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (N, H+KH, Dh)
     ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan)
     ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
                         scale, plan=plan)  # (N, H, Dh)

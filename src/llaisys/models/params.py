@@ -23,6 +23,7 @@ from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .rope import rope_frequencies
 from .tensor_parallel import Shard
 from .weights import WeightSource
 
@@ -39,6 +40,9 @@ class LayerParams:
     ffn_norm: Tensor  # (D,)
     gate_up: Tensor  # (2*I, D): rows of gate, then up
     down: Tensor  # (D, I)
+    # (R/2,) F32 inverse rotary frequencies, the one tensor of every layer; None: the plain rope
+    rope_freqs: Tensor | None = None
+    rope_factor: float = 1.0  # multiplies rope's cos and sin (YaRN's attention factor)
 
 
 @dataclass(slots=True)
@@ -192,6 +196,8 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
     if shard is not None:
         weights = shard.shard_weights(weights)
     b = _Builder(weights, dtype, device, progress, keep_half)
+    inv_freq, rope_factor = rope_frequencies(config)  # every rank computes the same ones
+    rope_freqs = None if inv_freq is None else Tensor.from_numpy(inv_freq, device).freeze()  # (R/2,) F32
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
@@ -204,6 +210,8 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             ffn_norm=b.one(p + "ffn_norm"),
             gate_up=b.stacked([p + "gate", p + "up"]),
             down=b.one(p + "down"),
+            rope_freqs=rope_freqs,
+            rope_factor=rope_factor,
         ))
     embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
     if config.tie_word_embeddings:

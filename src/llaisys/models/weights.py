@@ -70,7 +70,6 @@ GGUF_IGNORED = re.compile(r"(?!)")  # nothing: every tensor of a GGUF file is us
 # Tensors that change what the model computes in ways llaisys does not apply yet: refused by
 # name (skipping them would run the model with the wrong rotary frequencies).
 GGUF_REFUSED = {
-    "rope_freqs.weight": "Llama 3 rope scaling",
     "rope_factors_long.weight": "LongRoPE scaling factors",
     "rope_factors_short.weight": "LongRoPE scaling factors",
 }

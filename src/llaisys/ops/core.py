@@ -130,14 +130,17 @@ def add_rms_norm(out: Tensor, total: Tensor, a: Tensor, b: Tensor, weight: Tenso
     return out, total
 
 
-def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, *, plan: Plan | None = None) -> Tensor:
+def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor | None = None,
+         attention_factor: float = 1.0, *, plan: Plan | None = None) -> Tensor:
     """Rotary position embedding on inp (S, H, D) at positions pos_ids (S,) I64.
 
-    With a = x[..., :D/2], b = x[..., D/2:] and phi_j = pos / theta^(2j/D):
-    out[..., :D/2] = a cos(phi) - b sin(phi); out[..., D/2:] = b cos(phi) + a sin(phi).
-    Returns out.
+    With a = x[..., :R/2], b = x[..., R/2:R] and phi_j = pos * f_j:
+    out[..., :R/2] = a cos(phi) - b sin(phi); out[..., R/2:R] = b cos(phi) + a sin(phi);
+    out[..., R:] = x[..., R:] (partial rotary). Without ``freqs``: R = D and f_j = theta^(-2j/D).
+    ``freqs`` (R/2,) F32, R even and <= D: the inverse frequencies f_j (theta is then unused);
+    ``attention_factor`` multiplies cos and sin (YaRN), and needs ``freqs``. Returns out.
     """
-    tensors_match("rope", ("out", "in", "pos_ids"), (out, inp, pos_ids), dtypes=2)
+    tensors_match("rope", ("out", "in", "pos_ids", "freqs"), (out, inp, pos_ids, freqs), dtypes=2)
     dtype_in("rope", "out", out, FLOAT_TYPES)
     dtype_in("rope", "pos_ids", pos_ids, INDEX_TYPES)
     ndim_is("rope", "in", inp, 3, "(S, H, D)")
@@ -146,8 +149,22 @@ def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, *, plan: Plan 
     if inp.shape[2] % 2:
         raise ValueError(f"rope: head dim D must be even; got D={inp.shape[2]}")
     theta = number("rope", "theta", theta, "> 0")
+    attention_factor = number("rope", "attention_factor", attention_factor, "> 0")
+    if freqs is None:
+        if attention_factor != 1.0:
+            raise ValueError(f"rope: attention_factor={attention_factor} needs freqs, the inverse frequencies "
+                             "(R/2,) F32; pass them too")
+        if 0 not in out.shape:
+            _launch(plan, "rope", out.dtype, (out,), (inp, pos_ids), {"theta": theta})
+        return out
+    dtype_in("rope", "freqs", freqs, frozenset({DataType.F32}))
+    ndim_is("rope", "freqs", freqs, 1, "(R/2,) inverse frequencies")
+    if not 0 < 2 * freqs.shape[0] <= inp.shape[2]:
+        raise ValueError(f"rope: freqs has shape {freqs.shape}: R/2 values for R rotated dims, 0 < R <= D; "
+                         f"in has D={inp.shape[2]}")
     if 0 not in out.shape:
-        _launch(plan, "rope", out.dtype, (out,), (inp, pos_ids), {"theta": theta})
+        # Its own kernel name: a plugin's rope kernel takes theta only, so this call falls back to the CPU there.
+        _launch(plan, "rope_freqs", out.dtype, (out,), (inp, pos_ids, freqs), {"attention_factor": attention_factor})
     return out
 
 

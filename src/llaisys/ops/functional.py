@@ -61,10 +61,12 @@ def rms_norm(inp: Tensor, weight: Tensor, eps: float) -> Tensor:
     return core.rms_norm(_new(inp), inp, weight, eps)
 
 
-def rope(inp: Tensor, pos_ids: Tensor, theta: float) -> Tensor:
-    """Rotary embedding of inp (S, H, D) at positions pos_ids (S,) I64: (S, H, D)."""
-    tensors_match("rope", ("in", "pos_ids"), (inp, pos_ids), dtypes=1)
-    return core.rope(_new(inp), inp, pos_ids, theta)
+def rope(inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor | None = None,
+         attention_factor: float = 1.0) -> Tensor:
+    """Rotary embedding of inp (S, H, D) at positions pos_ids (S,) I64: (S, H, D); ``freqs``
+    and ``attention_factor`` as ``ops.rope`` takes them."""
+    tensors_match("rope", ("in", "pos_ids", "freqs"), (inp, pos_ids, freqs), dtypes=1)
+    return core.rope(_new(inp), inp, pos_ids, theta, freqs, attention_factor)
 
 
 def self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

@@ -54,7 +54,7 @@ class _RopeArgs(ctypes.Structure):
     """``lo_rope_args``."""
 
     _fields_ = [("out", _PTR), ("out_s0", _I64), ("out_s1", _I64), ("x", _PTR), ("x_s0", _I64), ("x_s1", _I64),
-                ("s", _I64), ("h", _I64), ("d", _I64)]
+                ("s", _I64), ("h", _I64), ("d", _I64), ("r", _I64)]
 
 
 class _AttentionArgs(ctypes.Structure):
@@ -277,13 +277,16 @@ def swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs
 
 # ---- rope ---------------------------------------------------------------------------------------
 _TABLES_KEPT = 16
-_tables: dict[tuple[bytes, int, float], tuple] = {}  # (positions, D, theta) -> (cos, sin, cos ptr, sin ptr)
+# (positions, D, theta) or (positions, freqs, attention factor) -> (cos, sin, cos ptr, sin ptr)
+_tables: dict[tuple, tuple] = {}
 
 
-def _table(key: tuple[bytes, int, float]) -> tuple:
-    """The NumPy kernel's cos and sin (S, 1, D/2) for ``key``, with their addresses; every layer
-    of a pass rotates at the same positions, so the last few sets are kept."""
-    cos, sin = norm_rope._cos_sin(*key)  # C-contiguous float32
+def _table(key: tuple) -> tuple:
+    """The NumPy kernel's cos and sin (S, 1, R/2) for ``key`` (3 values: ``_cos_sin``'s
+    arguments; with bytes second: ``_cos_sin_freqs``'s), with their addresses; every layer of
+    a pass rotates at the same positions, so the last few sets are kept."""
+    make = norm_rope._cos_sin_freqs if isinstance(key[1], bytes) else norm_rope._cos_sin
+    cos, sin = make(*key)  # C-contiguous float32
     table = (cos, sin, cos.ctypes.data, sin.ctypes.data)
     if len(_tables) >= _TABLES_KEPT:
         _tables.clear()
@@ -291,26 +294,35 @@ def _table(key: tuple[bytes, int, float]) -> tuple:
     return table
 
 
-def _rope_args(out: Tensor, x: Tensor) -> _RopeArgs | None:
+def _rope_args(out: Tensor, x: Tensor, r: int) -> _RopeArgs | None:
     heads = (_heads(out), _heads(x))
     if None in heads or not _writes_safely((out,), (x,)) or not _library():
         return None
     s, h, d = x.shape
-    return _RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d)
+    return _RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d, r)
+
+
+def _table_key(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str, Any]) -> tuple:
+    """The ``_tables`` key of a call: positions, then D and theta, or freqs and the factor."""
+    if freqs is None:
+        return pos.host_array().tobytes(), x.shape[2], attrs["theta"]
+    return pos.host_array().tobytes(), freqs.host_array().tobytes(), attrs["attention_factor"]
 
 
 def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``rope`` kernel: native where it applies, else ``norm_rope.rope``."""
+    """The F32 ``rope`` and ``rope_freqs`` kernel: native where it applies, else ``norm_rope``'s."""
     out = outputs[0]
-    x, pos = inputs
-    e = out.derived("native_ops.rope", _entry)  # [x, args, address]
-    if e[0] is not x:
-        args = _rope_args(out, x)
-        e[:3] = [x, args, None if args is None else ctypes.addressof(args)]
+    x, pos = inputs[:2]
+    freqs = inputs[2] if len(inputs) > 2 else None
+    r = x.shape[2] if freqs is None else 2 * freqs.shape[0]
+    e = out.derived("native_ops.rope", _entry)  # [x, args, address, r]
+    if e[0] is not x or e[3] != r:
+        args = _rope_args(out, x, r)
+        e[:4] = [x, args, None if args is None else ctypes.addressof(args), r]
     if e[2] is None:
-        norm_rope.rope(outputs, inputs, attrs)
+        (norm_rope.rope if freqs is None else norm_rope.rope_freqs)(outputs, inputs, attrs)
         return
-    key = (pos.host_array().tobytes(), x.shape[2], attrs["theta"])
+    key = _table_key(x, pos, freqs, attrs)
     table = _tables.get(key) or _table(key)
     status = _lib.llaisys_ops_rope(e[2], table[2], table[3])
     if status:
@@ -405,29 +417,30 @@ def native_swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]
 
 def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``rope`` as an argument block whose cos/sin tables are those of the positions ``pos``
-    holds at each replay (set by its refresh, before the replay's first kernel runs). Every
-    layer of a pass rotates the same buffers at the same positions, so its calls share one
-    block, kept with the output tensor, and one refresh."""
-    (out,), (x, pos) = outputs, inputs
-    theta = attrs["theta"]
-    shared = out.derived("native_ops.rope_call", _entry)  # [x, pos, theta, NativeCall]
-    if shared[0] is x and shared[1] is pos and shared[2] == theta:
-        return shared[3]
-    args = _rope_args(out, x)
+    """``rope`` (or ``rope_freqs``) as an argument block whose cos/sin tables are those of the
+    positions ``pos`` holds at each replay (set by its refresh, before the replay's first kernel
+    runs). Every layer of a pass rotates the same buffers at the same positions, so its calls
+    share one block, kept with the output tensor, and one refresh."""
+    (out,), (x, pos) = outputs, inputs[:2]
+    freqs = inputs[2] if len(inputs) > 2 else None
+    scalar = attrs["theta"] if freqs is None else attrs["attention_factor"]
+    shared = out.derived("native_ops.rope_call", _entry)  # [x, pos, freqs, scalar, NativeCall]
+    if shared[4] is not None and shared[0] is x and shared[1] is pos and shared[2] is freqs and shared[3] == scalar:
+        return shared[4]
+    args = _rope_args(out, x, x.shape[2] if freqs is None else 2 * freqs.shape[0])
     if args is None or not native_calls.available():
         return None
-    block, d = _RopeCall(ctypes.addressof(args)), x.shape[2]
-    kept = [args, None]  # the argument struct, the table in use
+    block = _RopeCall(ctypes.addressof(args))
+    kept = [args, None, freqs]  # the argument struct, the table in use, the freqs read at each refresh
 
     def refresh() -> None:
-        key = (pos.host_array().tobytes(), d, theta)
+        key = _table_key(x, pos, freqs, attrs)
         kept[1] = table = _tables.get(key) or _table(key)
         block.cos, block.sin = table[2], table[3]
 
     refresh()
     call = _call_of("rope", "llaisys_ops_rope_call", block, kept, refresh=refresh)
-    shared[:4] = [x, pos, theta, call]
+    shared[:5] = [x, pos, freqs, scalar, call]
     return call
 
 
@@ -481,9 +494,10 @@ swiglu.native_call = native_swiglu  # type: ignore[attr-defined]
 rope.native_call = native_rope  # type: ignore[attr-defined]
 self_attention.native_call = native_self_attention  # type: ignore[attr-defined]
 
-KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "swiglu": swiglu,
+KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "rope_freqs": rope, "swiglu": swiglu,
            "self_attention": self_attention, "add": add}
 NUMPY_KERNELS = {"rms_norm": norm_rope.rms_norm, "add_rms_norm": norm_rope.add_rms_norm, "rope": norm_rope.rope,
+                 "rope_freqs": norm_rope.rope_freqs,
                  "swiglu": elementwise.swiglu, "self_attention": attention.self_attention, "add": elementwise.add}
 
 

@@ -61,16 +61,51 @@ def _cos_sin(pos_bytes: bytes, dim: int, theta: float) -> tuple[np.ndarray, np.n
     return cos, sin
 
 
+@functools.lru_cache(maxsize=8)
+def _cos_sin_freqs(pos_bytes: bytes, freqs_bytes: bytes, factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (S, 1, R/2) float32 of the angles pos * freqs at positions ``pos_bytes`` (S,)
+    I64 for inverse frequencies ``freqs_bytes`` (R/2,) F32, each times ``factor``."""
+    pos = np.frombuffer(pos_bytes, np.int64)  # (S,)
+    angles = pos.astype(np.float64)[:, None] * np.frombuffer(freqs_bytes, np.float32).astype(np.float64)  # (S, R/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if factor != 1.0:
+        cos *= factor
+        sin *= factor
+    cos, sin = cos.astype(np.float32)[:, None, :], sin.astype(np.float32)[:, None, :]
+    cos.flags.writeable = sin.flags.writeable = False  # shared by every caller
+    return cos, sin
+
+
+def _rotate(out: np.ndarray, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """out (S, H, D) = x with the halves of its first R = 2 * cos.shape[-1] dims rotated by the
+    angles of cos, sin (S, 1, R/2); dims R.. copied. out may be x."""
+    half = cos.shape[-1]
+    a, b = x[..., :half], x[..., half:2 * half]
+    ra = a * cos - b * sin
+    rb = b * cos + a * sin
+    out[..., :half] = ra
+    out[..., half:2 * half] = rb
+    if 2 * half < x.shape[2]:
+        out[..., 2 * half:] = x[..., 2 * half:]
+
+
 @register_kernel("rope", "cpu", dtypes=FLOATS)
 def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """Rotary embedding of in (S, H, D) at pos_ids (S,) I64, halves rotated by pos / theta^(2j/D); attrs: theta."""
     out = outputs[0].host_array()  # (S, H, D)
     x = f32(inputs[0].host_array())
     pos = inputs[1].host_array()  # (S,)
-    half = x.shape[2] // 2
     cos, sin = _cos_sin(pos.tobytes(), x.shape[2], attrs["theta"])  # (S, 1, D/2) each
-    a, b = x[..., :half], x[..., half:]
-    ra = a * cos - b * sin
-    rb = b * cos + a * sin
-    out[..., :half] = ra
-    out[..., half:] = rb
+    _rotate(out, x, cos, sin)
+
+
+@register_kernel("rope_freqs", "cpu", dtypes=FLOATS)
+def rope_freqs(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """Rotary embedding of in (S, H, D) at pos_ids (S,) I64 with inverse frequencies freqs (R/2,)
+    F32: the halves of the first R dims rotated by pos * freqs, cos and sin times
+    attrs["attention_factor"]; dims R.. copied."""
+    out = outputs[0].host_array()  # (S, H, D)
+    x = f32(inputs[0].host_array())
+    pos, freqs = inputs[1].host_array(), inputs[2].host_array()  # (S,), (R/2,)
+    cos, sin = _cos_sin_freqs(pos.tobytes(), freqs.tobytes(), attrs["attention_factor"])  # (S, 1, R/2) each
+    _rotate(out, x, cos, sin)

@@ -82,6 +82,9 @@ def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
         qk = new(s, h + kh, dh)
         run("rope", (qk,), (qkv.slice(1, 0, (h + kh) * dh).view(s, h + kh, dh), new(s, dt=DataType.I64)),
             {"theta": 1e6})
+        for rotated in (dh, dh // 2):  # scaled frequencies (llama3, yarn ...), whole heads and partial rotary
+            run("rope_freqs", (qk,), (qkv.slice(1, 0, (h + kh) * dh).view(s, h + kh, dh), new(s, dt=DataType.I64),
+                                      new(rotated // 2, dt=DataType.F32)), {"attention_factor": 1.1})
         cache = new(40, kh, dh)
         run("rearrange", (cache.slice(0, 10, 10 + s),), (qk.slice(1, h, h + kh),))
         seen = cache.slice(0, 0, 10 + s)

@@ -92,6 +92,32 @@ def _rope(out, x, pos, inv_freq, H, HALF, x_s, x_h, x_d, o_s, o_h, o_d,
     tl.store(dst + HALF * o_d, (b * cos + a * sin).to(out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _rope_freqs(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d, factor,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Row s: halves (a, b) of the first R = 2 * HALF dims of every head rotated by pos[s] * freqs
+    (angles in F64), cos and sin times ``factor``; the REST dims after them copied."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    m = (h < H) & (j < HALF)
+    p = tl.load(pos + s).to(tl.float64)
+    angle = p * tl.load(freqs + j, mask=j < HALF, other=0.0).to(tl.float64)  # (1, HALF) float64
+    cos = (tl.cos(angle) * factor).to(tl.float32)
+    sin = (tl.sin(angle) * factor).to(tl.float32)
+    src = x + s * x_s + h * x_h + j * x_d
+    a = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(src + HALF * x_d, mask=m, other=0.0).to(tl.float32)
+    dst = out + s * o_s + h * o_h + j * o_d
+    tl.store(dst, (a * cos - b * sin).to(out.dtype.element_ty), mask=m)
+    tl.store(dst + HALF * o_d, (b * cos + a * sin).to(out.dtype.element_ty), mask=m)
+    if BLOCK_REST > 0:
+        k = tl.arange(0, BLOCK_REST)[None, :]
+        mk = (h < H) & (k < REST)
+        rest = tl.load(x + s * x_s + h * x_h + (2 * HALF + k) * x_d, mask=mk, other=0.0)
+        tl.store(out + s * o_s + h * o_h + (2 * HALF + k) * o_d, rest.to(out.dtype.element_ty), mask=mk)
+
+
 @functools.lru_cache(maxsize=32)
 def _inv_freq_host(dim: int, theta: float) -> np.ndarray:
     # The CPU kernel's float64 inverse frequencies, so the angles are the same numbers.
@@ -119,3 +145,17 @@ def rope(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], att
     args = (out, x, pos, _inv_freq(d, float(attrs["theta"]), x.device), h, half, *x.stride(), *out.stride())
     launch(_rope, (s,), args, {"BLOCK_H": next_pow2(h), "BLOCK_HALF": next_pow2(half)},
            exact=outputs[0].dtype is DataType.F32)
+
+
+@register_kernel("rope_freqs", "nvidia", dtypes=FLOATS)
+def rope_freqs(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """Rotary embedding of in (S, H, D) at pos_ids (S,) I64 with inverse frequencies freqs
+    (R/2,) F32 into out (S, H, D): the first R dims rotated, cos and sin times
+    attrs["attention_factor"], dims R.. copied. in and out may be strided."""
+    out, x, pos, freqs = tv(outputs[0]), tv(inputs[0]), tv(inputs[1]), tv(inputs[2])
+    s, h, d = x.shape
+    half = freqs.shape[0]
+    rest = d - 2 * half
+    args = (out, x, pos, freqs, h, half, rest, *x.stride(), *out.stride(), float(attrs["attention_factor"]))
+    consts = {"BLOCK_H": next_pow2(h), "BLOCK_HALF": next_pow2(half), "BLOCK_REST": next_pow2(rest) if rest else 0}
+    launch(_rope_freqs, (s,), args, consts, exact=outputs[0].dtype is DataType.F32)

@@ -82,15 +82,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             raise ModelLoadError(f"{path}: {arch}.{key} holds per-layer values {value[:4]}...; expected one number")
         if value is not None:
             values[name] = value
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in ("none", None):
-        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none'")
-    # llama.cpp reads a scaling factor without a scaling type as linear scaling
-    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
-        factor = meta.get(key)
-        if scaling is None and factor is not None and factor != 1.0:
-            raise ModelLoadError(f"{path}: {key}={factor!r} asks for linear rope scaling, which llaisys does not "
-                                 f"apply; expected no factor, 1.0, or {arch}.rope.scaling.type='none'")
+    values.update(_rope_settings(meta, tensors, arch, path))
     if "vocab_size" not in values:
         values["vocab_size"] = _vocab_size(meta, tensors)
     values["tie_word_embeddings"] = architecture.gguf_names.to_file("lm_head") not in tensors
@@ -105,6 +97,44 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of each head; expected the whole head_dim={config.head_dim}"
         )
     return config
+
+
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: (R/2,) divisors of the rotary frequencies
+
+
+def _rope_settings(meta: dict[str, Any], tensors: dict[str, Any], arch: str, path: str) -> dict[str, Any]:
+    """Config fields of the file's rope scaling, as llama.cpp reads it: ``{arch}.rope.scaling.type``
+    "none" (whatever the factor), "linear" or "yarn" (with ``.factor`` and, for YaRN,
+    ``.original_context_length``; YaRN's own tuning keys are refused by name); a factor without
+    a type (or the old ``rope.scale_linear``) is linear scaling; the ``rope_freqs.weight`` tensor
+    gives per-pair divisors of the frequencies. Applied by ``models.rope``."""
+    values: dict[str, Any] = {}
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if scaling is None and factor is not None and factor != 1.0:
+        scaling = "linear"
+    if scaling not in ("none", None, "linear", "yarn"):
+        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; expected 'none', "
+                             f"'linear' or 'yarn'")
+    if scaling in ("linear", "yarn"):
+        if factor is None:
+            raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} needs {arch}.rope.scaling.factor")
+        values["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+    if scaling == "yarn":
+        tuned = sorted(k for k in meta
+                       if k.startswith(f"{arch}.rope.scaling.yarn_") or k == f"{arch}.rope.scaling.attn_factor")
+        if tuned:
+            raise ModelLoadError(f"{path}: {', '.join(tuned)} tune llama.cpp's YaRN in ways llaisys does not apply; "
+                                 f"expected only {arch}.rope.scaling.factor and .original_context_length")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length", meta.get(f"{arch}.context_length"))
+        values["rope_scaling"]["original_max_position_embeddings"] = original
+    t = tensors.get(ROPE_FREQS)
+    if t is not None:
+        if t.tensor_type not in (Q.F32, Q.F16) or len(t.shape) != 1:
+            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS!r} is {t.type_name} of shape {tuple(t.shape)}; "
+                                 "expected a vector of F32 or F16 frequency divisors")
+        values["rope_freq_factors"] = np.asarray(t.data, np.float32).reshape(-1).tolist()
+    return values
 
 
 def _vocab_size(meta: dict[str, Any], tensors: dict[str, Any]) -> int:
@@ -182,6 +212,7 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
     meta = gguf.meta
     tensors = {t.name: t for t in gguf.tensors}
     config = _config(meta, tensors, path)
+    tensors.pop(ROPE_FREQS, None)  # read into the config (rope_freq_factors)
     arch = architectures.get(config.architecture)
     table = arch.gguf_names
     types = collections.Counter(t.type_name for t in gguf.tensors)
