@@ -3,7 +3,7 @@ the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process
 (Triton must not be in interpreter mode there; the two run side by side), through ptxas to
 cubins. This catches what Triton's interpreter forgives: types, layouts, shared-memory and
 register limits. CI compiles the covering subset (``aot --cover``: every argument type and
-constexpr value of each kernel, and its largest tiles per float type; 44 of 108 variants);
+constexpr value of each kernel, and its largest tiles per float type; 53 of 126 variants);
 ``LLAISYS_AOT_FULL=1`` compiles every variant."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 KERNELS = {"_attention", "_dequantize", "_rms_norm", "_elementwise", "_rope", "_rope_freqs", "_kv_write", "_embedding", "_argmax",
-           "_qlinear"}
+           "_qlinear", "_geglu_scale"}
 
 
 @pytest.fixture(scope="module")

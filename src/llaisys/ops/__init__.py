@@ -1,9 +1,10 @@
 """The public ops. Each takes its output tensor first (as the C ops API does), checks its
 arguments once, then dispatches through the kernel registry. ``llaisys.ops.functional``
 holds the same ops returning new tensors; ``Plan`` records checked calls to replay."""
-from .core import add, add_rms_norm, argmax, embedding, linear, rearrange, rms_norm, rope, self_attention, swiglu
+from .core import (add, add_rms_norm, argmax, embedding, geglu, linear, rearrange, rms_norm, rope, scale, self_attention,
+                   swiglu)
 from .paged import kv_cache_write, paged_attention
 from . import functional
 from .plan import Plan
 
-__all__ = ["add", "add_rms_norm", "argmax", "embedding", "kv_cache_write", "linear", "paged_attention", "rearrange", "rms_norm", "rope", "self_attention", "swiglu", "functional", "Plan"]
+__all__ = ["add", "add_rms_norm", "argmax", "embedding", "geglu", "kv_cache_write", "linear", "paged_attention", "rearrange", "rms_norm", "rope", "scale", "self_attention", "swiglu", "functional", "Plan"]

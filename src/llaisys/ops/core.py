@@ -215,3 +215,32 @@ def _launch(plan: Plan | None, name: str, dtype: DataType, outputs: tuple, input
         kernel(outputs, inputs, attrs)
     else:
         plan.append(kernel, outputs, inputs, attrs)
+
+
+def geglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) -> Tensor:
+    """out = up * gelu_tanh(gate), elementwise, with gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi)
+    (x + 0.044715 x^3))) (torch's ``gelu(approximate="tanh")``, Gemma's MLP); all of one shape
+    and float dtype, any strides (gate and up are usually column halves of one (S, 2I) buffer).
+    F16/BF16 are computed in F32 and rounded once. Returns out."""
+    tensors_match("geglu", ("out", "gate", "up"), (out, gate, up))
+    dtype_in("geglu", "out", out, FLOAT_TYPES)
+    shape_is("geglu", "gate", gate, out.shape)
+    shape_is("geglu", "up", up, out.shape)
+    if 0 not in out.shape:
+        _launch(plan, "geglu", out.dtype, (out,), (gate, up), {})
+    return out
+
+
+def scale(out: Tensor, inp: Tensor, factor: float, *, plan: Plan | None = None) -> Tensor:
+    """out = inp * factor, elementwise; out and inp of one shape and float dtype, any strides;
+    out may be inp (in place). The product of inp and float32(factor) is computed in F32 and
+    rounded once to the dtype: a caller that wants the factor rounded to the activations' type
+    first (Gemma scales its embeddings by sqrt(hidden_size) in their dtype) passes it rounded.
+    Returns out."""
+    tensors_match("scale", ("out", "in"), (out, inp))
+    dtype_in("scale", "out", out, FLOAT_TYPES)
+    shape_is("scale", "in", inp, out.shape)
+    factor = number("scale", "factor", factor)
+    if 0 not in out.shape:
+        _launch(plan, "scale", out.dtype, (out,), (inp,), {"factor": factor})
+    return out

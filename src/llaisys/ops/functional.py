@@ -81,3 +81,15 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """up * silu(gate) as a new tensor of gate's shape."""
     tensors_match("swiglu", ("gate", "up"), (gate, up))
     return core.swiglu(_new(gate), gate, up)
+
+
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """up * gelu_tanh(gate) as a new tensor of gate's shape."""
+    tensors_match("geglu", ("gate", "up"), (gate, up))
+    return core.geglu(_new(gate), gate, up)
+
+
+def scale(inp: Tensor, factor: float) -> Tensor:
+    """inp * factor as a new tensor of inp's shape and dtype."""
+    tensors_match("scale", ("in",), (inp,))
+    return core.scale(_new(inp), inp, factor)

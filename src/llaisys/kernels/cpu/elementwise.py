@@ -1,4 +1,4 @@
-"""add, swiglu and rearrange on the CPU."""
+"""add, swiglu, geglu, scale and rearrange on the CPU."""
 from __future__ import annotations
 
 import ctypes
@@ -82,3 +82,39 @@ def native_rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
 
 
 rearrange.native_call = native_rearrange  # type: ignore[attr-defined]
+
+
+GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2/pi), rounded to float32 as torch's gelu has it
+GELU_KAPPA = np.float32(0.044715)
+
+
+@register_kernel("geglu", "cpu", dtypes=FLOATS)
+def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up for outputs (out,), inputs
+    (g, up) of one shape, in F32, in torch's order of operations (gelu(approximate="tanh"))."""
+    out = outputs[0].host_array()
+    gate, up = (f32(t.host_array()) for t in inputs)
+    inner = gate * gate  # (g g) g, as torch computes g^3
+    inner *= gate
+    inner *= GELU_KAPPA
+    inner += gate
+    inner *= GELU_BETA
+    np.tanh(inner, out=inner)
+    inner += np.float32(1.0)
+    res = gate * np.float32(0.5)
+    res *= inner
+    res *= up
+    out[...] = res
+
+
+@register_kernel("scale", "cpu", dtypes=FLOATS)
+def scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out = in * float32(factor) for outputs (out,), inputs (in,) of one shape (out may be in),
+    computed in F32 and rounded once to out's type."""
+    out = outputs[0].host_array()
+    x = f32(inputs[0].host_array())
+    factor = np.float32(attrs["factor"])
+    if out.dtype == np.float32:
+        np.multiply(x, factor, out=out)  # NumPy copies an input the output overlaps first
+    else:
+        out[...] = x * factor

@@ -1,5 +1,5 @@
-"""rms_norm, add_rms_norm, rope, swiglu and self_attention for F32 on the CPU through the native
-library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels; and ``add``,
+"""rms_norm, add_rms_norm, rope, swiglu, geglu, scale and self_attention for F32 on the CPU through
+the native library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels; and ``add``,
 which runs as NumPy's when called but offers a native call to a replayed plan for dense F32
 tensors (the same IEEE sums), so a plugin device's fallback of ``add`` stays in the stretch.
 
@@ -511,3 +511,107 @@ def register(native: bool = True) -> None:
 
 if os.environ.get("LLAISYS_NATIVE_OPS", "1").lower() not in ("0", "false", "no", "off"):
     register()
+
+
+# ---- geglu, scale (csrc/ops/geglu_scale.c) ------------------------------------------------------
+class _ScaleArgs(ctypes.Structure):
+    """``lo_scale_args`` of csrc/ops/geglu_scale.c (geglu takes ``lo_swiglu_args``)."""
+
+    _fields_ = [("out", _PTR), ("out_s", _I64), ("x", _PTR), ("x_s", _I64), ("rows", _I64), ("n", _I64),
+                ("factor", ctypes.c_float)]
+
+
+class _ArgsCall(ctypes.Structure):
+    _fields_ = [("a", _PTR)]  # lo_geglu_call, lo_scale_call
+
+
+_GEGLU_SCALE_SIGNATURES = {"llaisys_ops_geglu": ([_PTR], ctypes.c_int), "llaisys_ops_scale": ([_PTR], ctypes.c_int)}
+_geglu_scale_ready: bool | None = None  # None until first use
+
+
+def _has_geglu_scale() -> bool:
+    """Whether the native library is built with geglu and scale (their signatures then declared)."""
+    global _geglu_scale_ready
+    if _geglu_scale_ready is None:
+        lib = _library()
+        ready = bool(lib) and all(hasattr(lib, f) for f in _GEGLU_SCALE_SIGNATURES)
+        if ready:
+            for function, (argtypes, restype) in _GEGLU_SCALE_SIGNATURES.items():
+                fn = getattr(lib, function)
+                fn.argtypes, fn.restype = argtypes, restype
+        _geglu_scale_ready = ready
+    return _geglu_scale_ready
+
+
+def _geglu_args(out: Tensor, gate: Tensor, up: Tensor) -> _SwigluArgs | None:
+    if out.ndim == 0 or not _has_geglu_scale():
+        return None
+    return _swiglu_args(out, gate, up)
+
+
+def _scale_args(out: Tensor, x: Tensor, factor: float) -> _ScaleArgs | None:
+    if out.ndim == 0 or not _has_geglu_scale():
+        return None
+    geometry = [_rows(t) for t in (out, x)]
+    if None in geometry or not _writes_safely((out,), (x,)):
+        return None
+    (rows, out_s), (_, x_s) = geometry
+    return _ScaleArgs(_ptr(out), out_s, _ptr(x), x_s, rows, out.shape[-1], factor)
+
+
+def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``geglu`` kernel: native where it applies, else ``elementwise.geglu``."""
+    out = outputs[0]
+    gate, up = inputs
+    e = out.derived("native_ops.geglu", _entry)  # [gate, up, args, address]
+    if e[0] is not gate or e[1] is not up:
+        args = _geglu_args(out, gate, up)
+        e[:4] = [gate, up, args, None if args is None else ctypes.addressof(args)]
+    if e[3] is None:
+        elementwise.geglu(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_geglu(e[3])
+    if status:
+        _failed("geglu", status)
+
+
+def scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """The F32 ``scale`` kernel: native where it applies, else ``elementwise.scale``."""
+    out, x, factor = outputs[0], inputs[0], attrs["factor"]
+    e = out.derived("native_ops.scale", _entry)  # [x, factor, args, address]
+    if e[0] is not x or e[1] != factor:
+        args = _scale_args(out, x, factor)
+        e[:4] = [x, factor, args, None if args is None else ctypes.addressof(args)]
+    if e[3] is None:
+        elementwise.scale(outputs, inputs, attrs)
+        return
+    status = _lib.llaisys_ops_scale(e[3])
+    if status:
+        _failed("scale", status)
+
+
+def native_geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``geglu`` as an argument block (None where the NumPy kernel would run)."""
+    args = _geglu_args(outputs[0], *inputs)
+    if args is None or not native_calls.available():
+        return None
+    return _call_of("geglu", "llaisys_ops_geglu_call", _ArgsCall(ctypes.addressof(args)), args)
+
+
+def native_scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``scale`` as an argument block (None where the NumPy kernel would run)."""
+    args = _scale_args(outputs[0], inputs[0], attrs["factor"])
+    if args is None or not native_calls.available():
+        return None
+    return _call_of("scale", "llaisys_ops_scale_call", _ArgsCall(ctypes.addressof(args)), args)
+
+
+geglu.native_call = native_geglu  # type: ignore[attr-defined]
+scale.native_call = native_scale  # type: ignore[attr-defined]
+KERNELS.update(geglu=geglu, scale=scale)
+NUMPY_KERNELS.update(geglu=elementwise.geglu, scale=elementwise.scale)
+if os.environ.get("LLAISYS_NATIVE_OPS", "1").lower() not in ("0", "false", "no", "off"):
+    for _name in ("geglu", "scale"):  # register() above ran before these two were defined
+        register_kernel(_name, "cpu", dtypes=(DataType.F32,), kernel=KERNELS[_name], replace=True)

@@ -91,6 +91,8 @@ def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
         run("self_attention", (new(s, h, dh),), (qk.slice(1, 0, h), seen, seen), {"scale": 0.125})
         gate_up = new(s, 2 * inter)
         run("swiglu", (new(s, inter),), (gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)))
+        run("geglu", (new(s, inter),), (gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)))  # Gemma's MLP
+        run("scale", (x,), (x,), {"factor": d ** 0.5})  # Gemma's embeddings, in place
         run("add", (x,), (x, hbuf))
     for n, b in ((2, 2), (7, 2)):  # a paged decoding step, and a step with a prompt chunk
         pool_k, pool_v = new(8, 16, kh, dh), new(8, 16, kh, dh)

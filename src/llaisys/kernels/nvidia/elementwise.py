@@ -1,4 +1,5 @@
-"""add, swiglu and rearrange on NVIDIA GPUs: one strided elementwise Triton kernel.
+"""add, swiglu and rearrange on NVIDIA GPUs: one strided elementwise Triton kernel; geglu and
+scale: a second one, which takes a float factor.
 
 Tensors of any strides (up to four dimensions once runs of dimensions that are contiguous in
 every operand are merged) are walked by flat index; F16/BF16 are computed in F32 and rounded
@@ -104,3 +105,68 @@ def rearrange(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...]
         tv(out).copy_(tv(src))  # a plain device memcpy
         return
     elementwise(COPY, out, src)
+
+
+GEGLU, SCALE = 0, 1
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 as the CPU's native kernel computes it (Cephes tanhf): an odd polynomial
+    below |x| = 0.625, else 1 - 2 / (e^2|x| + 1) with x's sign (no cancellation there)."""
+    ax = tl.abs(x)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = p * z * x + x
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def _geglu_scale(out, a, b, factor, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a3, b0, b1, b2, b3,
+                 OP: tl.constexpr, BLOCK: tl.constexpr):
+    """geglu (out = 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))) b, a the gate, b up) or
+    scale (out = a * factor) over the n elements of a 4-D index space, as ``_elementwise``."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    i3 = idx % s3
+    rest = idx // s3
+    i2 = rest % s2
+    rest = rest // s2
+    i1 = rest % s1
+    i0 = rest // s1
+    x = tl.load(a + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, mask=mask).to(tl.float32)
+    if OP == 0:
+        u = tl.load(b + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3, mask=mask).to(tl.float32)
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+        y = 0.5 * x * (1.0 + _tanh(inner)) * u
+    else:
+        y = x * factor
+    tl.store(out + i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, y.to(out.dtype.element_ty), mask=mask)
+
+
+def geglu_scale(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None, factor: float = 1.0) -> None:
+    """Launch ``_geglu_scale`` for ``op`` on llaisys tensors of one shape."""
+    ops = (out, a) if b is None else (out, a, b)
+    sizes, strides = collapse(out.shape, *(t.strides for t in ops))
+    if b is None:
+        strides.append(strides[1])
+    n = out.numel()
+    args = (tv(out), tv(a), tv(a if b is None else b), float(factor), n, sizes[1], sizes[2], sizes[3],
+            *strides[0], *strides[1], *strides[2])
+    launch(_geglu_scale, (triton.cdiv(n, BLOCK),), args, {"OP": op, "BLOCK": BLOCK}, exact=out.dtype is DataType.F32)
+
+
+@register_kernel("geglu", "nvidia", dtypes=FLOATS)
+def geglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out = up * gelu_tanh(gate) for outputs (out,), inputs (gate, up) of one shape, any strides, in F32."""
+    geglu_scale(GEGLU, outputs[0], inputs[0], inputs[1])
+
+
+@register_kernel("scale", "nvidia", dtypes=FLOATS)
+def scale(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out = in * float32(factor) for outputs (out,), inputs (in,) of one shape (out may be in), in F32."""
+    geglu_scale(SCALE, outputs[0], inputs[0], factor=attrs["factor"])
