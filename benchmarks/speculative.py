@@ -4,10 +4,16 @@ prompt, the reply repeating most of it) and a non-copying one (a story), greedy.
 
     python benchmarks/speculative.py                   # bundled SmolLM2-135M, 2 threads, k = 1, 2, 4
     python benchmarks/speculative.py --k 4 --tokens 128 --repeat 5
+    python benchmarks/speculative.py --engine --k 2,4 --concurrency 1,4   # the serving engine
 
 The two ways alternate, ``--repeat`` runs each; figures are medians of whole-request tokens/s
 (generated tokens over wall time, the same prefill included) and of decode tokens/s (the
 tokens after the first over the time after it). Both give the same tokens (checked).
+
+``--engine`` measures the serving engine instead (``LLMEngine(speculative_tokens=k)``): N
+requests of the copying workload at once (N from ``--concurrency``; each copies its own
+variant of the file, so no prompt blocks are shared), engine tokens/s = all generated tokens
+over the wall time of ``engine.generate`` (prefill included), median of the alternating runs.
 """
 from __future__ import annotations
 
@@ -57,6 +63,45 @@ def run(model, prompt: str, cfg) -> tuple[float, float, object]:
     return len(r.token_ids) / (time.perf_counter() - t), r.timings.decode_tokens_per_s, r
 
 
+def engine_prompts(n: int) -> list[str]:
+    """``n`` copying prompts that share no leading block (a different file name first)."""
+    names = ["stats", "numbers", "measures", "summary", "figures", "moments", "averages", "spread"]
+    return [f"# {names[i % len(names)]}_{i}.py, version 1\n" + CODE
+            + "\n\n# the same file, version 2 (the same code, with type hints added)\n" for i in range(n)]
+
+
+def run_engine(engine, prompts: list[str], cfg) -> tuple[float, list]:
+    """Engine tokens/s of ``prompts`` run together, and their results."""
+    t = time.perf_counter()
+    results = engine.generate(prompts, cfg)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t), results
+
+
+def bench_engine(model, args, base) -> None:
+    """Engine tokens/s with and without speculation, at each concurrency of ``args``."""
+    from llaisys.engine import LLMEngine
+
+    plain_engine = LLMEngine(model, prefix_caching=False)
+    print(f"engine: {args.threads} threads, {args.tokens} tokens a request, greedy, copying workload, "
+          f"median of {args.repeat} alternating runs")
+    for n in [int(x) for x in args.concurrency.split(",")]:
+        prompts = engine_prompts(n)
+        run_engine(plain_engine, prompts, base)  # warm up: the recorded passes of these shapes
+        for k in [int(x) for x in args.k.split(",")]:
+            spec_engine = LLMEngine(model, prefix_caching=False, speculative_tokens=k)
+            run_engine(spec_engine, prompts, base)
+            plain_runs, spec_runs = [], []
+            for _ in range(args.repeat):
+                plain_runs.append(run_engine(plain_engine, prompts, base))
+                spec_runs.append(run_engine(spec_engine, prompts, base))
+            assert ([r.token_ids for r in spec_runs[-1][1]] == [r.token_ids for r in plain_runs[-1][1]]), \
+                "speculation changed the output"
+            a, b = (statistics.median(r[0] for r in runs) for runs in (plain_runs, spec_runs))
+            s = spec_engine.stats()
+            print(f"{n} request(s) k={k}: {a:6.1f} -> {b:6.1f} tok/s x{b / a:.2f} "
+                  f"(accepted {s.accepted_tokens}/{s.drafted_tokens} drafted, all runs)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", default="1,2,4", help="draft lengths, comma separated (default 1,2,4)")
@@ -64,6 +109,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3, help="runs of each way (default 3)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M)")
+    p.add_argument("--engine", action="store_true", help="measure the serving engine (see --concurrency)")
+    p.add_argument("--concurrency", default="1,4", help="--engine: requests at once, comma separated (default 1,4)")
     args = p.parse_args()
 
     from llaisys.cli.main import apply_threads
@@ -73,6 +120,9 @@ def main() -> int:
     apply_threads(args.threads)
     model = load_model(args.model)
     base = GenerationConfig(max_new_tokens=args.tokens, ignore_eos=True)
+    if args.engine:
+        bench_engine(model, args, base)
+        return 0
     print(f"{args.threads} threads, {args.tokens} tokens, greedy, median of {args.repeat} alternating runs")
     for name, prompt in WORKLOADS.items():
         run(model, prompt, base)  # warm up: the recorded passes, the workspaces

@@ -11,9 +11,19 @@ import sys
 import threading
 from typing import Any
 
-from .common import add_model_options, following_rank, load_from_args, non_negative_float, port_number, positive_int
+from ..generation.config import MAX_SPECULATIVE_TOKENS
+from .common import (add_model_options, following_rank, load_from_args, non_negative_float, non_negative_int,
+                     port_number, positive_int)
 
 API_KEY_VAR = "LLAISYS_API_KEY"
+
+
+def speculative_count(text: str) -> int:
+    """--speculative-tokens: a whole number in [0, MAX_SPECULATIVE_TOKENS]."""
+    value = non_negative_int(text)
+    if value > MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, {MAX_SPECULATIVE_TOKENS}], got {text}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens the KV cache holds for all requests together (default: 1 GiB worth, at least one "
                         "full context)")
+    p.add_argument("--speculative-tokens", type=speculative_count, default=0, metavar="K",
+                   help="draft K tokens by prompt lookup for each decoding step and check them in the same pass, "
+                        "for requests that do not set speculative_tokens: the same text, faster when replies copy "
+                        "from the prompt; CPU only (default: 0, off)")
+    p.add_argument("--speculative-max-seqs", type=positive_int, default=None, metavar="N",
+                   help="no drafts while more than N requests run, where a batch gains nothing from them "
+                        "(default: no limit)")
     p.add_argument("--db", default=None, metavar="PATH", help="SQLite file for the chat page's conversations")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")
@@ -74,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                             shutdown_timeout_s=args.shutdown_timeout, allowed_hosts=tuple(args.allowed_hosts),
                             max_choices=args.max_choices, header_timeout_s=args.header_timeout,
                             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, speculative_tokens=args.speculative_tokens,
+                            speculative_max_seqs=args.speculative_max_seqs)
     app = create_app(options, loader=lambda: load_from_args(args))
     service = app.state.service
     url = base_url(args.host, args.port)

@@ -191,6 +191,21 @@ class KVBlockManager:
             table.append(self.pool.take_new())
         return True
 
+    def trim(self, seq_id: object, num_tokens: int) -> None:
+        """Hand back the blocks of ``seq_id`` past the first ``num_tokens`` tokens (a rejected
+        speculative draft's). They hold no prefix, so they go first in the free queue: the
+        cached blocks there are kept longer."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            assert self.pool.hash_of[block] is None, "a block past a sequence's end holds a cached prefix"
+            self.pool.release(block)
+            if self.pool.ref_count[block] == 0:
+                self.pool.free.move_to_end(block, last=False)
+
     def commit(self, seq_id: object, token_ids: Sequence[int], num_computed: int) -> None:
         """Record that the keys and values of the first ``num_computed`` of ``token_ids`` are
         written: the full blocks among them become findable by their prefix hash."""

@@ -14,12 +14,19 @@ sampler would pick alone). A request whose config carries a grammar (``grammar.G
 picks among the tokens its grammar allows: the masks of the step's constrained requests are
 filled together, unconstrained requests are untouched. On an nvidia device the logits stay
 there and the rows that need no host processing are sampled on the device, only their ids
-crossing (``kernels.nvidia.sampling``; docs/nvidia.md). Not thread-safe: ``EngineThread`` runs
-it behind a queue.
+crossing (``kernels.nvidia.sampling``; docs/nvidia.md).
+
+Speculative decoding (``speculative_tokens``, per request or the engine's default): a decoding
+request runs its last token and a draft of the next k (prompt lookup) as one chunk, with logits
+for every row; its sampler then picks each position in turn, exactly as plain decoding would
+pick it, while the draft matches, so the output is unchanged and only the pass count drops. On
+the CPU only (multi-row passes are bit for bit one-row passes there); grammar-constrained and
+embedding requests do not speculate. Not thread-safe: ``EngineThread`` runs it behind a queue.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -29,14 +36,18 @@ import numpy as np
 
 from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
 from ..generation.batch_sampler import sample_batch
+from ..generation.config import MAX_SPECULATIVE_TOKENS
 from ..generation.results import SampledToken
+from ..generation.speculative import Drafter, verifies_exactly
 from ..models.paged_cache import TokenBatch
 from ..runtime.device import DeviceType
 from .blocks import KVBlockManager
 from .grammar import MaskBatch, grammar_of
 from .pooling import pooling_of
 from .request import Request, RequestOutput
-from .scheduler import Scheduler
+from .scheduler import Chunk, Scheduler
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # reserved, not touched: pages are committed as blocks are used
 
@@ -44,7 +55,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # reserved, not touched: pages are committed a
 @dataclass(slots=True)
 class EngineStats:
     """Counters and gauges for metrics: requests running and waiting, KV pool usage (0..1),
-    prefix-cache lookups (tokens queried and hit), tokens processed, preemptions, steps."""
+    prefix-cache lookups (tokens queried and hit), tokens processed, preemptions, steps, and
+    speculative decoding's drafts, draft tokens run and draft tokens accepted (the acceptance
+    rate is accepted / drafted)."""
 
     running: int
     waiting: int
@@ -55,6 +68,9 @@ class EngineStats:
     generation_tokens: int
     preemptions: int
     steps: int
+    drafts: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _device_sampling(model):
@@ -75,19 +91,33 @@ class LLMEngine:
 
     kv_cache_tokens / kv_cache_bytes: size of the paged KV pool (default 1 GiB, at least one
     full-context sequence); block_size: tokens per block; max_batched_tokens: tokens per step;
-    max_seqs: sequences running at once; prefix_caching: reuse full blocks of equal prefixes.
+    max_seqs: sequences running at once; prefix_caching: reuse full blocks of equal prefixes;
+    speculative_tokens: draft tokens per decoding step for requests whose config leaves
+    ``speculative_tokens`` at 0 (0: off; a request's own value wins); speculative_max_seqs:
+    no drafts while more sequences than this run (None: no limit; vLLM's
+    ``speculative_disable_by_batch_size``).
     """
 
     def __init__(self, model, *, kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batched_tokens: int = 512, max_seqs: int = 64,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, speculative_tokens: int = 0,
+                 speculative_max_seqs: int | None = None) -> None:
         if kv_cache_tokens is not None and kv_cache_bytes is not None:
             raise ValueError("give kv_cache_tokens or kv_cache_bytes, not both")
         for name, value in (("block_size", block_size), ("max_batched_tokens", max_batched_tokens),
                             ("max_seqs", max_seqs)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLMEngine: {name} must be a positive integer, got {value!r}")
+        if (not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool)
+                or not 0 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"LLMEngine: speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] "
+                             f"(draft tokens per step, 0 = off), got {speculative_tokens!r}")
+        if speculative_max_seqs is not None and (not isinstance(speculative_max_seqs, int)
+                                                 or isinstance(speculative_max_seqs, bool) or speculative_max_seqs < 1):
+            raise ValueError(f"LLMEngine: speculative_max_seqs must be a positive integer or None, "
+                             f"got {speculative_max_seqs!r}")
         self.model = model
+        self.speculative_tokens = speculative_tokens
         self.context_length = int(model.config.max_position_embeddings)
         per_token = model.kv_bytes_per_token()
         if kv_cache_tokens is None:
@@ -103,7 +133,7 @@ class LLMEngine:
         num_blocks = kv_cache_tokens // block_size
         self.cache = model.new_paged_cache(num_blocks, block_size)
         self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_seqs)
+        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_seqs, speculative_max_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._eos = set(model.eos_token_ids)
@@ -113,7 +143,11 @@ class LLMEngine:
         self.steps = 0
         self._masks = MaskBatch()
         self._device_sampling = _device_sampling(model)
-
+        self._speculation = verifies_exactly(model)
+        self._warned = False  # whether the log says speculation is off on this device
+        self.drafts = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: "str | Sequence[int] | np.ndarray",
@@ -147,9 +181,25 @@ class LLMEngine:
         max_tokens = min(config.max_new_tokens, self.context_length - len(ids) + 1)
         eos = set() if config.ignore_eos else {*config.eos_token_ids, *self._eos}
         request = Request(request_id, ids, config, max_tokens, self._tokenizer, eos)
+        request.seq.drafter = self._drafter(config, grammar is not None or pooling is not None)
         self.scheduler.add(request.seq)  # raises when it alone could never fit
         self.requests[request_id] = request
         return request_id
+
+    def _drafter(self, config: GenerationConfig, constrained: bool) -> Drafter | None:
+        """The drafter of a request with ``config``: None when it does not speculate (k = 0, a
+        grammar or an embedding, whose masks and rows are not per position, or a device where
+        multi-row passes are not shown to equal one-row ones)."""
+        k = config.speculative_tokens or self.speculative_tokens
+        if not k or constrained:
+            return None
+        if not self._speculation:
+            if not self._warned:
+                self._warned = True
+                logger.warning("speculative_tokens: speculation runs on the CPU only (on %s its output is not "
+                               "shown to equal plain decoding's); decoding without it", self.model.device)
+            return None
+        return Drafter(k)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; returns its last output (reason "abort"),
@@ -173,68 +223,125 @@ class LLMEngine:
         self.steps += 1
         now = time.perf_counter()
         chunks = []
+        logit_rows: list[int] = []  # the last row of each sampling chunk, every row of a speculating one
+        first_row: list[int] = []  # each sampling chunk's first row of logits
+        at = 0
         for c in step.chunks:
             seq = c.seq
             request = self.requests[seq.seq_id]
             if not request.times.first_scheduled:
                 request.times.first_scheduled = now
-            chunks.append((seq.token_ids[c.start:c.start + c.length], c.start, self.blocks.block_table(seq.seq_id),
-                           c.samples))
+            chunks.append((c.token_ids, c.start, self.blocks.block_table(seq.seq_id), c.samples))
             if c.start < len(seq.prompt_ids):  # prompt tokens (recomputed ones too) count as prompt work
                 self.prompt_tokens += min(c.length, len(seq.prompt_ids) - c.start)
+            at += c.length
+            if c.samples:
+                first_row.append(len(logit_rows))
+                logit_rows.extend(range(at - 1 - len(c.draft), at))
         batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
+        batch.logit_rows = np.asarray(logit_rows, np.int64)  # (R,)
         if self._device_sampling is None:
             logits = self.model.forward_batch(batch, self.cache)  # (R, V) float32 on the host
         else:
             logits = self.model.forward_batch_logits(batch, self.cache)  # (R, V) on the device
         self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
-        sampling = [self.requests[c.seq.seq_id] for c in step.chunks if c.samples]  # logits row order
+        sampled = [c for c in step.chunks if c.samples]  # logits row order
+        sampling = [self.requests[c.seq.seq_id] for c in sampled]
         allowed = self._grammar_masks(sampling, logits.shape[-1])
         outputs: list[RequestOutput | None] = []
-        picking = []  # rows that pick a token, all sampled in one call
-        for row, request in enumerate(sampling):
+        picking = []  # requests that pick a token, all sampled in one call
+        for i, request in enumerate(sampling):
             if request.pooler is not None:  # an embedding: its prompt ran, nothing is generated
                 outputs.append(request.pooled())
                 continue
-            outputs.append(request.prepare(allowed.get(row)))
+            outputs.append(request.prepare(allowed.get(i)))
             self.generation_tokens += 1
             if outputs[-1] is None:
-                picking.append(row)
+                picking.append(i)
         if picking:
-            for row, token in self._pick(sampling, picking, logits, allowed).items():
-                outputs[row] = sampling[row].accept(token)
+            tokens = self._pick([sampling[i] for i in picking], [first_row[i] for i in picking], logits,
+                                [allowed.get(i) for i in picking])
+            for i, token in zip(picking, tokens):
+                outputs[i] = sampling[i].accept(token)
+            drafted = [i for i in picking if sampled[i].draft]
+            if drafted:
+                self._verify([sampled[i] for i in drafted], [sampling[i] for i in drafted],
+                             [first_row[i] for i in drafted], logits, outputs, drafted)
         for request, out in zip(sampling, outputs):
             if out.finished:
                 self.scheduler.finish(request.seq)
                 del self.requests[request.request_id]
         return outputs
 
-    def _pick(self, sampling: list[Request], picking: list[int], logits, allowed: dict[int, np.ndarray]
-              ) -> dict[int, SampledToken]:
-        """The token of each row in ``picking`` of ``logits`` (R, V): host float32 logits go to
-        ``sample_batch``; device logits (an nvidia model) are sampled there for the rows the
+    def _verify(self, chunks: list[Chunk], requests: list[Request], rows: list[int], logits,
+                outputs: list, slots: list[int]) -> None:
+        """Check the drafts of speculating ``requests`` (their ``chunks``; their logits from row
+        ``rows[j]`` on; their first pick already in ``outputs[slots[j]]``). While a request's
+        pick equals its draft's id at that position, the next row holds the logits plain
+        decoding would compute next, so its sampler picks again from it, in the state plain
+        decoding would have it (all such requests in one call per position). Each output
+        gathers its request's picks; the draft positions that held count as computed, the
+        others are rolled back."""
+        accepted = [0] * len(requests)
+        going = []
+        for j, chunk in enumerate(chunks):
+            out = outputs[slots[j]]
+            if out.token_ids[0] == chunk.draft[0]:
+                accepted[j] = 1
+                if not out.finished:
+                    going.append(j)
+        pos = 1
+        while going:
+            tokens = self._pick([requests[j] for j in going], [rows[j] + pos for j in going], logits,
+                                [None] * len(going))
+            still = []
+            for j, token in zip(going, tokens):
+                out = outputs[slots[j]] = outputs[slots[j]].then(requests[j].accept(token))
+                self.generation_tokens += 1
+                if pos < len(chunks[j].draft) and token.token_id == chunks[j].draft[pos]:
+                    accepted[j] += 1
+                    if not out.finished:
+                        still.append(j)
+            going, pos = still, pos + 1
+        for j, (chunk, request) in enumerate(zip(chunks, requests)):
+            request.drafted += len(chunk.draft)
+            request.accepted += accepted[j]
+            self.drafts += 1
+            self.drafted_tokens += len(chunk.draft)
+            self.accepted_tokens += accepted[j]
+            if not outputs[slots[j]].finished:
+                self.scheduler.accept_draft(request.seq, accepted[j])
+
+    def _pick(self, requests: list[Request], rows: list[int], logits, allowed: list[np.ndarray | None]
+              ) -> list[SampledToken]:
+        """The token each of ``requests`` picks from its row ``rows[j]`` of ``logits`` (R, V)
+        (among ``allowed[j]``, a grammar's mask, when given): host float32 logits go to
+        ``sample_batch``; device logits (an nvidia model) are sampled there for the requests the
         device can serve (``Request.device_pickable``), only their ids crossing, and only the
         other rows are copied to the host for ``sample_batch``."""
         on_device: list[int] = []
         if self._device_sampling is not None:
-            on_device = [row for row in picking if sampling[row].device_pickable(allowed.get(row))]
-        device_rows = set(on_device)
-        on_host = [row for row in picking if row not in device_rows]
+            on_device = [j for j, r in enumerate(requests) if r.device_pickable(allowed[j])]
+        device_set = set(on_device)
+        on_host = [j for j in range(len(requests)) if j not in device_set]
         picked: dict[int, SampledToken] = {}
         if on_device:
-            picked.update(zip(on_device, self._sample_on_device([sampling[row] for row in on_device], logits,
-                                                                on_device)))
+            picked.update(zip(on_device, self._sample_on_device([requests[j] for j in on_device], logits,
+                                                                [rows[j] for j in on_device])))
         if on_host:
+            host_rows = [rows[j] for j in on_host]
             if self._device_sampling is not None:
-                rows = self._device_sampling.rows_to_host(logits, on_host)  # (P, V) only these rows cross
+                picks = self._device_sampling.rows_to_host(logits, host_rows)  # (P, V) only these rows cross
+            elif host_rows == list(range(logits.shape[0])):
+                picks = logits  # (P, V)
             else:
-                rows = logits if len(on_host) == logits.shape[0] else logits[on_host]  # (P, V)
-            seqs = [sampling[row].seq for row in on_host]
-            picked.update(zip(on_host, sample_batch([sampling[row].sampler for row in on_host], rows,
+                picks = logits[host_rows]  # (P, V)
+            seqs = [requests[j].seq for j in on_host]
+            picked.update(zip(on_host, sample_batch([requests[j].sampler for j in on_host], picks,
                                                     [s.token_ids for s in seqs], [s.output_ids for s in seqs],
-                                                    [allowed.get(row) for row in on_host])))
-        return {row: picked[row] for row in picking}
+                                                    [allowed[j] for j in on_host])))
+        return [picked[j] for j in range(len(requests))]
 
     def _sample_on_device(self, requests: list[Request], logits, rows: list[int]) -> list[SampledToken]:
         """One ``sample`` call for ``rows`` of the device ``logits``: greedy rows take the
@@ -283,7 +390,8 @@ class LLMEngine:
         """The engine's counters and gauges now."""
         running, waiting = self.scheduler.counts()
         return EngineStats(running, waiting, self.blocks.usage, self.blocks.prefix_queries, self.blocks.prefix_hits,
-                           self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions, self.steps)
+                           self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions, self.steps,
+                           self.drafts, self.drafted_tokens, self.accepted_tokens)
 
     # ---- offline -----------------------------------------------------------------------
     def generate(self, prompts: "Iterable[str | Sequence[int]]",
@@ -296,6 +404,7 @@ class LLMEngine:
             raise ValueError(f"{len(configs)} configs for {len(prompts)} prompts")
         start = time.perf_counter()
         ids = [self.add_request(None, p, c) for p, c in zip(prompts, configs)]
+        requests = {i: self.requests[i] for i in ids}
         text = {i: "" for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         done: dict[str, RequestOutput] = {}
@@ -313,6 +422,7 @@ class LLMEngine:
             timings = Timings(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                               generated_tokens=out.completion_tokens, ttft_s=t.ttft_s,
                               prefill_s=t.ttft_s, decode_s=max(t.last_token - t.first_token, 0.0),
-                              total_s=max(t.finished - start, 0.0))
+                              total_s=max(t.finished - start, 0.0), drafted_tokens=requests[i].drafted,
+                              accepted_tokens=requests[i].accepted)
             results.append(GenerationResult(text[i], tokens[i], out.finish_reason, out.prompt_tokens, timings))
         return results

@@ -63,12 +63,20 @@ class RequestOutput:
     times: RequestTimes = field(default_factory=RequestTimes)
     embedding: np.ndarray | None = None  # (D,) float32: the pooled hidden states of an embedding request
 
+    def then(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by ``later`` of the same request and step (the tokens of an
+        accepted speculative draft): deltas, tokens and logprobs joined, the later state kept."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.text_delta + later.text_delta, self.token_ids + later.token_ids,
+                             logprobs, later.finished, later.finish_reason, later.prompt_tokens,
+                             later.completion_tokens, later.cached_tokens, later.times, later.embedding)
+
 
 class Request:
     """Engine-side state of one request."""
 
     __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
-                 "pooler", "device_rng")
+                 "pooler", "device_rng", "drafted", "accepted")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -85,6 +93,8 @@ class Request:
         pooling = pooling_of(config)
         self.pooler = Pooler(pooling, len(prompt_ids)) if pooling is not None else None
         self.device_rng = None  # its generator on the model's device, made at its first draw there
+        self.drafted = 0  # speculative decoding: draft tokens run, and those that held
+        self.accepted = 0
 
     def device_pickable(self, allowed: np.ndarray | None) -> bool:
         """Whether this step's token may be picked on the model's device (``prepare`` done):

@@ -11,6 +11,14 @@ sequence its next block, the most recently admitted running sequence is preempte
 are freed and it goes back to the head of the queue to be recomputed later (its prompt and
 the tokens it generated so far), so no request fails for lack of memory unless it alone could
 never fit, which ``add`` refuses at once.
+
+Speculative decoding: a decoding sequence with a ``drafter`` may run its last token plus a
+draft of the next ones (prompt lookup, ``generation.speculative``) as one chunk, when the
+budget and the free blocks left once every running sequence has its token allow it; drafts
+never preempt anyone and come before admissions, and none are made while more than
+``speculative_max_seqs`` sequences run (a full batch gains nothing from them). The engine checks the draft and reports how
+much of it held (``accept_draft``): only verified positions count as computed, and the blocks
+past the sequence's end are handed back.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..generation.speculative import Drafter
 from .blocks import KVBlockManager
 
 
@@ -42,6 +51,7 @@ class Sequence:
     num_cached: int = 0  # prompt tokens found in the prefix cache when last admitted
     status: Status = Status.WAITING
     preemptions: int = 0
+    drafter: Drafter | None = None  # speculative decoding: drafts for its decoding steps (None: off)
 
     @property
     def num_tokens(self) -> int:
@@ -61,17 +71,26 @@ class Sequence:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """Tokens ``start:start + length`` of ``seq`` run in this step; ``samples`` when they reach
-    the sequence's end (the step's last logits for it pick a token)."""
+    the sequence's end (the step's last logits for it pick a token). With a ``draft`` (a
+    decoding sequence speculating), the chunk is the sequence's last token followed by the
+    draft's ids (``length`` counts both), and every row's logits are wanted."""
 
     seq: Sequence
     start: int
     length: int
     samples: bool
+    draft: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, seq: Sequence, length: int) -> "Chunk":
-        """The next ``length`` tokens of ``seq`` to compute."""
-        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
+    def of(cls, seq: Sequence, length: int, draft: tuple[int, ...] = ()) -> "Chunk":
+        """The next ``length`` tokens of ``seq`` to compute (then ``draft``, when given)."""
+        return cls(seq, seq.num_computed, length + len(draft), seq.num_computed + length == seq.num_tokens, draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids this chunk runs: the sequence's own, then the draft's."""
+        own = self.seq.token_ids[self.start:self.start + self.length - len(self.draft)]
+        return own + list(self.draft) if self.draft else own
 
 
 @dataclass(slots=True)
@@ -90,12 +109,14 @@ class Scheduler:
     """First-come-first-served continuous batching with chunked prefill and preemption by
     recomputation, over a ``KVBlockManager``."""
 
-    def __init__(self, blocks: KVBlockManager, max_batched_tokens: int = 512, max_seqs: int = 64) -> None:
+    def __init__(self, blocks: KVBlockManager, max_batched_tokens: int = 512, max_seqs: int = 64,
+                 speculative_max_seqs: int | None = None) -> None:
         if max_batched_tokens < 1 or max_seqs < 1:
             raise ValueError(f"max_batched_tokens and max_seqs must be >= 1, got {max_batched_tokens}, {max_seqs}")
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
+        self.speculative_max_seqs = speculative_max_seqs  # drafts only while at most this many run (None: any)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -147,7 +168,8 @@ class Scheduler:
             chunks.append(Chunk.of(seq, n))
             budget -= n
             i += 1
-        if not preempted:  # memory is short while anything had to give way: admit nobody
+        if not preempted:  # memory is short while anything had to give way: no drafts, admit nobody
+            budget = self._draft(chunks, budget)
             while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
                 seq = self.waiting[0]
                 cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
@@ -168,6 +190,23 @@ class Scheduler:
                 budget -= n
         return Step(chunks, preempted)
 
+    def _draft(self, chunks: list[Chunk], budget: int) -> int:
+        """Give the decoding chunks of speculating sequences their drafts, in order, while the
+        ``budget`` and the free blocks last (every sequence already has the blocks of its own
+        token); returns the budget left."""
+        if self.speculative_max_seqs is not None and len(self.running) > self.speculative_max_seqs:
+            return budget
+        for j, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if seq.drafter is None or chunk.length != 1 or not chunk.samples or budget < seq.drafter.k:
+                continue
+            room = seq.max_tokens - len(seq.output_ids) - 1  # tokens that may be picked after the next
+            draft = seq.drafter.propose(seq.token_ids, room)
+            if draft and self.blocks.grow(seq.seq_id, seq.num_computed + 1 + len(draft)):
+                chunks[j] = Chunk.of(seq, 1, tuple(draft))
+                budget -= len(draft)
+        return budget
+
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first to be recomputed."""
         self.running.remove(seq)
@@ -181,11 +220,22 @@ class Scheduler:
     def commit(self, step: Step) -> None:
         """Record that ``step`` ran: each chunk's keys and values are written (full blocks
         become findable by later sequences with the same prefix). Call before appending the
-        tokens the step picked."""
+        tokens the step picked. A chunk's draft is not counted: ``accept_draft`` adds the part
+        that held."""
         for chunk in step.chunks:
             seq = chunk.seq
-            seq.num_computed = chunk.start + chunk.length
+            seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def accept_draft(self, seq: Sequence, accepted: int) -> None:
+        """Record that the first ``accepted`` ids of ``seq``'s draft were right (they are now
+        its tokens, the token picked after them appended too): their keys and values count as
+        computed, and blocks past the sequence's end (a rejected draft's) are handed back.
+        Call after appending the tokens the step picked."""
+        seq.num_computed += accepted
+        assert seq.num_computed < seq.num_tokens, "an accepted draft ran past the sequence"
+        self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        self.blocks.trim(seq.seq_id, seq.num_tokens)
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

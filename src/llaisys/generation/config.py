@@ -45,8 +45,9 @@ class GenerationConfig:
     distribution (log_softmax of the raw logits, before penalties, temperature and filters).
 
     ``speculative_tokens`` k > 0 turns on speculative decoding (single-sequence ``generate`` and
-    ``stream``, on the CPU): k tokens drafted by prompt lookup are checked in one forward
-    pass; the output is identical to decoding without it (0 = off; see ``generation.speculative``).
+    ``stream``, and the serving engine, on the CPU): k tokens drafted by prompt lookup are
+    checked in one forward pass; the output is identical to decoding without it (0 = off; see
+    ``generation.speculative``).
     """
 
     max_new_tokens: int = 256

@@ -13,7 +13,7 @@ from .prompt_cache import PromptCache
 from .protocol import LanguageModel
 from .results import FinishReason, GenerationResult, StreamEvent, Timings
 from .sampler import Sampler
-from .speculative import Drafter
+from .speculative import Drafter, verifies_exactly
 from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
@@ -128,10 +128,9 @@ class GenerationStream:
         passes do; elsewhere that is not established, so decoding goes one token at a time."""
         if not self.config.speculative_tokens:
             return False
-        device = getattr(self.model, "device", None)
-        if device is not None and not device.is_cpu:
+        if not verifies_exactly(self.model):
             logger.warning("speculative_tokens: speculation runs on the CPU only (on %s its output is not shown "
-                           "to equal plain decoding's); decoding without it", device)
+                           "to equal plain decoding's); decoding without it", self.model.device)
             return False
         return True
 

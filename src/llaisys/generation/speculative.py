@@ -1,10 +1,11 @@
 """Speculative decoding's draft source: prompt lookup (n-gram matching in the ids so far).
 
 The loop runs the last token and a draft of k tokens in one forward pass, then samples each
-position as plain decoding would and keeps the draft while it matches (see ``loop``). The
-output equals plain decoding's because a pass of k tokens computes each row's logits bit for
-bit as k one-token passes do; that holds for the CPU kernels (tested), so the loop speculates
-only on the CPU. Plain Python, no tensors.
+position as plain decoding would and keeps the draft while it matches (see ``loop``; the
+serving engine does the same per request, ``engine.engine``). The output equals plain
+decoding's because a pass of k tokens computes each row's logits bit for bit as k one-token
+passes do; that holds for the CPU kernels (tested), so both speculate only on the CPU
+(``verifies_exactly``). Plain Python, no tensors.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def draft_tokens(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_
             if ids[start + n - 1] == last and list(ids[start:start + n]) == suffix:
                 return list(ids[start + n:start + n + k])
     return []
+
+
+def verifies_exactly(model: object) -> bool:
+    """Whether ``model``'s multi-token passes give each row's logits bit for bit as one-token
+    passes do, which speculation needs to leave the output unchanged: established for the CPU
+    kernels (and a model that names no device); elsewhere not shown."""
+    device = getattr(model, "device", None)
+    return device is None or bool(device.is_cpu)
 
 
 class Drafter:

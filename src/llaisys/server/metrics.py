@@ -4,14 +4,17 @@ Per-request figures (time to first token, inter-token latency, end-to-end latenc
 tokens, finish reasons) and the engine's step time (``llaisys:engine_step_seconds``) are
 recorded by ``on_step``, which the engine thread calls after every step with that step's
 outputs and seconds; an abort, which yields no step output, is recorded by
-``aborted``, also run on the engine thread. Gauges and the prefix-cache counters are refreshed
-from ``LLMEngine.stats()`` when /metrics is scraped (``refresh``), so they are current even
-while the engine is idle.
+``aborted``, also run on the engine thread. Gauges and the prefix-cache, preemption and
+speculative-decoding counters are refreshed from ``LLMEngine.stats()`` when /metrics is scraped
+(``refresh``), so they are current even while the engine is idle.
 
 Names follow vLLM V1 (``vllm:kv_cache_usage_perc``, vLLM's current name for the pool usage,
 which replaced ``vllm:gpu_cache_usage_perc``; ``vllm:inter_token_latency_seconds``, which
 replaced ``vllm:time_per_output_token_seconds``), each with a ``model_name`` label.
 Counters are exposed with prometheus' ``_total`` suffix (``vllm:prompt_tokens_total``).
+Speculative decoding has vLLM's counters too: ``vllm:spec_decode_num_drafts``,
+``vllm:spec_decode_num_draft_tokens`` and ``vllm:spec_decode_num_accepted_tokens``; the
+acceptance rate is accepted / draft tokens, the mean tokens a draft saves accepted / drafts.
 """
 from __future__ import annotations
 
@@ -59,6 +62,11 @@ class Metrics:
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted (to be recomputed).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests that started.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts checked.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens run.")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                       "Speculative draft tokens accepted (acceptance rate: these over the draft "
+                                       "tokens).")
         success = Counter("vllm:request_success", "Requests finished, by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
@@ -140,6 +148,9 @@ class Metrics:
         self.prefix_queries.inc(max(stats.prefix_queries - seen.prefix_queries, 0))
         self.prefix_hits.inc(max(stats.prefix_hits - seen.prefix_hits, 0))
         self.preemptions.inc(max(stats.preemptions - seen.preemptions, 0))
+        self.drafts.inc(max(stats.drafts - seen.drafts, 0))
+        self.draft_tokens.inc(max(stats.drafted_tokens - seen.drafted_tokens, 0))
+        self.accepted_tokens.inc(max(stats.accepted_tokens - seen.accepted_tokens, 0))
         self._seen = stats
 
     def render(self) -> bytes:

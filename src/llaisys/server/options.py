@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..generation.config import MAX_SPECULATIVE_TOKENS
 from .protocol import MAX_N
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: 128 prompts of 8k token ids as JSON fit; a 10 MB upload does not
@@ -20,6 +21,9 @@ class ServerOptions:
     Jinja file used instead of the model's own. served_model_name: the name clients pass as
     ``model`` (default: the model file's name).
     max_seqs / kv_cache_tokens / max_batched_tokens: the engine's (see docs/engine.md).
+    speculative_tokens: draft tokens per decoding step for requests that do not set their own
+    ``speculative_tokens`` (0: off; see docs/engine.md, "Speculative decoding");
+    speculative_max_seqs: no drafts while more requests than this run (None: no limit).
     max_choices: engine requests one API call may make, prompts × n (None: max(max_seqs, 128)).
     db_path: the SQLite file of the chat UI's conversations (None: the UI's default).
     shutdown_timeout_s: on SIGINT/SIGTERM, how long running requests may go on before they
@@ -43,6 +47,8 @@ class ServerOptions:
     max_seqs: int = 64
     kv_cache_tokens: int | None = None
     max_batched_tokens: int = 512
+    speculative_tokens: int = 0
+    speculative_max_seqs: int | None = None
     max_choices: int | None = None
     db_path: str | None = None
     shutdown_timeout_s: float = 30.0
@@ -59,10 +65,14 @@ class ServerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerOptions.{name} must be a positive integer, got {value!r}")
-        for name in ("kv_cache_tokens", "max_choices", "max_connections"):
+        for name in ("kv_cache_tokens", "max_choices", "max_connections", "speculative_max_seqs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"ServerOptions.{name} must be a positive integer or None, got {value!r}")
+        k = self.speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"ServerOptions.speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {k!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerOptions.port must be in [0, 65535], got {self.port}")
         if self.api_key == "":

@@ -3,7 +3,7 @@
 As in OpenAI's API, a value of the wrong type is an error (no "0.5" for a number, no 1 for a
 boolean) and fields the server does not know are ignored. Ranges are OpenAI's (vLLM's for
 the fields it adds: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids). Responses are plain dicts built in ``llaisys.server.completions``.
+stop_token_ids; ours: speculative_tokens). Responses are plain dicts built in ``llaisys.server.completions``.
 
 Bodies are parsed by ``load_json_body``, which also refuses what JSON allows but nothing
 downstream can take: strings with a lone UTF-16 surrogate (``"\\ud800"``, which cannot be
@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..generation.config import MAX_LOGPROBS  # top tokens per step: 20, as OpenAI
+from ..generation.config import MAX_SPECULATIVE_TOKENS  # draft tokens per step: 64
 from .errors import APIError, bad_request
 
 MAX_N = 128  # choices per request, as OpenAI
@@ -248,6 +249,8 @@ class SamplingRequest(Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # ours: speculative decoding's draft tokens per step (None: the server's --speculative-tokens)
+    speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -128,7 +128,8 @@ class ModelService:
     def _start_engine(self) -> None:
         opts = self.options
         engine = LLMEngine(self.model, kv_cache_tokens=opts.kv_cache_tokens, max_seqs=opts.max_seqs,
-                           max_batched_tokens=opts.max_batched_tokens)
+                           max_batched_tokens=opts.max_batched_tokens,
+                           speculative_max_seqs=opts.speculative_max_seqs)
         thread = EngineThread(engine)
         thread.on_step = self.metrics.on_step
         self.engine = thread
@@ -327,8 +328,9 @@ class ModelService:
     def generation_config(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                           choice: int, grammar: Grammar | None = None) -> GenerationConfig:
         """The GenerationConfig of choice ``choice`` of ``req``: the request's values over the
-        model's generation_config.json over OpenAI's defaults; seed + choice when seeded. With a
-        ``grammar``, a GuidedConfig: the output follows it."""
+        model's generation_config.json over OpenAI's defaults; seed + choice when seeded;
+        ``speculative_tokens`` the request's, else the server's. With a ``grammar``, a
+        GuidedConfig: the output follows it."""
         defaults = {**OPENAI_DEFAULTS, **(getattr(self.model, "generation_defaults", None) or {})}
         top_k = 0 if req.top_k == -1 else req.top_k
         guided = {"grammar": grammar} if grammar is not None else {}
@@ -339,7 +341,9 @@ class ModelService:
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stops, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                eos_token_ids=tuple(req.stop_token_ids or ()), **guided)
+                eos_token_ids=tuple(req.stop_token_ids or ()),
+                speculative_tokens=(self.options.speculative_tokens if req.speculative_tokens is None
+                                    else req.speculative_tokens), **guided)
         except (TypeError, ValueError) as exc:
             message = str(exc)
             field = re.search(r"GenerationConfig\.(\w+)", message)
