@@ -26,10 +26,10 @@ def test_registry_finds_llama_and_qwen2():
         arch = architectures.get(name)
         assert arch.name == name
         assert arch.decoder_layer is decoder_layer
-    assert architectures.get("qwen2").hf_config({}, "config.json") == {"attention_bias": True,
-                                                                        "attention_out_bias": False}
-    assert architectures.get("llama").hf_config({"attention_bias": True}, "config.json") == {
-        "attention_bias": True, "attention_out_bias": True}
+    assert architectures.get("qwen2").hf_config({}, "config.json", {}) == {
+        "attention_bias": True, "attention_out_bias": False, "hidden_act": "silu"}
+    assert architectures.get("llama").hf_config({"attention_bias": True}, "config.json", {}) == {
+        "attention_bias": True, "attention_out_bias": True, "hidden_act": "silu"}
     assert architectures.get("qwen2").gguf_row_fix("layers.0.q", None) is None
 
 
@@ -38,7 +38,7 @@ def test_unknown_name_lists_the_supported_ones(name):
     with pytest.raises(ModelLoadError, match=re.escape(f"unsupported architecture {name!r}; expected one of "
                                                        f"{', '.join(architectures.names())}")):
         architectures.get(name)
-    message = f"config.json: unsupported model_type {name!r}; expected one of llama"
+    message = f"config.json: unsupported model_type {name!r}; expected one of {', '.join(architectures.names())}"
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         architectures.get(name, "config.json", key="model_type")
 
@@ -86,7 +86,7 @@ def llama_folder(tmp_path_factory):
 def test_one_registration_makes_a_new_model_type_load(llama_folder, tmp_path):
     _, folder = llama_folder
     twin_folder = _retyped(folder, tmp_path / TWIN, TWIN)
-    with pytest.raises(ModelLoadError, match=f"unsupported model_type '{TWIN}'; expected one of llama, qwen2"):
+    with pytest.raises(ModelLoadError, match=f"unsupported model_type '{TWIN}'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen3"):
         load_model(twin_folder)
     arch = architectures.register(dataclasses.replace(architectures.get("llama"), name=TWIN))
     try:

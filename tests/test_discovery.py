@@ -365,34 +365,34 @@ def test_malformed_manifest(stores, text, why):
 def test_unsupported_architecture(stores, llama_folder, tmp_path):
     import gguf
 
-    path = tmp_path / "gemma.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ollama_model(stores["ollama"], "gemma3", "tiny", path)
-    mistral = tmp_path / "mistral"
-    mistral.mkdir()
+    ollama_model(stores["ollama"], "mamba", "tiny", path)
+    phi = tmp_path / "phi3"
+    phi.mkdir()
     for p in llama_folder.iterdir():
-        (mistral / p.name).symlink_to(p)
-    (mistral / "config.json").unlink()
+        (phi / p.name).symlink_to(p)
+    (phi / "config.json").unlink()
     config = json.loads((llama_folder / "config.json").read_text())
-    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    hf_repo(stores["hf"], "acme/mistral", {p.name: p for p in mistral.iterdir()})
+    (phi / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    hf_repo(stores["hf"], "acme/phi3", {p.name: p for p in phi.iterdir()})
 
     rows = {r["name"]: r for r in map(describe, find_models())}
-    assert rows["gemma3:tiny"]["architecture"] == "gemma3" and rows["gemma3:tiny"]["supported"] is False
+    assert rows["mamba:tiny"]["architecture"] == "mamba" and rows["mamba:tiny"]["supported"] is False
     expected = ", ".join(architectures.names())  # the registry's, whatever it holds
-    assert f"unsupported architecture 'gemma3'; expected one of {expected}" in rows["gemma3:tiny"]["reason"]
-    assert rows["acme/mistral"]["architecture"] == "mistral" and rows["acme/mistral"]["supported"] is False
-    assert "unsupported model_type 'mistral'" in rows["acme/mistral"]["reason"]
+    assert f"unsupported architecture 'mamba'; expected one of {expected}" in rows["mamba:tiny"]["reason"]
+    assert rows["acme/phi3"]["architecture"] == "phi3" and rows["acme/phi3"]["supported"] is False
+    assert "unsupported model_type 'phi3'" in rows["acme/phi3"]["reason"]
     proc = llaisys(stores, "list")
     assert proc.returncode == 0
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("gemma3:tiny")]
-    assert "no: unsupported architecture 'gemma3'" in line
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'gemma3'"):
-        load_model("gemma3:tiny")
-    line = one_error_line(llaisys(stores, "info", "acme/mistral"), "info")
-    assert "unsupported model_type 'mistral'" in line
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("mamba:tiny")]
+    assert "no: unsupported architecture 'mamba'" in line
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        load_model("mamba:tiny")
+    line = one_error_line(llaisys(stores, "info", "acme/phi3"), "info")
+    assert "unsupported model_type 'phi3'" in line

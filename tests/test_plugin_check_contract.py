@@ -199,7 +199,8 @@ def test_model_on_a_kernelless_device_copies_no_weight_while_decoding(bare, monk
 def test_model_on_a_kernelless_device_matches_the_cpu(bare):
     logits, tokens = random_model_run(BARE)
     want_logits, want_tokens = random_model_run("cpu")
-    np.testing.assert_array_equal(logits, want_logits)
+    # the CPU attends through its paged kernel, a device without paged kernels with self_attention
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert tokens == want_tokens
 
 

@@ -182,7 +182,8 @@ def test_minimal_plugin_runs_the_decoder_layer_through_cpu_fallback(minimal):
 def test_minimal_plugin_runs_a_model_through_cpu_fallback(minimal):
     want_logits, want_tokens = random_model_run("cpu")
     logits, tokens = random_model_run("mini_dev:1")
-    np.testing.assert_array_equal(logits, want_logits)
+    # the CPU attends through its paged kernel, a device without paged kernels with self_attention
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert tokens == want_tokens
 
 

@@ -19,7 +19,7 @@ import llaisys
 from llaisys import DataType, Tensor, ops
 from llaisys.kernels.cpu import native_ops, norm_rope
 from llaisys.models import ModelLoadError, load_model
-from llaisys.models.config import config_from_hf
+from llaisys.models.architectures import config_from_hf
 from llaisys.models.rope import rope_frequencies
 
 from conftest import assert_close, dtype_params, hf_to_gguf_tensors, random_hf_model, to_torch, write_gguf

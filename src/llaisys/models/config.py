@@ -1,7 +1,10 @@
 """The model configuration shared by both file formats, with Hugging Face field names.
 
-What differs between architectures (Qwen2's fixed q/k/v biases, Llama's ``attention_bias``)
-comes from the architecture's module, found by name in ``models.architectures``.
+``ModelConfig`` holds the hyper-parameters the shared blocks read (``models.layers``). Which
+of them a file sets, and how (Qwen2's fixed q/k/v biases, Llama's ``attention_bias``, Gemma 3's
+sliding layers), is the business of the architecture's module (``models.architectures``),
+which also checks what only it knows; this module reads the keys every architecture shares
+and checks the values.
 """
 from __future__ import annotations
 
@@ -38,6 +41,14 @@ class ModelConfig:
     attention_out_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Set by the architectures whose blocks use them (the defaults are Llama's):
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotary embedding
+    sliding_window: int = 0  # keys a sliding-window layer attends to (its own included); 0: none
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
+    query_pre_attn_scalar: float = 0.0  # attention scores times 1/sqrt(this); 0: head_dim
+    embedding_multiplier: float = 1.0  # the token embeddings times this (Gemma: sqrt(hidden_size))
+    rope_local_theta: float = 0.0  # the rope base of sliding-window layers; 0: rope_theta
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads == 0:
@@ -59,10 +70,10 @@ class ModelConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
     def validate(self, source: str) -> "ModelConfig":
-        """Check the values describe a model we can run; raises ModelLoadError naming ``source``."""
-        from . import architectures  # here: the architecture modules import this one
-
-        architectures.get(self.architecture, source)
+        """Check the values describe a model the shared blocks can run; raises ModelLoadError
+        naming ``source``. (What only an architecture knows, its module checks.)"""
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ModelLoadError(f"{source}: architecture must be a non-empty name, got {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -87,15 +98,56 @@ class ModelConfig:
         from .rope import rope_frequencies  # here: models.rope imports this module's type
 
         rope_frequencies(self, source)  # refuses a rope type or parameter llaisys does not apply
-        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias"):
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelLoadError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
+        self._validate_blocks(source)
         if self.bos_token_id is not None and not is_token_id(self.bos_token_id):
             raise ModelLoadError(
                 f"{source}: bos_token_id must be a token id (an integer >= 0), got {self.bos_token_id!r}"
             )
         self.eos_token_id = token_ids(self.eos_token_id, source, "eos_token_id")
         return self
+
+
+    def _validate_blocks(self, source: str) -> None:
+        """Checks of the fields the architectures set for their blocks."""
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported; expected one of "
+                                 f"{', '.join(map(repr, ACTIVATIONS))}")
+        if not is_int(self.sliding_window) or self.sliding_window < 0:
+            raise ModelLoadError(f"{source}: sliding_window must be a positive integer or absent, "
+                                 f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            types = self.layer_types
+            if (not isinstance(types, list) or len(types) != self.num_hidden_layers
+                    or any(t not in LAYER_TYPES for t in types)):
+                raise ModelLoadError(f"{source}: layer_types must list one of {', '.join(map(repr, LAYER_TYPES))} per "
+                                     f"layer ({self.num_hidden_layers}), got {types!r:.200}")
+            if "sliding_attention" in types and not self.sliding_window:
+                raise ModelLoadError(f"{source}: layer_types names sliding_attention layers but sliding_window "
+                                     f"is not set")
+        for name, low in (("query_pre_attn_scalar", 0.0), ("rope_local_theta", 0.0), ("embedding_multiplier", None)):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or (value <= 0 if low is None else value < low)):
+                raise ModelLoadError(f"{source}: {name} must be a {'positive' if low is None else 'non-negative'} "
+                                     f"number, got {value!r}")
+
+    def layer_window(self, layer: int) -> int:
+        """Keys layer ``layer`` attends to, its own included (0: all before it)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the attention scores: 1/sqrt(query_pre_attn_scalar or head_dim)."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def is_int(value: Any) -> bool:
@@ -172,41 +224,34 @@ def _rope_parameters(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
             "partial_rotary_factor": 1.0 if partial is None else partial}
 
 
-def config_from_hf(raw: Any, source: str) -> ModelConfig:
-    """The config of a Hugging Face ``config.json`` already parsed into ``raw``: the fields
-    every architecture shares, then those its ``model_type``'s architecture sets."""
-    from . import architectures  # here: the architecture modules import this one
-
+def hf_common_fields(raw: Any, source: str) -> dict[str, Any]:
+    """The ``ModelConfig`` values of a Hugging Face ``config.json`` already parsed into ``raw``
+    that every architecture reads alike: the keys as found, the rope parameters, the tied head;
+    a required key missing, or MLP biases, is a ModelLoadError. The architecture's module adds
+    its own fields after (``architectures.config_from_hf``)."""
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    arch = architectures.get(raw.get("model_type"), source, key="model_type")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                if k not in raw]
     if missing:
         raise ModelLoadError(f"{source}: missing required key(s) {', '.join(missing)}")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
     if json_flag(raw, "mlp_bias", False, source):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported; expected MLP projections without bias")
-    if json_flag(raw, "use_sliding_window", False, source):
-        raise ModelLoadError(f"{source}: use_sliding_window=true is not supported; expected full attention")
-    values = dict(raw)
-    values["architecture"] = arch.name
+    values = {k: v for k, v in raw.items() if k not in BLOCK_FIELDS}  # those the architecture sets
     values.update(_rope_parameters(raw, source))
     values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
-    values.update(arch.hf_config(raw, source))
     for key in ("num_key_value_heads", "head_dim"):
         if values.get(key) is None:
             values[key] = 0
-    try:
-        config = ModelConfig.from_dict(values)
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{source}: bad value in config: {exc}") from exc
-    return config.validate(source)
+    return values
 
 
-def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
-    """Read and check a ``config.json``."""
-    raw = read_json(Path(path), hint="; a model folder needs a config.json")
-    return config_from_hf(raw, os.fspath(path))
+# Fields only an architecture's module sets from a file (a key of the same name in config.json
+# means what that architecture says, if anything).
+BLOCK_FIELDS = ("hidden_act", "qk_norm", "sliding_window", "layer_types", "query_pre_attn_scalar",
+                "embedding_multiplier", "rope_local_theta")
+
+
+def read_config_json(path: "str | os.PathLike[str]") -> Any:
+    """The parsed ``config.json`` at ``path`` (ModelLoadError when missing or not JSON)."""
+    return read_json(Path(path), hint="; a model folder needs a config.json")

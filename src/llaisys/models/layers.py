@@ -1,5 +1,8 @@
-"""The layers of the Qwen2/Llama decoder, written with ``llaisys.ops`` only, over the buffers
-of a ``Workspace``; an architecture module (``models.architectures``) names the layer it uses.
+"""The shared blocks of the decoders, written with ``llaisys.ops`` only, over the buffers of a
+``Workspace``: the q/k/v projection (with its optional per-head norms and the rotary
+embedding), attention over one sequence's cache or a paged pool (with an optional sliding
+window), the gated MLP (SiLU or tanh-GELU), and the pre-norm layer the Llama family runs. An
+architecture module (``models.architectures``) names the layer it runs, built from these.
 
 Shapes: S tokens in the pass, T = cache length after it, D hidden, H/KH query/kv heads,
 Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
@@ -42,11 +45,14 @@ class Workspace:
         self.qk_in = self.qkv.slice(1, 0, dq + dkv).view(s, h + kh, dh)  # (S, H+KH, Dh) strided view
         self.v_in = self.qkv.slice(1, dq + dkv, dq + 2 * dkv).view(s, kh, dh)  # (S, KH, Dh)
         self.qk = new(s, h + kh, dh)  # (S, H+KH, Dh) q and k heads after rope (one rope call for both)
+        # (S, H+KH, Dh) q and k heads after their norms, the rope's input (config.qk_norm)
+        self.qk_normed = new(s, h + kh, dh) if config.qk_norm else None
         self.q = self.qk.slice(1, 0, h)  # (S, H, Dh)
         self.k = self.qk.slice(1, h, h + kh)  # (S, KH, Dh)
         self.attn = new(s, h, dh)  # (S, H, Dh)
         self.attn_flat = self.attn.view(s, dq)  # (S, Dq)
         self.proj = new(s, d)  # (S, D) output of a block before the residual add
+        self.proj_normed = new(s, d)  # (S, D) a block's output normalised (post-norm layers)
         self.gate_up = new(s, 2 * inter)  # (S, 2I)
         self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
         self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
@@ -62,43 +68,65 @@ def sum_over_ranks(ws: Workspace, partial: Tensor, plan: ops.Plan) -> None:
         record_all_reduce(plan, ws.comm, partial)
 
 
-def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
-              scale: float, plan: ops.Plan) -> None:
-    """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
-    K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read)."""
-    k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
+def project_qkv(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.qk = rope(q and k heads of ws.h's projection), each head first normalised by its
+    norm where the layer has them; ws.v_in = the value heads."""
     ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (S, H+KH, Dh)
+    qk = ws.qk_in  # (S, H+KH, Dh) strided view of the projection
+    if lp.q_norm is not None:
+        h, eps = config.num_attention_heads, config.rms_norm_eps
+        ops.rms_norm(ws.qk_normed.slice(1, 0, h), qk.slice(1, 0, h), lp.q_norm, eps, plan=plan)  # (S, H, Dh)
+        ops.rms_norm(ws.qk_normed.slice(1, h, qk.shape[1]), qk.slice(1, h, qk.shape[1]), lp.k_norm, eps,
+                     plan=plan)  # (S, KH, Dh)
+        qk = ws.qk_normed
+    ops.rope(ws.qk, qk, ws.pos, lp.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (S, H+KH, Dh)
+
+
+def _window(lp: LayerParams) -> dict:
+    return {"window": lp.window} if lp.window else {}
+
+
+def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, Tensor], config: ModelConfig,
+              plan: ops.Plan) -> int:
+    """ws.proj = o_proj(causal attention of ws.h, the normalised input); appends this pass's
+    K/V to the cache through ``kv`` = (K rows written, V rows written, K rows read, V rows read).
+    Returns the plan index of its first call that touches the cache (the K write; then the V
+    write, then attention: the three a replay at another position rebinds)."""
+    k_new, v_new, k_seen, v_seen = kv  # (S, KH, Dh) x2, (T, KH, Dh) x2
+    project_qkv(ws, lp, config, plan)
+    at = len(plan)
     ops.rearrange(k_new, ws.k, plan=plan)  # (S, KH, Dh) into the cache
     ops.rearrange(v_new, ws.v_in, plan=plan)  # (S, KH, Dh)
-    ops.self_attention(ws.attn, ws.q, k_seen, v_seen, scale, plan=plan)  # (S, H, Dh)
+    ops.self_attention(ws.attn, ws.q, k_seen, v_seen, config.attention_scale, plan=plan,
+                       **_window(lp))  # (S, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (S, D)
     sum_over_ranks(ws, ws.proj, plan)
-
-
-CACHE_CALLS_AT = 2  # attention's calls before its three that touch the cache (see Pass.move)
-
-
-def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
-    """ws.proj = down(swiglu(gate, up)) of ws.h, the normalised input."""
-    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
-    ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
-    ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
-    sum_over_ranks(ws, ws.proj, plan)
+    return at
 
 
 def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor], idx: "BatchIndex",
-                    config: ModelConfig, scale: float, plan: ops.Plan) -> None:
+                    config: ModelConfig, plan: ops.Plan) -> None:
     """ws.proj = o_proj(attention of ws.h, rows of many sequences) over the paged cache
     ``pool`` = (K blocks, V blocks) (NB, BS, KH, Dh) of this layer; writes this pass's K/V to
     their slots first, then each sequence attends to its own keys through its block table."""
     k_pool, v_pool = pool
-    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (N, Dq + 2*Dkv)
-    ops.rope(ws.qk, ws.qk_in, ws.pos, config.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (N, H+KH, Dh)
+    project_qkv(ws, lp, config, plan)
     ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan)
     ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
-                        scale, plan=plan)  # (N, H, Dh)
+                        config.attention_scale, plan=plan, **_window(lp))  # (N, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (N, D)
+    sum_over_ranks(ws, ws.proj, plan)
+
+
+def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.proj = down(act(gate) * up) of ws.h, the normalised input; act is SiLU (SwiGLU) or
+    tanh-approximated GELU (GeGLU), as ``config.hidden_act`` says."""
+    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
+    if config.hidden_act == "gelu_tanh":
+        ops.geglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
+    else:
+        ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
+    ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
     sum_over_ranks(ws, ws.proj, plan)
 
 
@@ -114,3 +142,17 @@ def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Cal
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
     mlp(ws, lp, config, plan)
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)
+
+
+def sandwich_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
+                   config: ModelConfig, plan: ops.Plan) -> None:
+    """``decoder_layer`` with each block's output normalised before its residual add (Gemma's
+    post-attention and post-MLP norms): x += norm(attn); h = norm(x); x += norm(mlp);
+    h = next_norm(x)."""
+    eps = config.rms_norm_eps
+    attend()
+    ops.rms_norm(ws.proj_normed, ws.proj, lp.post_attn_norm, eps, plan=plan)  # (S, D)
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj_normed, lp.ffn_norm, eps, plan=plan)  # (S, D)
+    mlp(ws, lp, config, plan)
+    ops.rms_norm(ws.proj_normed, ws.proj, lp.post_ffn_norm, eps, plan=plan)  # (S, D)
+    ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj_normed, next_norm, eps, plan=plan)  # (S, D)

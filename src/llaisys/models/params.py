@@ -40,9 +40,15 @@ class LayerParams:
     ffn_norm: Tensor  # (D,)
     gate_up: Tensor  # (2*I, D): rows of gate, then up
     down: Tensor  # (D, I)
-    # (R/2,) F32 inverse rotary frequencies, the one tensor of every layer; None: the plain rope
+    # (R/2,) F32 inverse rotary frequencies, shared by the layers of one kind; None: the plain rope
     rope_freqs: Tensor | None = None
     rope_factor: float = 1.0  # multiplies rope's cos and sin (YaRN's attention factor)
+    rope_theta: float = 10000.0  # the plain rope's base (when rope_freqs is None)
+    window: int = 0  # keys each query attends to, its own included; 0: every key before it
+    q_norm: Tensor | None = None  # (Dh,) RMSNorm weight of each query head (config.qk_norm)
+    k_norm: Tensor | None = None  # (Dh,) of each key head
+    post_attn_norm: Tensor | None = None  # (D,) norm of the attention block's output (Gemma 3)
+    post_ffn_norm: Tensor | None = None  # (D,) norm of the MLP block's output (Gemma 3)
 
 
 @dataclass(slots=True)
@@ -201,6 +207,9 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
+        window = config.layer_window(i)
+        # a sliding layer of a model with a local rope base (Gemma 3) rotates with that base, unscaled
+        local = bool(window and config.rope_local_theta)
         layers.append(LayerParams(
             attn_norm=b.one(p + "attn_norm"),
             qkv=b.stacked([p + "q", p + "k", p + "v"]),
@@ -210,8 +219,14 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             ffn_norm=b.one(p + "ffn_norm"),
             gate_up=b.stacked([p + "gate", p + "up"]),
             down=b.one(p + "down"),
-            rope_freqs=rope_freqs,
-            rope_factor=rope_factor,
+            rope_freqs=None if local else rope_freqs,
+            rope_factor=1.0 if local else rope_factor,
+            rope_theta=config.rope_local_theta if local else config.rope_theta,
+            window=window,
+            q_norm=b.maybe(p + "q_norm"),
+            k_norm=b.maybe(p + "k_norm"),
+            post_attn_norm=b.maybe(p + "post_attn_norm"),
+            post_ffn_norm=b.maybe(p + "post_ffn_norm"),
         ))
     embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
     if config.tie_word_embeddings:

@@ -21,7 +21,6 @@ sequence, D hidden, V vocabulary (V or c: this rank's slice under tensor paralle
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -34,7 +33,7 @@ from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .kv_cache import KVCache
-from .layers import CACHE_CALLS_AT, Workspace, attention, paged_attention
+from .layers import Workspace, attention, paged_attention
 from .paged_cache import PagedKVCache, TokenBatch
 from .params import LayerParams
 
@@ -49,10 +48,12 @@ def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
                   attend: Callable[[int, LayerParams], None]) -> None:
     """Record embedding, every layer (``attend(i, lp)`` records layer i's attention block) and
     the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
-    p, layer = model.params, model.architecture.decoder_layer
+    p, layer, c = model.params, model.architecture.decoder_layer, model.config
     ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (N, D)
     if ws.comm is not None:  # each rank looked up the ids of its vocabulary range, zeros for the rest
         record_all_reduce(plan, ws.comm, ws.x)
+    if c.embedding_multiplier != 1.0:
+        ops.scale(ws.x, ws.x, c.embedding_multiplier, plan=plan)  # (N, D)
     ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (N, D)
     next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
     for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
@@ -93,10 +94,9 @@ class BatchPass:
         self.plan = plan = ops.Plan()
         self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
         self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
-        scale = 1.0 / math.sqrt(model.config.head_dim)
 
         def attend(i: int, lp: LayerParams) -> None:
-            paged_attention(ws, lp, pools[i], self.idx, model.config, scale, plan)
+            paged_attention(ws, lp, pools[i], self.idx, model.config, plan)
 
         record_layers(model, ws, plan, attend)
         if r:
@@ -116,11 +116,9 @@ class RowsPass:
         self.ws = ws
         self.plan = plan = ops.Plan()
         self.kv_at: list[int] = []  # per layer: index of its first call that touches the cache
-        scale = 1.0 / math.sqrt(model.config.head_dim)
 
         def attend(i: int, lp: LayerParams) -> None:
-            self.kv_at.append(len(plan) + CACHE_CALLS_AT)
-            attention(ws, lp, cache.rows(i, start, end), model.config, scale, plan)
+            self.kv_at.append(attention(ws, lp, cache.rows(i, start, end), model.config, plan))
 
         record_layers(model, ws, plan, attend)
         self.span = (start, end)

@@ -6,7 +6,8 @@ Each architecture (``models.architectures``) names its table per format; ``HF_NA
 
 Our names: ``embed`` (V, D), ``norm`` (D,), ``lm_head`` (V, D) and per layer ``layers.{i}.X``
 with X in attn_norm (D,), q (H*Dh, D), k (KH*Dh, D), v (KH*Dh, D), q_bias/k_bias/v_bias,
-o (D, H*Dh), o_bias (D,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I).
+o (D, H*Dh), o_bias (D,), q_norm/k_norm (Dh,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I),
+and post_attn_norm/post_ffn_norm (D,) in the layers that have them.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ HF_LAYER = {
     "self_attn.v_proj.bias": "v_bias",
     "self_attn.o_proj.weight": "o",
     "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "ffn_norm",
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",
@@ -61,6 +64,8 @@ GGUF_LAYER = {
     "attn_v.bias": "v_bias",
     "attn_output.weight": "o",
     "attn_output.bias": "o_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
     "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
@@ -161,11 +166,17 @@ def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         shapes.update({p + "q_bias": (nq,), p + "k_bias": (nkv,), p + "v_bias": (nkv,)})
     if config.attention_out_bias:
         shapes[p + "o_bias"] = (d,)
+    if config.qk_norm:
+        shapes.update({p + "q_norm": (dh,), p + "k_norm": (dh,)})
     return shapes
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the config implies, by our name, with its shape."""
+LayerShapes = Callable[[ModelConfig, int], dict[str, tuple[int, ...]]]
+
+
+def expected_shapes(config: ModelConfig, layer_shapes: LayerShapes = layer_shapes) -> dict[str, tuple[int, ...]]:
+    """Every weight the config implies, by our name, with its shape (a layer's from
+    ``layer_shapes``, its architecture's)."""
     shapes = global_shapes(config)
     for layer in range(config.num_hidden_layers):
         shapes.update(layer_shapes(config, layer))
@@ -202,13 +213,15 @@ def sanitize(weights: dict[str, WeightSource], config: ModelConfig) -> dict[str,
     return weights
 
 
-def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str) -> None:
-    """Strict loading: every expected tensor present with its shape, nothing else.
+def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str,
+                  layer_shapes: LayerShapes = layer_shapes) -> None:
+    """Strict loading: every expected tensor present with its shape, nothing else (a layer's
+    tensors as its architecture's ``layer_shapes`` says).
 
     Raises ModelLoadError naming the file and the tensor (by its name in the file).
     """
-    _check_layer_count(weights, config, table, source)
-    expected = expected_shapes(config)
+    _check_layer_count(weights, config, table, source, layer_shapes)
+    expected = expected_shapes(config, layer_shapes)
     missing = [name for name in expected if name not in weights]
     if missing:
         names = ", ".join(repr(table.to_file(n)) for n in missing[:5])
@@ -227,7 +240,8 @@ def check_weights(weights: Mapping[str, WeightSource], config: ModelConfig, tabl
             )
 
 
-def _check_layer_count(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str) -> None:
+def _check_layer_count(weights: Mapping[str, WeightSource], config: ModelConfig, table: NameTable, source: str,
+                       layer_shapes: LayerShapes) -> None:
     """Refuse a layer count beyond what the file's tensors can hold before anything is sized
     by it: a corrupt count of 2**63 would otherwise build a table with that many entries."""
     layers = config.num_hidden_layers

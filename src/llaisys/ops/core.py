@@ -168,11 +168,15 @@ def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor 
     return out
 
 
-def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, *, plan: Plan | None = None) -> Tensor:
+def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int = 0,
+                   plan: Plan | None = None) -> Tensor:
     """Causal attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv), attn_val (S, H, Dv), T >= S.
 
-    Query i sits at position T - S + i and sees keys 0..T - S + i; query head h uses KV head
-    h // (H / KH). attn_val = softmax(q k^T * scale + mask) v. Returns attn_val.
+    Query i sits at position T - S + i and sees keys 0..T - S + i (with ``window`` > 0 only
+    the last ``window`` of them, its own included: a sliding window); query head h uses KV
+    head h // (H / KH). attn_val = softmax(q k^T * scale + mask) v. A windowed call dispatches
+    as ``self_attention_window``, so a kernel that knows no window is never handed one.
+    Returns attn_val.
     """
     tensors_match("self_attention", ("q", "k", "v", "attn_val"), (q, k, v, attn_val))
     dtype_in("self_attention", "q", q, FLOAT_TYPES)
@@ -191,9 +195,20 @@ def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: flo
         raise ValueError(f"self_attention: k and v hold {t} positions, fewer than the {s} queries of q")
     shape_is("self_attention", "attn_val", attn_val, (s, h, v.shape[2]))
     scale = number("self_attention", "scale", scale)
+    window = window_size("self_attention", window)
     if 0 not in attn_val.shape:
-        _launch(plan, "self_attention", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
+        if window:
+            _launch(plan, "self_attention_window", q.dtype, (attn_val,), (q, k, v), {"scale": scale, "window": window})
+        else:
+            _launch(plan, "self_attention", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
     return attn_val
+
+
+def window_size(op: str, window: object) -> int:
+    """``window`` checked as a sliding window's key count: an int >= 0 (0: no window)."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{op}: window must be an integer >= 0 (0: no sliding window), got {window!r}")
+    return window
 
 
 def swiglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) -> Tensor:

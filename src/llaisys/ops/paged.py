@@ -13,7 +13,7 @@ from ..kernels import find_kernel
 from ..tensor import Tensor
 from .plan import Plan
 from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match
-from .core import _launch
+from .core import _launch, window_size
 
 
 def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, *,
@@ -52,7 +52,7 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots
 
 
 def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                    query_starts: Tensor, context_lens: Tensor, scale: float, *,
+                    query_starts: Tensor, context_lens: Tensor, scale: float, *, window: int = 0,
                     plan: Plan | None = None) -> Tensor:
     """Causal grouped-query attention of a flat batch of queries over the paged KV cache.
 
@@ -63,7 +63,10 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     keys (this step's included: kv_cache_write them first); its query j sits at position
     context_lens[b] - q_len + j and sees keys 0..that position, key p being
     k_cache[block_tables[b, p // BS], p % BS] (table entries past what it needs are ignored).
-    out = softmax(q k^T * scale + mask) v. The kernel raises ValueError unless query_starts
+    With ``window`` > 0 a query sees only its last ``window`` keys, its own included (a
+    sliding window; such a call dispatches as ``paged_attention_window``, so a kernel that
+    knows no window is never handed one); a sequence's blocks before the first key its queries
+    see are never read. out = softmax(q k^T * scale + mask) v. The kernel raises ValueError unless query_starts
     runs from 0 to N without going down and q_len <= context_lens[b] <= MB * BS. The F32 CPU
     kernel is batch invariant: a row's result does not depend on the rest of the batch.
     Returns out.
@@ -94,7 +97,9 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     shape_is(op, "query_starts", query_starts, (b + 1,))
     shape_is(op, "context_lens", context_lens, (b,))
     scale = number(op, "scale", scale)
+    window = window_size(op, window)
     if 0 not in out.shape:
-        _launch(plan, op, q.dtype, (out,), (q, k_cache, v_cache, block_tables, query_starts, context_lens),
-                {"scale": scale})
+        attrs = {"scale": scale, "window": window} if window else {"scale": scale}
+        _launch(plan, op + "_window" if window else op, q.dtype, (out,),
+                (q, k_cache, v_cache, block_tables, query_starts, context_lens), attrs)
     return out

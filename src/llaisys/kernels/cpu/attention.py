@@ -1,4 +1,4 @@
-"""Causal self-attention with grouped KV heads on the CPU."""
+"""Causal self-attention with grouped KV heads on the CPU, with an optional sliding window."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -48,3 +48,36 @@ def _one_query(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     return np.matmul(scores, v.transpose(1, 0, 2))  # (KH, G, Dv)
+
+
+@register_kernel("self_attention_window", "cpu", dtypes=FLOATS)
+def self_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                          attrs: dict[str, Any]) -> None:
+    """``self_attention`` where query i (at position T - S + i) sees only its last ``window``
+    keys, its own included: keys T - S + i - window + 1 .. T - S + i; attrs: scale, window."""
+    out = outputs[0].host_array()  # (S, H, Dv)
+    q, k, v = (f32(t.host_array()) for t in inputs)  # (S, H, D), (T, KH, D), (T, KH, Dv)
+    out[...] = windowed_attention(q, k, v, attrs["scale"], int(attrs["window"]))
+
+
+def windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int) -> np.ndarray:
+    """q (S, H, D) at positions T-S .. T-1 over k (T, KH, D), v (T, KH, Dv), each query seeing
+    its last ``window`` keys (0: all up to its own): (S, H, Dv) float32."""
+    s, h, d = q.shape
+    t, kh, dv = v.shape
+    lo = max(0, t - s - window + 1) if window else 0  # keys before this no query sees
+    k, v = k[lo:], v[lo:]
+    qg = q.reshape(s, kh, h // kh, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T - lo)
+    scores *= scale
+    key = np.arange(lo, t)[None, :]  # (1, T - lo) key positions
+    pos = np.arange(s)[:, None] + (t - s)  # (S, 1) query positions
+    hidden = key > pos
+    if window:
+        hidden |= key <= pos - window
+    np.copyto(scores, -np.inf, where=hidden)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
+    return ctx.transpose(2, 0, 1, 3).reshape(s, h, dv).astype(np.float32, copy=False)

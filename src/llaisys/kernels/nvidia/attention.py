@@ -1,6 +1,7 @@
 """Causal grouped-query attention on NVIDIA GPUs, in Triton: ``self_attention`` over one
 sequence's keys and, for the serving engine, ``kv_cache_write`` and ``paged_attention`` over
-a pool of KV blocks addressed through block tables.
+a pool of KV blocks addressed through block tables; both with an optional sliding window (a
+query sees its last ``window`` keys, its own included; the walk starts at the first of them).
 
 One kernel serves both attentions (``PAGED`` picks how key p is found). A program takes
 BLOCK_Q queries of one sequence and all G query heads of one KV head, as ROWS = BLOCK_Q * G
@@ -34,7 +35,7 @@ PREFILL_ROWS = 64
 
 
 @triton.jit
-def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale,
+def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, window,
                q_n, q_h, q_d, o_n, o_h, o_d, k_b, k_s, k_h, k_d, v_b, v_s, v_h, v_d, bt_b,
                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
@@ -42,7 +43,7 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale,
     """Grid (B, query blocks, KH), or with FIND_SEQ (BLOCK_Q = 1) (N, 1, KH): a program per
     token, which finds its sequence in qs. Sequence b owns rows qs[b]:qs[b+1] of q and cl[b]
     keys (PAGED), or rows 0:n_rows and t_plain keys (not PAGED); its query j sits at key count
-    - q_len + j and sees keys 0..that position."""
+    - q_len + j and sees keys 0..that position, or with ``window`` > 0 the last ``window`` of them."""
     kh = tl.program_id(2).to(tl.int64)
     if FIND_SEQ:  # the sequence of token `tok`: how many sequences end at or before it
         tok = tl.program_id(0).to(tl.int64)
@@ -76,7 +77,9 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale,
     acc = tl.zeros([ROWS, DVP], tl.float32)
     end = tl.minimum(ctx - q_len + (qblk + 1) * BLOCK_Q, ctx)  # keys seen by this block's last query
     end = tl.where(qblk * BLOCK_Q < q_len, end, 0)
-    for start in range(0, end, BLOCK_N):
+    first = ctx - q_len + qblk * BLOCK_Q - window + 1  # the first key this block's first query sees
+    lo = tl.where(window > 0, tl.maximum(first, 0) // BLOCK_N * BLOCK_N, 0)
+    for start in range(lo, end, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         p_ok = p < end
         if PAGED:
@@ -93,7 +96,9 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale,
         else:
             s = tl.dot(qv, kt)
         s = s * scale  # (ROWS, BLOCK_N)
-        s = tl.where((p[None, :] <= pos[:, None]) & p_ok[None, :], s, float("-inf"))
+        seen = (p[None, :] <= pos[:, None]) & p_ok[None, :]
+        seen = seen & ((window == 0) | (p[None, :] > pos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
         alpha = tl.exp(m_i - m_use)
@@ -126,14 +131,17 @@ def _block_q(decode: bool, g: int, dtype: DataType) -> int:
     return 1 if decode else max(1, rows // g)
 
 
+@register_kernel("self_attention_window", "nvidia", dtypes=FLOATS)
 @register_kernel("self_attention", "nvidia", dtypes=FLOATS)
 def self_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
-    """Causal grouped-query attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv) into (S, H, Dv); attrs: scale."""
+    """Causal grouped-query attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv) into (S, H, Dv);
+    attrs: scale, window (0 or absent: every key up to a query's own; else the last that many)."""
     out, q, k, v = tv(outputs[0]), *(tv(t) for t in inputs)
     s, h, d = q.shape
     t, kh, dv = v.shape
     block_q = _block_q(s == 1, h // kh, inputs[0].dtype)
-    args = (out, q, k, v, q, q, q, s, 1, t, 1, float(attrs["scale"]), *q.stride(), *out.stride(),
+    args = (out, q, k, v, q, q, q, s, 1, t, 1, float(attrs["scale"]), int(attrs.get("window", 0)),
+            *q.stride(), *out.stride(),
             0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0)
     launch(_attention, (1, triton.cdiv(s, block_q), kh), args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": False, "FIND_SEQ": False,
@@ -141,11 +149,13 @@ def self_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None",
            exact=inputs[0].dtype is DataType.F32)
 
 
+@register_kernel("paged_attention_window", "nvidia", dtypes=FLOATS)
 @register_kernel("paged_attention", "nvidia", dtypes=FLOATS)
 def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """Causal grouped-query attention of q (N, H, D) over the paged cache into out (N, H, Dv):
     inputs (q, k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv), block_tables (B, MB),
-    query_starts (B+1,), context_lens (B,)); attrs: scale. With checks on, ValueError for
+    query_starts (B+1,), context_lens (B,)); attrs: scale, window (as ``self_attention``'s).
+    With checks on, ValueError for
     inconsistent index tensors, as the CPU kernel raises."""
     if checks_enabled(outputs[0]):
         host = tuple(_HostIndex(t) for t in inputs)
@@ -158,7 +168,8 @@ def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None"
     decode = n == b  # (as many tokens as sequences: a program per token, finding its sequence)
     block_q = _block_q(decode, h // kh, inputs[0].dtype)
     grid = (n, 1, kh) if decode else (b, triton.cdiv(n, block_q), kh)
-    args = (out, q, kc, vc, bt, qs, cl, n, b, 0, bs, float(attrs["scale"]), *q.stride(), *out.stride(),
+    args = (out, q, kc, vc, bt, qs, cl, n, b, 0, bs, float(attrs["scale"]), int(attrs.get("window", 0)),
+            *q.stride(), *out.stride(),
             *kc.stride(), *vc.stride(), bt.stride(0))
     launch(_attention, grid, args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": True, "FIND_SEQ": decode,

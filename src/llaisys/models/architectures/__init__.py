@@ -1,23 +1,28 @@
 """The registry of model architectures: one module per architecture, found by name.
 
 An ``Architecture`` holds everything that differs between architectures: how a Hugging Face
-``config.json`` and GGUF metadata set its config fields, its weight names in each file format,
-the fix-up GGUF tensors need, and the decoder layer it runs. Its name is the config's
-``model_type`` and the GGUF file's ``general.architecture`` (and so the prefix of the GGUF's
-hyper-parameter keys, ``{name}.block_count`` ...). Each module (``llama``, ``qwen2``) builds one
-and calls ``register``; the loaders and the config reader look it up with ``get``. Adding an
-architecture is one new module here plus its import below.
+``config.json`` and GGUF metadata set its config fields (and what it refuses), its weight names
+in each file format and the weights each layer has, the fix-ups its tensors need, and the
+decoder layer it runs, built from the shared blocks of ``models.layers``. Its name is the
+config's ``model_type`` and the GGUF file's ``general.architecture`` (and so the prefix of the
+GGUF's hyper-parameter keys, ``{name}.block_count`` ...). Each module (``llama``, ``qwen2``,
+``qwen3``, ``gemma3``) builds one and calls ``register``; ``ALIASES`` maps a model type that is
+another's with a flag (``mistral``: Llama with its sliding window). The loaders look one up
+with ``get`` and read a ``config.json`` through ``config_from_hf``. Adding an architecture is
+one new module here plus its import below (docs/models.md shows one).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import ModelConfig, hf_common_fields, read_config_json
 from ..errors import ModelLoadError
-from ..weights import NameTable
+from ..weights import LayerShapes, NameTable, layer_shapes
 
 # A fix applied to a block of a GGUF tensor's rows (float rows, or the raw rows of a quantized
 # matrix) as they are read, with the row count the blocks' bounds must be multiples of.
@@ -29,8 +34,9 @@ class Architecture:
     """What makes one architecture: its config fix-ups, weight names and layer function."""
 
     name: str  # config.json model_type == GGUF general.architecture == GGUF key prefix
-    # (raw config.json, source for messages) -> the ModelConfig fields it sets (attention_bias ...)
-    hf_config: Callable[[Mapping[str, Any], str], dict[str, Any]] = field(repr=False)
+    # (raw config.json, source for messages, the alias's flags) -> the ModelConfig fields it
+    # sets (attention_bias ...); raises ModelLoadError for what it does not apply
+    hf_config: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] = field(repr=False)
     # (GGUF metadata, the file's tensor names, source) -> the ModelConfig fields it sets
     gguf_config: Callable[[Mapping[str, Any], Collection[str], str], dict[str, Any]] = field(repr=False)
     hf_names: NameTable = field(repr=False)  # safetensors names -> ours
@@ -38,9 +44,24 @@ class Architecture:
     # (our weight name, config) -> the fix its GGUF rows need, or None when stored as we use it
     gguf_row_fix: Callable[[str, ModelConfig], RowFix | None] = field(repr=False)
     decoder_layer: Callable[..., None] = field(repr=False)  # the layer the decoder runs (models.layers.decoder_layer)
+    # (config, layer index) -> that layer's weights by our name, with their shapes
+    layer_shapes: LayerShapes = field(default=layer_shapes, repr=False)
+    # (raw config.json, source) -> the same put in the form the shared reading takes (Gemma 3:
+    # its per-layer-type rope table split into the full layers' table and the local base)
+    hf_prepare: Callable[[Mapping[str, Any], str], Mapping[str, Any]] = field(default=lambda raw, source: raw,
+                                                                            repr=False)
+    # (our weight name, config) -> a function fixing a safetensors weight's values as read, or None
+    hf_value_fix: Callable[[str, ModelConfig], Callable[[np.ndarray], np.ndarray] | None] = field(
+        default=lambda ours, config: None, repr=False)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the flags of an alias (``ALIASES``)
 
 
 _REGISTRY: dict[str, Architecture] = {}
+# Model types that are a registered architecture with flags its ``hf_config`` reads.
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral": ("llama", {"sliding_window": True}),  # Llama with a sliding window on every layer
+    "gemma3_text": ("gemma3", {}),  # the text model's config of Gemma 3
+}
 
 
 def register(arch: Architecture) -> Architecture:
@@ -62,8 +83,8 @@ def unregister(name: str) -> None:
 
 
 def names() -> tuple[str, ...]:
-    """The registered architecture names, sorted."""
-    return tuple(sorted(_REGISTRY))
+    """The architecture names llaisys runs (registered ones and aliases), sorted."""
+    return tuple(sorted([*_REGISTRY, *(a for a, (target, _) in ALIASES.items() if target in _REGISTRY)]))
 
 
 def no_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
@@ -79,10 +100,69 @@ def get(name: Any, source: str | None = None, key: str = "architecture") -> Arch
     read, when given; ``key``, what the file calls the name, e.g. "model_type").
     """
     arch = _REGISTRY.get(name) if isinstance(name, str) else None
+    if arch is None and isinstance(name, str) and name in ALIASES and ALIASES[name][0] in _REGISTRY:
+        target, flags = ALIASES[name]
+        arch = dataclasses.replace(_REGISTRY[target], name=name, options=dict(flags))
     if arch is None:
         where = f"{source}: " if source else ""
         raise ModelLoadError(f"{where}unsupported {key} {name!r}; expected one of {', '.join(names())}")
     return arch
 
 
-from . import llama, qwen2  # noqa: E402,F401  (each registers itself; they import the names above)
+def config_from_hf(raw: Any, source: str) -> ModelConfig:
+    """The config of a Hugging Face ``config.json`` already parsed into ``raw``: the fields
+    every architecture reads alike (``config.hf_common_fields``), then those its
+    ``model_type``'s architecture sets; checked. Raises ModelLoadError naming ``source``."""
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    arch = get(raw.get("model_type"), source, key="model_type")
+    raw = arch.hf_prepare(raw, source)
+    values = hf_common_fields(raw, source)
+    values["architecture"] = arch.name
+    values.update(arch.hf_config(raw, source, arch.options))
+    try:
+        config = ModelConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: bad value in config: {exc}") from exc
+    return config.validate(source)
+
+
+def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
+    """Read and check a ``config.json``."""
+    return config_from_hf(read_config_json(path), os.fspath(path))
+
+
+def refuse_sliding_window(raw: Mapping[str, Any], source: str) -> None:
+    """For an architecture without sliding windows: ``use_sliding_window: true`` is refused."""
+    from ..config import json_flag
+
+    if json_flag(raw, "use_sliding_window", False, source):
+        raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for model_type "
+                             f"{raw.get('model_type')!r}; expected full attention")
+
+
+def silu_only(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``hidden_act`` of a SwiGLU architecture: "silu" (the default); anything else refused."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+    return {"hidden_act": "silu"}
+
+
+def qwen_sliding_layers(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Qwen2/Qwen3's sliding window as transformers reads it: with ``use_sliding_window``, the
+    layers from ``max_window_layers`` on (or those ``layer_types`` names) attend to the last
+    ``sliding_window`` keys; without it, every layer to all keys."""
+    from ..config import json_flag
+
+    if not json_flag(raw, "use_sliding_window", False, source):
+        return {}
+    window, first = raw.get("sliding_window"), raw.get("max_window_layers", 0)
+    layers = raw.get("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None and isinstance(first, int) and isinstance(layers, int) and 0 <= layers <= 1 << 20:
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {"sliding_window": window, "layer_types": types}
+
+
+from . import gemma3, llama, qwen2, qwen3  # noqa: E402,F401  (each registers itself; they import the names above)

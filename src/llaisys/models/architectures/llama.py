@@ -1,5 +1,6 @@
 """Llama: q/k/v and output biases both set by ``attention_bias``; GGUF files store the rows of
-q and k in the order of llama.cpp's interleaved rope, which ``unpermute_rows`` undoes."""
+q and k in the order of llama.cpp's interleaved rope, which ``unpermute_rows`` undoes.
+Mistral is Llama with a sliding window on every layer (``ALIASES``: the ``sliding_window`` flag)."""
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
@@ -7,15 +8,27 @@ from typing import Any, Collection, Mapping
 import numpy as np
 
 from ..config import ModelConfig, json_flag
+from ..errors import ModelLoadError
 from ..layers import decoder_layer
 from ..weights import GGUF_NAMES, HF_NAMES
-from . import Architecture, RowFix, register
+from . import Architecture, RowFix, refuse_sliding_window, register, silu_only
 
 
-def hf_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """``attention_bias`` (a JSON boolean, false when absent) puts biases on q/k/v and o alike."""
+def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``attention_bias`` (a JSON boolean, false when absent) puts biases on q/k/v and o alike.
+    With the ``sliding_window`` flag (Mistral), ``sliding_window`` (null: none) applies to
+    every layer; without it a sliding window is refused."""
     bias = json_flag(raw, "attention_bias", False, source)
-    return {"attention_bias": bias, "attention_out_bias": bias}
+    values = {"attention_bias": bias, "attention_out_bias": bias, **silu_only(raw, source)}
+    if options.get("sliding_window"):
+        window = raw.get("sliding_window")
+        if window is not None:
+            if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+                raise ModelLoadError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
+            values["sliding_window"] = window
+    else:
+        refuse_sliding_window(raw, source)
+    return values
 
 
 def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:

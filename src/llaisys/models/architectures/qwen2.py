@@ -6,14 +6,15 @@ from typing import Any, Collection, Mapping
 
 from ..layers import decoder_layer
 from ..weights import GGUF_NAMES, HF_NAMES
-from . import Architecture, no_row_fix, register
+from . import Architecture, no_row_fix, qwen_sliding_layers, register, silu_only
 
 BIASES = {"attention_bias": True, "attention_out_bias": False}
 
 
-def hf_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """q/k/v biases and no output bias, whatever ``config.json`` says (it has no such flag)."""
-    return dict(BIASES)
+def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """q/k/v biases and no output bias, whatever ``config.json`` says (it has no such flag);
+    the sliding window of the upper layers with ``use_sliding_window``."""
+    return {**BIASES, **silu_only(raw, source), **qwen_sliding_layers(raw, source)}
 
 
 def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:

@@ -233,5 +233,5 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
         sources[name] = WeightSource(path, name, shape, t.type_name, functools.partial(read_rows, 0, rows),
                                      read_rows if len(shape) > 1 else None, multiple, raw, mapped)
     weights = sanitize(map_names(sources, table, path, config.architecture), config)
-    check_weights(weights, config, table, path)
+    check_weights(weights, config, table, path, arch.layer_shapes)
     return GGUFContents(config, weights, meta, dict(types), gguf)

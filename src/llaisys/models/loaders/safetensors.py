@@ -3,13 +3,17 @@ tensors named by the table of the config's architecture (``models.architectures`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path, PurePath
+from typing import Callable
+
+import numpy as np
 
 from safetensors import SafetensorError, safe_open
 
 from .. import architectures
-from ..config import ModelConfig, read_hf_config
+from ..config import ModelConfig
 from ..errors import ModelLoadError, read_json_object
 from ..weights import WeightSource, check_weights, map_names, sanitize
 
@@ -86,7 +90,8 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
     Files stay memory-mapped, held open by ``stack``, until the caller closes it.
     """
     folder = Path(folder)
-    config = read_hf_config(folder / "config.json")
+    config = architectures.read_hf_config(folder / "config.json")
+    arch = architectures.get(config.architecture)
     sources: dict[str, WeightSource] = {}
     where: dict[str, Path] = {}
     for path, listed in safetensors_files(folder).items():
@@ -109,7 +114,18 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
             sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None)
             where[name] = path
     label = str(folder)
-    table = architectures.get(config.architecture).hf_names
+    table = arch.hf_names
     weights = sanitize(map_names(sources, table, label, config.architecture), config)
-    check_weights(weights, config, table, label)
+    check_weights(weights, config, table, label, arch.layer_shapes)
+    for ours, src in weights.items():
+        fix = arch.hf_value_fix(ours, config)
+        if fix is not None:
+            weights[ours] = fixed_values(src, fix)
     return config, weights
+
+
+def fixed_values(src: WeightSource, fix: Callable[[np.ndarray], np.ndarray]) -> WeightSource:
+    """``src`` with ``fix`` applied to its values as they are read (float rows)."""
+    read, read_rows = src.read, src.read_rows
+    return dataclasses.replace(src, read=lambda: fix(read()),
+                               read_rows=None if read_rows is None else (lambda a, b: fix(read_rows(a, b))))

@@ -1,0 +1,147 @@
+"""Gemma 3 (text): sliding-window layers interleaved with global ones (every sixth global by
+default), the sliding ones rotating with a local rope base (10000) and the global ones with
+``rope_theta`` (and its scaling); per-head q/k norms; a norm after each block as well as before
+it (``layers.sandwich_layer``); a tanh-GELU gated MLP; embeddings scaled by sqrt(hidden_size);
+attention scores scaled by 1/sqrt(``query_pre_attn_scalar``); a tied head.
+
+Its RMSNorm multiplies by (1 + w): Hugging Face files store w (``hf_value_fix`` adds the 1 as
+the weights are read, in float32 as transformers does), GGUF files store 1 + w already. GGUF
+files keep q and k in Hugging Face order. A multimodal Gemma 3 folder (a ``text_config``
+inside) and the logit soft-capping of Gemma 2 are refused by name."""
+from __future__ import annotations
+
+import math
+from typing import Any, Collection, Mapping
+
+import numpy as np
+
+from ..config import ModelConfig, json_flag
+from ..errors import ModelLoadError
+from ..layers import sandwich_layer
+from ..weights import GGUF_NAMES, HF_NAMES, NameTable, layer_shapes
+from . import Architecture, no_row_fix, register
+
+PATTERN = 6  # every sixth layer is global unless layer_types says otherwise
+LOCAL_ROPE_THETA = 10000.0  # transformers' default rope base of the sliding layers
+
+HF_LAYER = {**{k: v for k, v in HF_NAMES.layer.items() if k != "post_attention_layernorm.weight"},
+            "post_attention_layernorm.weight": "post_attn_norm",
+            "pre_feedforward_layernorm.weight": "ffn_norm",
+            "post_feedforward_layernorm.weight": "post_ffn_norm"}
+GGUF_LAYER = {**GGUF_NAMES.layer,
+              "post_attention_norm.weight": "post_attn_norm",
+              "post_ffw_norm.weight": "post_ffn_norm"}
+HF_TABLE = NameTable(HF_NAMES.globals, HF_NAMES.layer_prefix, HF_LAYER, HF_NAMES.ignored, HF_NAMES.layer_count_key)
+GGUF_TABLE = NameTable(GGUF_NAMES.globals, GGUF_NAMES.layer_prefix, GGUF_LAYER, GGUF_NAMES.ignored,
+                       GGUF_NAMES.layer_count_key, GGUF_NAMES.refused)
+NORMS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")
+
+
+def pattern_layers(layers: int, pattern: int = PATTERN) -> list[str]:
+    """Layer types of the default pattern: every ``pattern``-th layer global, the rest sliding."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def embedding_multiplier(hidden_size: int) -> float:
+    """sqrt(hidden_size) rounded to float32, as transformers scales the embeddings."""
+    return float(np.float32(math.sqrt(hidden_size)))
+
+
+def hf_prepare(raw: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """The full layers' rope table as the config's rope table, and the sliding layers' base as
+    ``rope_local_base_freq`` (transformers 5 writes one table per layer type)."""
+    if "text_config" in raw:
+        raise ModelLoadError(f"{source}: a multimodal Gemma 3 config (text_config inside); llaisys runs the text "
+                             f"model only (model_type 'gemma3_text')")
+    params = raw.get("rope_parameters")
+    if not isinstance(params, Mapping) or not any(isinstance(v, Mapping) for v in params.values()):
+        return raw
+    unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ModelLoadError(f"{source}: rope_parameters names layer types {unknown}; expected full_attention "
+                             f"and sliding_attention")
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{source}: rope_parameters.sliding_attention has rope_type "
+                             f"{local.get('rope_type')!r}; llaisys applies only 'default' to the sliding layers")
+    out = {k: v for k, v in raw.items() if k != "rope_scaling"}
+    out["rope_parameters"] = dict(params.get("full_attention") or {})
+    out["rope_local_base_freq"] = local.get("rope_theta", LOCAL_ROPE_THETA)
+    return out
+
+
+def _refuse_softcap(get: Any, source: str, prefix: str = "") -> None:
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if get(prefix + key) is not None:
+            raise ModelLoadError(f"{source}: {prefix}{key}={get(prefix + key)!r} asks for logit soft-capping, which "
+                                 f"llaisys does not apply; expected none (Gemma 3 has none)")
+
+
+def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields from its ``config.json``."""
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{source}: hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'")
+    _refuse_softcap(raw.get, source)
+    if json_flag(raw, "use_bidirectional_attention", False, source):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention=true is not supported; expected causal attention")
+    bias = json_flag(raw, "attention_bias", False, source)
+    layers = raw.get("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None and isinstance(layers, int) and 0 <= layers <= 1 << 20:
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", PATTERN))
+        types = pattern_layers(layers, pattern if isinstance(pattern, int) and pattern > 0 else PATTERN)
+    hidden = raw.get("hidden_size")
+    return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": bias, "attention_out_bias": bias,
+            "sliding_window": raw.get("sliding_window", 4096), "layer_types": types,
+            "query_pre_attn_scalar": raw.get("query_pre_attn_scalar", 256),
+            "embedding_multiplier": embedding_multiplier(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0,
+            "rope_local_theta": raw.get("rope_local_base_freq", LOCAL_ROPE_THETA),
+            "tie_word_embeddings": json_flag(raw, "tie_word_embeddings", True, source)}
+
+
+def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:
+    """Gemma 3's fields from GGUF metadata, as llama.cpp reads them: the window from
+    ``gemma3.attention.sliding_window``, every sixth layer global, the attention scale from the
+    head size (the 27B model's, 62 layers, from hidden_size / heads)."""
+    _refuse_softcap(meta.get, source, "gemma3.")
+    layers, hidden = meta.get("gemma3.block_count"), meta.get("gemma3.embedding_length")
+    heads = meta.get("gemma3.attention.head_count")
+    head_dim = meta.get("gemma3.attention.key_length")
+    scalar = head_dim
+    if layers == 62 and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        scalar = hidden // heads
+    return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": False, "attention_out_bias": False,
+            "sliding_window": meta.get("gemma3.attention.sliding_window", 0),
+            "layer_types": pattern_layers(layers) if isinstance(layers, int) and 0 <= layers <= 1 << 20 else None,
+            "query_pre_attn_scalar": scalar or 0.0,
+            "embedding_multiplier": embedding_multiplier(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0,
+            "rope_local_theta": LOCAL_ROPE_THETA}
+
+
+def gemma3_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Llama's weights with q/k norms, plus the norms after the attention and MLP blocks."""
+    p, d = f"layers.{layer}.", config.hidden_size
+    return {**layer_shapes(config, layer), p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)}
+
+
+def hf_value_fix(ours: str, config: ModelConfig):
+    """The (1 + w) of every norm weight of a Hugging Face file, added in float32."""
+    short = ours.rpartition(".")[2]
+    if ours == "norm" or short in NORMS:
+        return lambda w: (np.asarray(w, np.float32) + np.float32(1.0))
+    return None
+
+
+GEMMA3 = register(Architecture(
+    name="gemma3",
+    hf_config=hf_config,
+    gguf_config=gguf_config,
+    hf_names=HF_TABLE,
+    gguf_names=GGUF_TABLE,
+    gguf_row_fix=no_row_fix,
+    decoder_layer=sandwich_layer,
+    layer_shapes=gemma3_layer_shapes,
+    hf_prepare=hf_prepare,
+    hf_value_fix=hf_value_fix,
+))
