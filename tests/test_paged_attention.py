@@ -29,6 +29,16 @@ def native_built():
     assert paged_native.available(), NOT_BUILT
 
 
+@pytest.fixture
+def pool_threads():
+    """Sets the native pool's thread count (``pool_threads(n)``); the old count comes back after."""
+    from llaisys.kernels.quant import native as quant
+
+    before = quant.threads()
+    yield quant.set_threads
+    quant.set_threads(before)
+
+
 def _t(a: np.ndarray, dtype: DataType = DataType.F32) -> Tensor:
     return Tensor.from_numpy(np.asarray(a), dtype=dtype)
 
@@ -250,17 +260,61 @@ def test_block_size_does_not_change_bits(rng, native_built):
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
 
 
-def test_simd_paths_give_the_same_bits(rng, native_built):
-    batch = Batch(rng, MIXED, 4, 6, 2, 64)
+@pytest.mark.parametrize("shape", [(6, 2, 64, 64), (12, 2, 128, 128), (6, 6, 72, 40), (8, 1, 20, 24)],
+                         ids=["gqa", "qwen", "tails", "mqa"])
+def test_simd_levels_give_the_same_bits(shape, rng, native_built, pool_threads):
+    """Every level the CPU has (portable, AVX2, AVX-512) gives the portable path's bits: head
+    dims with a tail past the 16 lanes, contexts over several segments, split decoding rows."""
+    h, kh, d, dv = shape
+    batch = Batch(rng, MIXED + [(600, 1), (300, 17)], 4, h, kh, d, dv=dv)
     before = paged_native.set_simd(-1)
+    pool_threads(2)
     try:
         paged_native.set_simd(0)
         portable = batch.run("native").numpy()
-        if not paged_native.set_simd(1):
-            pytest.skip("this CPU lacks AVX2")
-        assert np.array_equal(batch.run("native").numpy(), portable)
+        levels = sorted({paged_native.set_simd(level) for level in range(1, len(paged_native.SIMD_LEVELS))} - {0})
+        for level in levels:
+            paged_native.set_simd(level)
+            got = batch.run("native")
+            assert np.array_equal(got.numpy(), portable), paged_native.SIMD_LEVELS[level]
+            decode = _sub_batch(batch, [6])  # one token over 600 keys: split over the threads
+            assert np.array_equal(decode.run("native").numpy(), _rows_of(batch, got, 6))
     finally:
         paged_native.set_simd(before)
+    if not levels:
+        pytest.skip("this CPU has no SIMD level past the portable one")
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (12, 2)], ids=["smol", "qwen"])
+def test_decoding_gives_the_same_bits_on_any_number_of_threads(heads, rng, native_built, pool_threads):
+    """A lone decoding row (its keys cut into segments over the threads, their softmax states
+    merged after) has the bits of the same row in a big batch (one task for all its keys)."""
+    h, kh = heads
+    specs = [(1100, 1)] + [(int(c), 1) for c in rng.integers(200, 700, 40)]
+    batch = Batch(rng, specs, 16, h, kh, 64)
+    pool_threads(1)
+    full = batch.run("native")
+    alone = _sub_batch(batch, [0])
+    for threads in (1, 2, 3, 5):
+        pool_threads(threads)
+        assert np.array_equal(alone.run("native").numpy(), _rows_of(batch, full, 0)), f"{threads} threads"
+        assert np.array_equal(batch.run("native").numpy(), full.numpy()), f"{threads} threads"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_rows_match_each_token_alone(threads, rng, native_built, pool_threads):
+    """Tokens grouped in one task (sharing the key and value rows it loads) give the bits of
+    each token run alone, over a prompt that crosses segment boundaries."""
+    h, kh, d, bs, t = 6, 2, 64, 16, 300
+    batch = Batch(rng, [(t, t)], bs, h, kh, d)
+    pool_threads(threads)
+    whole = batch.run("native").numpy()
+    q = batch.q.numpy()
+    for i in list(range(0, t, 23)) + [255, 256, 257, t - 1]:
+        out = Tensor.empty((1, h, d))
+        attention("native", out, _t(q[i:i + 1]), batch.k_cache, batch.v_cache, batch.block_tables, _i64([0, 1]),
+                  _i64([i + 1]), batch.scale)
+        assert np.array_equal(out.numpy()[0], whole[i]), f"token {i}"
 
 
 # ---- kv_cache_write ----------------------------------------------------------------------

@@ -5,13 +5,19 @@
  *   block_tables (B, MB)   sequence b's i-th block of keys; query_starts (B+1,); context_lens (B,)
  *
  * Query j of sequence b (q_len queries, C = context_lens[b] keys) sits at position
- * C - q_len + j and sees keys 0..that position. Work is split over (query token, KV head)
- * tasks; each task runs one fixed sequence of float32 operations over the keys in order (dot
- * products with 8 interleaved partial sums, an online softmax over chunks of LP_CHUNK keys
- * whose boundaries sit at fixed positions), so a row's result does not depend on the other
- * rows of the call, the thread count, the block size or how the sequence was split into
- * calls: batch invariance. The AVX2 steps do the same float32 operations in the same order
- * as the portable ones (multiply, then add: no FMA), so both levels give the same bits too.
+ * C - q_len + j and sees keys 0..that position. Each row (query token, head) runs one fixed
+ * sequence of float32 operations over its keys: dot products with 16 interleaved partial sums
+ * folded by a fixed tree; the keys cut into segments of LP_SEGMENT at fixed positions, each
+ * with an online softmax over chunks of LP_CHUNK keys (boundaries at fixed positions too);
+ * the segments' (max, sum, weighted values) merged in order. So a row's result does not
+ * depend on the other rows of the call, the thread count, the block size or how the sequence
+ * was split into calls: batch invariance. Work goes out as tasks of (a few query tokens of
+ * one sequence, KV head), which share each key and value row they load; with few tasks
+ * (decoding) a task takes some of the segments and leaves its partial results to the merge,
+ * the same merge a whole task does. The AVX2 and AVX-512 steps do the same float32 operations
+ * in the same order as the portable ones (dot products and value sums by fused multiply-adds,
+ * fmaf in the portable C, everything else multiply, then add), so every level gives the same
+ * bits too.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
 #include <math.h>
@@ -20,13 +26,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/simd_level.h"
 #include "quant.h"
 
-#define LP_CHUNK 32    /* keys per online-softmax step (a multiple of LP_LANES) */
-#define LP_LANES 8     /* partial sums per dot product */
+#define LP_LANES 16    /* partial sums per dot product */
+#define LP_CHUNK 64    /* keys per online-softmax step (a multiple of LP_LANES) */
+#define LP_SEGMENT 256 /* keys per softmax segment (a multiple of LP_CHUNK) */
+#define LP_TOKENS 8    /* query tokens per task at most */
 /* Calls that read fewer K/V bytes than this run on the calling thread alone: waking the pool
- * costs about what it saves there (measured on 2 cores: one and two threads equal at 96 KB,
- * two 1.6x faster at 192 KB, with a dozen tasks or more). */
+ * costs about what it saves there (measured on 2 cores, decoding one sequence: two threads
+ * 1.05x faster than one at 96 KB, 1.25x at 192 KB). */
 #define LP_SERIAL_BYTES ((int64_t)96 << 10)
 
 /* Status codes; `bad` holds what they are about (see the Python binding for the messages). */
@@ -84,31 +93,40 @@ typedef struct {
 
 /* ---- attention: the per-chunk steps of each SIMD level ---------------------------------- */
 
-/* The steps of one chunk of len <= LP_CHUNK keys; both levels compute them with the same
- * float32 operations in the same order (multiply, then add: no FMA), so they give the same
- * bits.
- *   scores: s[h][p] = (q[h] . k[p]) * scale for the G heads q (G, D) and the chunk's key rows:
- *           LP_LANES interleaved partial sums over D, folded by fold(), then the tail in order.
- *   exps:   s[p] = exp_neg(s[p] - m) for p < len, 0 up to LP_CHUNK; returns their sum as
- *           LP_LANES partial sums folded by fold().
- *   axpy:   acc[e] += w[p] * v[p][e] for p = 0 .. len-1 in order, e < Dv. */
+/* The steps of one chunk of len <= LP_CHUNK keys; every level computes them with the same
+ * float32 operations in the same order, so they give the same bits.
+ *   scores: s[r][p] = (q[r] . k[p]) * scale for rows r < rows (q[r] a row of D floats) and the
+ *           chunk's key rows p < len: LP_LANES interleaved partial sums over D (lane l takes
+ *           elements l, l + 16, ..., by fused multiply-adds), folded by fold16().
+ *   softmax: the online softmax step of rows r < rows that see the chunk's first n keys, with
+ *           max[r], sum[r] (LP_LANES partial sums) and acc[r] what came before in the segment
+ *           (fresh: nothing yet): m = the larger of max[r] and s[r][p < n]; where m > max[r]
+ *           (and not fresh), acc[r] and sum[r] times exp_neg(max[r] - m); s[r][p] =
+ *           exp_neg(s[r][p] - m) for p < n, 0 up to LP_CHUNK; sum[r][l] += s[r][l], then
+ *           s[r][l + 16], ...; max[r] = m. The segment's sum is fold16(sum[r]).
+ *   axpy:   acc[r][e] = fmaf(w[r][p], v[p][e], acc[r][e]) for p = 0 .. len-1 in order, e < Dv,
+ *           rows r < rows.
+ * Rows of s and w are LP_CHUNK floats apart, rows of acc Dv. */
 typedef struct {
-    void (*scores)(const float *q, int64_t g, int64_t d, const float *const *krow, int64_t len, float scale,
-                   float *s);
-    float (*exps)(float *s, int64_t len, float m);
-    void (*axpy)(float *acc, const float *w, const float *const *vrow, int64_t len, int64_t dv);
+    void (*scores)(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
+                   float scale, float *s);
+    void (*softmax)(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv, int fresh);
+    void (*axpy)(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len, int64_t dv);
 } lp_steps;
 
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE float fold(const float a[LP_LANES]) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+/* The sum of 16 partial sums by halving: lane l + lane l+8, then l+4, l+2, l+1. */
+INLINE float fold16(const float a[LP_LANES]) {
+    float h[8];
+    for (int l = 0; l < 8; l++) h[l] = a[l] + a[l + 8];
+    return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
 }
 
-/* e^x for x <= 0 in plain float arithmetic, so that exps_avx2 can do the same 8 at a time
- * (glibc's expf differs from any vector version): Cephes' expf, x = n ln2 + r with a degree-6
- * polynomial in r, about 1 ulp. Below -87 it gives e^-87 (~1.6e-38) rather than 0, which leaves
- * a softmax unchanged. */
+/* e^x for x <= 0 in plain float arithmetic, so that the vector levels can do the same 8 or 16
+ * at a time (glibc's expf differs from any vector version): Cephes' expf, x = n ln2 + r with a
+ * degree-6 polynomial in r, about 1 ulp. Below -87 it gives e^-87 (~1.6e-38) rather than 0,
+ * which leaves a softmax unchanged. exp_neg(0) is exactly 1. */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_ROUND 12582912.0f /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
 #define EXP_C1 0.693359375f
@@ -126,103 +144,138 @@ INLINE float exp_neg(float x) {
     float r = x - n * EXP_C1;
     r = r - n * EXP_C2;
     float p = EXP_P0;
-    p = p * r + EXP_P1;
-    p = p * r + EXP_P2;
-    p = p * r + EXP_P3;
-    p = p * r + EXP_P4;
-    p = p * r + EXP_P5;
-    const float y = p * (r * r) + r + 1.0f;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23; /* 2^n, n >= -126 */
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return y * two_n;
 }
 
-static void scores_portable(const float *q, int64_t g, int64_t d, const float *const *krow, int64_t len, float scale,
-                            float *s) {
-    for (int64_t h = 0; h < g; h++, q += d)
+static void scores_portable(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
+                            float scale, float *s) {
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t p = 0; p < len; p++) {
-            const float *k = krow[p];
+            const float *qr = q[r], *k = krow[p];
             float a[LP_LANES] = {0};
             int64_t i = 0;
             for (; i + LP_LANES <= d; i += LP_LANES)
-                for (int l = 0; l < LP_LANES; l++) a[l] += q[i + l] * k[i + l];
-            float dot = fold(a);
-            for (; i < d; i++) dot += q[i] * k[i];
-            s[h * LP_CHUNK + p] = dot * scale;
+                for (int l = 0; l < LP_LANES; l++) a[l] = fmaf(qr[i + l], k[i + l], a[l]);
+            for (int l = 0; i + l < d; l++) a[l] = fmaf(qr[i + l], k[i + l], a[l]);
+            s[r * LP_CHUNK + p] = fold16(a) * scale;
         }
 }
 
-static float exps_portable(float *s, int64_t len, float m) {
-    for (int64_t p = 0; p < LP_CHUNK; p++) s[p] = p < len ? exp_neg(s[p] - m) : 0.0f;
-    float a[LP_LANES] = {0};
-    for (int64_t p = 0; p < LP_CHUNK; p += LP_LANES)
-        for (int l = 0; l < LP_LANES; l++) a[l] += s[p + l];
-    return fold(a);
+/* A row's acc and partial sums rescaled from maximum `old` to m (the same elementwise products
+ * at every level). */
+INLINE void rescale(float *acc, int64_t dv, float *sum, float old, float m) {
+    const float alpha = exp_neg(old - m);
+    for (int64_t e = 0; e < dv; e++) acc[e] *= alpha;
+    for (int l = 0; l < LP_LANES; l++) sum[l] *= alpha;
 }
 
-static void axpy_portable(float *acc, const float *w, const float *const *vrow, int64_t len, int64_t dv) {
-    for (int64_t p = 0; p < len; p++) {
-        const float *v = vrow[p], wp = w[p];
-        for (int64_t e = 0; e < dv; e++) acc[e] += wp * v[e];
+INLINE void exps_portable(float *s, int64_t len, float m, float *sum) {
+    for (int64_t p = 0; p < LP_CHUNK; p++) s[p] = p < len ? exp_neg(s[p] - m) : 0.0f;
+    for (int64_t p = 0; p < LP_CHUNK; p += LP_LANES)
+        for (int l = 0; l < LP_LANES; l++) sum[l] += s[p + l];
+}
+
+static void softmax_portable(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv,
+                             int fresh) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s + r * LP_CHUNK, m = max[r];
+        for (int64_t p = 0; p < n; p++) m = sr[p] > m ? sr[p] : m;
+        if (m > max[r] && !fresh) rescale(acc + r * dv, dv, sum + r * LP_LANES, max[r], m);
+        max[r] = m;
+        exps_portable(sr, n, m, sum + r * LP_LANES);
     }
 }
 
-static const lp_steps steps_portable = {scores_portable, exps_portable, axpy_portable};
+static void axpy_portable(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len,
+                          int64_t dv) {
+    for (int64_t r = 0; r < rows; r++, acc += dv, w += LP_CHUNK)
+        for (int64_t p = 0; p < len; p++) {
+            const float *v = vrow[p], wp = w[p];
+            for (int64_t e = 0; e < dv; e++) acc[e] = fmaf(wp, v[e], acc[e]);
+        }
+}
+
+static const lp_steps steps_portable = {scores_portable, softmax_portable, axpy_portable};
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
 
-/* fold() of the 8 lanes of each of a[0..3], as the 4 lanes of one vector. */
-AVX2_INLINE __m128 fold4(const __m256 a[4]) {
-    __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(a[0]), _mm256_extractf128_ps(a[0], 1)); /* a_l + a_{l+4} */
-    __m128 t1 = _mm_add_ps(_mm256_castps256_ps128(a[1]), _mm256_extractf128_ps(a[1], 1));
-    __m128 t2 = _mm_add_ps(_mm256_castps256_ps128(a[2]), _mm256_extractf128_ps(a[2], 1));
-    __m128 t3 = _mm_add_ps(_mm256_castps256_ps128(a[3]), _mm256_extractf128_ps(a[3], 1));
-    _MM_TRANSPOSE4_PS(t0, t1, t2, t3); /* t_l = lane l of the four */
-    return _mm_add_ps(_mm_add_ps(t0, t2), _mm_add_ps(t1, t3));
+/* Lanes l < n of 8 set (n clipped to 0..8), as a maskload mask. */
+AVX2_INLINE __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-AVX2_INLINE float fold1(__m256 a) {
-    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+/* fold16() of 4 sets of partial sums given as lanes 0-7 (lo) and 8-15 (hi): the 4 results. */
+AVX2_INLINE __m128 fold16x4(const __m256 lo[4], const __m256 hi[4]) {
+    __m128 t[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256 h = _mm256_add_ps(lo[j], hi[j]); /* h_l = a_l + a_{l+8} */
+        t[j] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)); /* h_l + h_{l+4} */
+    }
+    _MM_TRANSPOSE4_PS(t[0], t[1], t[2], t[3]); /* t_l = lane l of the four */
+    return _mm_add_ps(_mm_add_ps(t[0], t[2]), _mm_add_ps(t[1], t[3]));
+}
+
+/* fold16() of the 8 lanes h_l = a_l + a_{l+8}. */
+AVX2_INLINE float fold8(__m256 h) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t)); /* (t0 + t2, t1 + t3) */
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
 }
 
-AVX2 static void scores_avx2(const float *q, int64_t g, int64_t d, const float *const *krow, int64_t len, float scale,
-                             float *s) {
-    const int64_t d8 = d / LP_LANES * LP_LANES;
-    int64_t p = 0;
-    for (; p + 4 <= len; p += 4) { /* four keys at a time: four independent chains */
-        const float *k[4] = {krow[p], krow[p + 1], krow[p + 2], krow[p + 3]};
-        for (int64_t h = 0; h < g; h++) {
-            const float *qh = q + h * d;
-            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t i = 0; i < d8; i += LP_LANES) {
-                const __m256 x = _mm256_loadu_ps(qh + i);
-                for (int j = 0; j < 4; j++) a[j] = _mm256_add_ps(a[j], _mm256_mul_ps(x, _mm256_loadu_ps(k[j] + i)));
+AVX2 static void scores_avx2(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
+                             float scale, float *s) {
+    const int64_t d16 = d / LP_LANES * LP_LANES;
+    const __m256i m_lo = lanes_below(d - d16), m_hi = lanes_below(d - d16 - 8); /* the tail's lanes */
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q[r];
+        float *sr = s + r * LP_CHUNK;
+        int64_t p = 0;
+        for (; p + 4 <= len; p += 4) { /* four keys at a time: eight independent chains */
+            const float *k[4] = {krow[p], krow[p + 1], krow[p + 2], krow[p + 3]};
+            __m256 lo[4], hi[4];
+            for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d16; i += LP_LANES) {
+                const __m256 x0 = _mm256_loadu_ps(qr + i), x1 = _mm256_loadu_ps(qr + i + 8);
+                for (int j = 0; j < 4; j++) {
+                    lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k[j] + i), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(k[j] + i + 8), hi[j]);
+                }
             }
-            float dot[4];
-            _mm_storeu_ps(dot, fold4(a));
-            for (int j = 0; j < 4; j++) {
-                for (int64_t i = d8; i < d; i++) dot[j] += qh[i] * k[j][i];
-                s[h * LP_CHUNK + p + j] = dot[j] * scale;
+            if (d16 < d) { /* the lanes past d add 0 * 0 = +0, which leaves a partial sum as it is */
+                const __m256 x0 = _mm256_maskload_ps(qr + d16, m_lo), x1 = _mm256_maskload_ps(qr + d16 + 8, m_hi);
+                for (int j = 0; j < 4; j++) {
+                    lo[j] = _mm256_fmadd_ps(x0, _mm256_maskload_ps(k[j] + d16, m_lo), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(x1, _mm256_maskload_ps(k[j] + d16 + 8, m_hi), hi[j]);
+                }
             }
+            _mm_storeu_ps(sr + p, _mm_mul_ps(fold16x4(lo, hi), _mm_set1_ps(scale)));
         }
-    }
-    for (; p < len; p++) {
-        const float *k = krow[p];
-        for (int64_t h = 0; h < g; h++) {
-            const float *qh = q + h * d;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d8; i += LP_LANES)
-                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i)));
-            float dot = fold1(a);
-            for (int64_t i = d8; i < d; i++) dot += qh[i] * k[i];
-            s[h * LP_CHUNK + p] = dot * scale;
+        for (; p < len; p++) {
+            const float *k = krow[p];
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d16; i += LP_LANES) {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(k + i), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), _mm256_loadu_ps(k + i + 8), hi);
+            }
+            if (d16 < d) {
+                lo = _mm256_fmadd_ps(_mm256_maskload_ps(qr + d16, m_lo), _mm256_maskload_ps(k + d16, m_lo), lo);
+                hi = _mm256_fmadd_ps(_mm256_maskload_ps(qr + d16 + 8, m_hi), _mm256_maskload_ps(k + d16 + 8, m_hi), hi);
+            }
+            sr[p] = fold8(_mm256_add_ps(lo, hi)) * scale;
         }
     }
 }
@@ -234,167 +287,449 @@ AVX2_INLINE __m256 exp_neg8(__m256 x) {
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C1)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C2)));
     __m256 p = _mm256_set1_ps(EXP_P0);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P1));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P2));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P3));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P4));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P5));
-    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-AVX2 static float exps_avx2(float *s, int64_t len, float m) {
-    const __m256 mv = _mm256_set1_ps(m), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t p = 0; p < LP_CHUNK; p += LP_LANES) {
-        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps((float)p)), _mm256_set1_ps((float)len),
-                                          _CMP_LT_OQ);
-        const __m256 e = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv)), keep);
-        _mm256_storeu_ps(s + p, e);
-        sum = _mm256_add_ps(sum, e);
+AVX2_INLINE void exps_avx2(float *s, int64_t len, float m, float *sum) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 a[2] = {_mm256_loadu_ps(sum), _mm256_loadu_ps(sum + 8)}; /* partial sums, lanes 0-7 and 8-15 */
+    for (int j = 0; j < LP_CHUNK / 8; j++) {
+        const __m256 keep = _mm256_castsi256_ps(lanes_below(len - 8 * j));
+        const __m256 e = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * j), mv)), keep);
+        _mm256_storeu_ps(s + 8 * j, e);
+        a[j & 1] = _mm256_add_ps(a[j & 1], e);
     }
-    return fold1(sum);
+    _mm256_storeu_ps(sum, a[0]);
+    _mm256_storeu_ps(sum + 8, a[1]);
 }
 
-AVX2 static void axpy_avx2(float *acc, const float *w, const float *const *vrow, int64_t len, int64_t dv) {
-    int64_t e0 = 0;
-    for (; e0 + 32 <= dv; e0 += 32) { /* 32 accumulators in registers across the keys */
-        __m256 a0 = _mm256_loadu_ps(acc + e0), a1 = _mm256_loadu_ps(acc + e0 + 8);
-        __m256 a2 = _mm256_loadu_ps(acc + e0 + 16), a3 = _mm256_loadu_ps(acc + e0 + 24);
-        for (int64_t p = 0; p < len; p++) {
-            const float *v = vrow[p] + e0;
-            const __m256 wp = _mm256_set1_ps(w[p]);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(wp, _mm256_loadu_ps(v)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(wp, _mm256_loadu_ps(v + 8)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(wp, _mm256_loadu_ps(v + 16)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(wp, _mm256_loadu_ps(v + 24)));
+/* The larger of m and s[p < n] (a maximum is exact: any order gives it). */
+AVX2_INLINE float max_avx2(const float *s, int64_t n, float m) {
+    __m256 x = _mm256_set1_ps(m);
+    for (int j = 0; j < LP_CHUNK / 8; j++)
+        x = _mm256_max_ps(x, _mm256_blendv_ps(x, _mm256_loadu_ps(s + 8 * j),
+                                              _mm256_castsi256_ps(lanes_below(n - 8 * j))));
+    __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+    return _mm_cvtss_f32(_mm_max_ss(y, _mm_shuffle_ps(y, y, 1)));
+}
+
+AVX2 static void softmax_avx2(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv,
+                              int fresh) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s + r * LP_CHUNK;
+        const float m = max_avx2(sr, n, max[r]);
+        if (m > max[r] && !fresh) rescale(acc + r * dv, dv, sum + r * LP_LANES, max[r], m);
+        max[r] = m;
+        exps_avx2(sr, n, m, sum + r * LP_LANES);
+    }
+}
+
+AVX2 static void axpy_avx2(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len,
+                           int64_t dv) {
+    for (int64_t r = 0; r < rows; r++, acc += dv, w += LP_CHUNK) {
+        int64_t e0 = 0;
+        for (; e0 + 32 <= dv; e0 += 32) { /* 32 accumulators in registers across the keys */
+            __m256 a0 = _mm256_loadu_ps(acc + e0), a1 = _mm256_loadu_ps(acc + e0 + 8);
+            __m256 a2 = _mm256_loadu_ps(acc + e0 + 16), a3 = _mm256_loadu_ps(acc + e0 + 24);
+            for (int64_t p = 0; p < len; p++) {
+                const float *v = vrow[p] + e0;
+                const __m256 wp = _mm256_set1_ps(w[p]);
+                a0 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(acc + e0, a0), _mm256_storeu_ps(acc + e0 + 8, a1);
+            _mm256_storeu_ps(acc + e0 + 16, a2), _mm256_storeu_ps(acc + e0 + 24, a3);
         }
-        _mm256_storeu_ps(acc + e0, a0), _mm256_storeu_ps(acc + e0 + 8, a1);
-        _mm256_storeu_ps(acc + e0 + 16, a2), _mm256_storeu_ps(acc + e0 + 24, a3);
+        for (; e0 + 8 <= dv; e0 += 8) {
+            __m256 a0 = _mm256_loadu_ps(acc + e0);
+            for (int64_t p = 0; p < len; p++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), _mm256_loadu_ps(vrow[p] + e0), a0);
+            _mm256_storeu_ps(acc + e0, a0);
+        }
+        for (; e0 < dv; e0++)
+            for (int64_t p = 0; p < len; p++) acc[e0] = fmaf(w[p], vrow[p][e0], acc[e0]);
     }
-    for (; e0 + 8 <= dv; e0 += 8) {
-        __m256 a0 = _mm256_loadu_ps(acc + e0);
-        for (int64_t p = 0; p < len; p++)
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(w[p]), _mm256_loadu_ps(vrow[p] + e0)));
-        _mm256_storeu_ps(acc + e0, a0);
-    }
-    for (; e0 < dv; e0++)
-        for (int64_t p = 0; p < len; p++) acc[e0] += w[p] * vrow[p][e0];
 }
 
-static const lp_steps steps_avx2 = {scores_avx2, exps_avx2, axpy_avx2};
+static const lp_steps steps_avx2 = {scores_avx2, softmax_avx2, axpy_avx2};
+
+#define AVX512_TARGET "avx512f,avx512vl,avx2,fma"
+#define AVX512 __attribute__((target(AVX512_TARGET)))
+#define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
+
+/* Lanes l < n of 16 set (n clipped to 0..16). */
+AVX512_INLINE __mmask16 mask_below(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Lane j of the result is fold16() of a[j] (the 16 partial sums of key j), for 8 keys at once:
+ * the halving steps (lane l + lane l+8, l+4, l+2, l+1) run on pairs of keys through shuffles,
+ * then the lanes are put back in key order. */
+AVX512_INLINE __m256 fold16x8(const __m512 a[8]) {
+    __m512 b[4], c[2];
+    for (int m = 0; m < 4; m++) /* [h of key 2m | h of key 2m+1], h_l = a_l + a_{l+8} */
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+    for (int m = 0; m < 2; m++) /* 128-bit block i: r of key 4m + i, r_l = h_l + h_{l+4} */
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    /* block i: [u0, u1 of key i, u0, u1 of key 4 + i], u_l = r_l + r_{l+2} */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+    /* block i: [key i, key 4 + i, key i, key 4 + i] (u0 + u1) */
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(u, u, 0x88), _mm512_shuffle_ps(u, u, 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
+}
+
+/* Scores of `nr` rows (a constant after inlining: 24 sums stay in registers) and 8 keys, all 8
+ * stored (a row of s has room: the ones past the chunk's keys are never read). */
+AVX512_INLINE void scores_tile(const float *const *q, const int nr, int64_t d16, __mmask16 tail,
+                               const float *const k[8], __m256 scale, float *s) {
+    __m512 a[3][8];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d16; i += LP_LANES) {
+        __m512 x[3];
+        for (int r = 0; r < nr; r++) x[r] = _mm512_loadu_ps(q[r] + i);
+        for (int j = 0; j < 8; j++) {
+            __m512 kj = _mm512_loadu_ps(k[j] + i);
+            __asm__("" : "+v"(kj)); /* one load for the nr rows, not one folded into each FMA */
+            for (int r = 0; r < nr; r++) a[r][j] = _mm512_fmadd_ps(x[r], kj, a[r][j]);
+        }
+    }
+    if (tail) { /* the lanes past d add 0 * 0 = +0, which leaves a partial sum as it is */
+        __m512 x[3];
+        for (int r = 0; r < nr; r++) x[r] = _mm512_maskz_loadu_ps(tail, q[r] + d16);
+        for (int j = 0; j < 8; j++) {
+            const __m512 kj = _mm512_maskz_loadu_ps(tail, k[j] + d16);
+            for (int r = 0; r < nr; r++) a[r][j] = _mm512_fmadd_ps(x[r], kj, a[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(s + r * LP_CHUNK, _mm256_mul_ps(fold16x8(a[r]), scale));
+}
+
+/* 8 keys at a time (a partial group reads its last key again), 3 rows at a time. */
+AVX512 static void scores_avx512(const float *const *q, int64_t rows, int64_t d, const float *const *krow,
+                                 int64_t len, float scale, float *s) {
+    const int64_t d16 = d / LP_LANES * LP_LANES;
+    const __mmask16 tail = mask_below(d - d16);
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < len; p0 += 8) {
+        const int64_t keys = len - p0 < 8 ? len - p0 : 8;
+        const float *k[8];
+        for (int j = 0; j < 8; j++) k[j] = krow[p0 + (j < keys ? j : keys - 1)];
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) scores_tile(q + r, 3, d16, tail, k, sc, s + r * LP_CHUNK + p0);
+        if (rows - r == 2) scores_tile(q + r, 2, d16, tail, k, sc, s + r * LP_CHUNK + p0);
+        if (rows - r == 1) scores_tile(q + r, 1, d16, tail, k, sc, s + r * LP_CHUNK + p0);
+    }
+}
+
+AVX512_INLINE __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 round = _mm512_set1_ps(EXP_ROUND);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), round), round);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C1)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C2)));
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* keep[j]: the lanes of s[16 j ..] below len. */
+AVX512_INLINE void exps_avx512(float *s, const __mmask16 keep[LP_CHUNK / 16], float m, float *sum) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 a = _mm512_loadu_ps(sum);
+    for (int j = 0; j < LP_CHUNK / 16; j++) {
+        const __m512 e = _mm512_maskz_mov_ps(keep[j], exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mv)));
+        _mm512_storeu_ps(s + 16 * j, e);
+        a = _mm512_add_ps(a, e);
+    }
+    _mm512_storeu_ps(sum, a);
+}
+
+AVX512 static void softmax_avx512(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv,
+                                int fresh) {
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    __mmask16 keep[LP_CHUNK / 16];
+    for (int j = 0; j < LP_CHUNK / 16; j++) keep[j] = mask_below(n - 16 * j);
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s + r * LP_CHUNK;
+        __m512 x = none;
+        for (int j = 0; j < LP_CHUNK / 16; j++) x = _mm512_max_ps(x, _mm512_mask_loadu_ps(none, keep[j], sr + 16 * j));
+        const float top = _mm512_reduce_max_ps(x), m = top > max[r] ? top : max[r]; /* exact in any order */
+        if (m > max[r] && !fresh) rescale(acc + r * dv, dv, sum + r * LP_LANES, max[r], m);
+        max[r] = m;
+        exps_avx512(sr, keep, m, sum + r * LP_LANES);
+    }
+}
+
+/* acc += w v over the chunk's keys for `nr` rows and the up to 64 values of `mask` (4 x 16
+ * lanes) from e0, all 64 when `full` (both constants after inlining): the sums stay in
+ * registers across the keys. */
+AVX512_INLINE void axpy_block(float *acc, const float *w, const int nr, const float *const *vrow, int64_t len,
+                              int64_t dv, int64_t e0, const __mmask16 mask[4], const int full) {
+    __m512 a[4][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) {
+            const float *src = acc + r * dv + e0 + 16 * c;
+            a[r][c] = full ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(mask[c], src);
+        }
+    for (int64_t p = 0; p < len; p++) {
+        const float *v = vrow[p] + e0;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++)
+            x[c] = full ? _mm512_loadu_ps(v + 16 * c) : _mm512_maskz_loadu_ps(mask[c], v + 16 * c);
+        for (int r = 0; r < nr; r++) {
+            const __m512 wp = _mm512_set1_ps(w[r * LP_CHUNK + p]);
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_fmadd_ps(wp, x[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) {
+            float *dst = acc + r * dv + e0 + 16 * c;
+            if (full)
+                _mm512_storeu_ps(dst, a[r][c]);
+            else
+                _mm512_mask_storeu_ps(dst, mask[c], a[r][c]);
+        }
+}
+
+/* axpy_block over the rows, 4 at a time. */
+AVX512_INLINE void axpy_rows(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len,
+                             int64_t dv, int64_t e0, const __mmask16 mask[4], const int full) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) axpy_block(acc + r * dv, w + r * LP_CHUNK, 4, vrow, len, dv, e0, mask, full);
+    switch (rows - r) {
+    case 3: axpy_block(acc + r * dv, w + r * LP_CHUNK, 3, vrow, len, dv, e0, mask, full); break;
+    case 2: axpy_block(acc + r * dv, w + r * LP_CHUNK, 2, vrow, len, dv, e0, mask, full); break;
+    case 1: axpy_block(acc + r * dv, w + r * LP_CHUNK, 1, vrow, len, dv, e0, mask, full); break;
+    default: break;
+    }
+}
+
+AVX512 static void axpy_avx512(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len,
+                               int64_t dv) {
+    for (int64_t e0 = 0; e0 < dv; e0 += 64) {
+        __mmask16 mask[4];
+        for (int c = 0; c < 4; c++) mask[c] = mask_below(dv - e0 - 16 * c);
+        if (dv - e0 >= 64)
+            axpy_rows(acc, w, rows, vrow, len, dv, e0, mask, 1);
+        else
+            axpy_rows(acc, w, rows, vrow, len, dv, e0, mask, 0);
+    }
+}
+
+static const lp_steps steps_avx512 = {scores_avx512, softmax_avx512, axpy_avx512};
 #endif
 
+/* The steps of SIMD level `level` (common/simd_level.h), NULL where this CPU lacks it. */
+static const void *steps_of(int level) {
+    if (level == SIMD_SCALAR) return &steps_portable;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    if (level == SIMD_AVX2) return &steps_avx2;
+    if (level == SIMD_AVX512 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512vl"))
+        return &steps_avx512;
+#endif
+    return NULL;
+}
+
+static atomic_int simd_level = -1; /* -1 until first use */
+
+/* The steps of the level in use: the best one, unless LLAISYS_SIMD names another. */
+static const lp_steps *attention_steps(void) {
+    int level = atomic_load_explicit(&simd_level, memory_order_relaxed);
+    if (level < 0) {
+        level = simd_initial_level(steps_of);
+        atomic_store_explicit(&simd_level, level, memory_order_relaxed);
+    }
+    return steps_of(level);
+}
+
 /* ---- attention: the tasks ------------------------------------------------------------------ */
+
+/* A task: query tokens [i0, i1) of sequence b (consecutive, at most LP_TOKENS), KV head kv, the
+ * segments [s0, s1) of their keys. A task with every segment (s0 = 0, s1 = n_seg) writes its
+ * rows of out; one with some of them (part >= 0) leaves each segment's (max, sum, acc) of
+ * each row at partials + part + (row * n_seg + segment) * (Dv + 2), merged after the pool. */
+typedef struct {
+    int64_t b, kv, i0, i1;
+    int64_t s0, s1, n_seg; /* n_seg: the segments of the last token's keys */
+    int64_t part;
+    int64_t work;          /* keys times rows, to hand the longest out first */
+} lp_task;
 
 typedef struct {
     const lp_attention_args *a;
     const lp_steps *steps;
-    const int64_t *seq_of;      /* (N,) the sequence of each query token */
-    float *scratch;             /* per thread: scratch_floats floats */
-    size_t scratch_floats;
+    const lp_task *tasks;
+    float *partials;
+    char *scratch;              /* per thread: scratch_bytes */
+    size_t scratch_bytes;
     float scale;
     int64_t g;                  /* query heads per KV head */
+    int64_t rows;               /* rows per task at most: tokens times g */
 } attention_job;
 
-/* The key and value rows of KV head kv for the chunk of keys from position c0 (up to LP_CHUNK,
- * fewer than n_keys), found through the sequence's block table. With `fetch`, their bytes are
- * also asked for now: the next chunk's rows are found while this one is computed, and the
- * blocks lie anywhere in the pool, where the hardware prefetcher cannot guess them. */
-static void chunk_rows(const lp_attention_args *a, const int64_t *table, int64_t kv, int64_t c0, int64_t n_keys,
-                       const float *rows[2][LP_CHUNK], int fetch) {
-    const int64_t bs = a->bs, len = n_keys - c0 < LP_CHUNK ? n_keys - c0 : LP_CHUNK;
-    const int64_t k_bytes = a->d * (int64_t)sizeof(float), v_bytes = a->dv * (int64_t)sizeof(float);
-    int64_t blk = c0 / bs, off = c0 % bs;
-    for (int64_t p = 0; p < len; p++) {
-        const int64_t id = table[blk * a->bt_s1];
-        rows[0][p] = a->k_cache + id * a->k_s0 + off * a->k_s1 + kv * a->k_s2;
-        rows[1][p] = a->v_cache + id * a->v_s0 + off * a->v_s1 + kv * a->v_s2;
-        if (++off == bs) off = 0, blk++;
-        if (fetch) {
-            for (int64_t l = 0; l < k_bytes; l += 64) __builtin_prefetch((const char *)rows[0][p] + l);
-            for (int64_t l = 0; l < v_bytes; l += 64) __builtin_prefetch((const char *)rows[1][p] + l);
-        }
-    }
+/* Keys of query token i of sequence b (0-based within the flat batch). */
+static int64_t keys_of(const lp_attention_args *a, int64_t b, int64_t i) {
+    const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
+    return a->context_lens[b * a->cl_s0] - (q1 - q0) + (i - q0) + 1;
 }
 
-/* One task: query token i, KV head kv, with its G query heads. Scratch: q (G, D), scores
- * (G, LP_CHUNK), acc (G, Dv), running max and sum (G each). Keys go in chunks of LP_CHUNK
- * from position 0: scores, then the online softmax (what came before rescaled to the new
- * maximum), then acc += p v key by key. */
-static void attend(void *ctx, size_t task, int thread) {
+/* The key and value rows of KV head kv for the chunk of keys from position c0 (up to LP_CHUNK,
+ * before `end`), found through the sequence's block table; returns how many. */
+static int64_t chunk_rows(const lp_attention_args *a, const int64_t *table, int64_t kv, int64_t c0, int64_t end,
+                          const float *rows[2][LP_CHUNK]) {
+    const int64_t bs = a->bs, len = end - c0 < LP_CHUNK ? end - c0 : LP_CHUNK;
+    for (int64_t p = 0, blk = c0 / bs, off = c0 % bs; p < len; blk++, off = 0) { /* a run of keys in one block */
+        const int64_t id = table[blk * a->bt_s1], run = bs - off < len - p ? bs - off : len - p;
+        const float *k = a->k_cache + id * a->k_s0 + off * a->k_s1 + kv * a->k_s2;
+        const float *v = a->v_cache + id * a->v_s0 + off * a->v_s1 + kv * a->v_s2;
+        for (int64_t j = 0; j < run; j++, p++, k += a->k_s1, v += a->v_s1) rows[0][p] = k, rows[1][p] = v;
+    }
+    return len;
+}
+
+/* Ask for the bytes of `len` rows of `bytes` each now: the next chunk's keys while this one's
+ * scores are computed, its values while this one's are summed. The blocks lie anywhere in the
+ * pool, where the hardware prefetcher cannot guess them. */
+static void fetch_rows(const float *const *rows, int64_t len, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64)
+#pragma GCC unroll 8
+        for (int64_t p = 0; p < len; p++) __builtin_prefetch((const char *)rows[p] + l, 0, 2);
+}
+
+/* (m, l, acc) becomes the softmax state of its keys followed by those of (m2, l2, acc2): both
+ * rescaled to the larger maximum. Every merge of segments goes through here, in order. */
+static void merge_state(float *m, float *l, float *acc, float m2, float l2, const float *acc2, int64_t dv) {
+    const float mx = *m > m2 ? *m : m2, a1 = exp_neg(*m - mx), a2 = exp_neg(m2 - mx);
+    *l = *l * a1 + l2 * a2;
+    for (int64_t e = 0; e < dv; e++) acc[e] = acc[e] * a1 + acc2[e] * a2;
+    *m = mx;
+}
+
+static void write_row(const lp_attention_args *a, int64_t i, int64_t head, const float *acc, float l) {
+    float *o = a->out + i * a->out_s0 + head * a->out_s1;
+    for (int64_t e = 0; e < a->dv; e++) o[e] = acc[e] / l;
+}
+
+/* One task (see lp_task); row r is head kv * G + r % G of token i0 + r / G. Scratch: row
+ * pointers (rows), scores (rows, LP_CHUNK), the segment in hand (acc (rows, Dv), max (rows),
+ * partial sums (rows, LP_LANES)), the merged state (acc (rows, Dv), max, sum (rows each)).
+ * Keys go in chunks of LP_CHUNK: the scores of every row that sees the chunk (the tokens share
+ * each key row they load), then per token its rows' online softmax step and acc += p v (the
+ * heads share each value row). */
+static void attend(void *ctx, size_t index, int thread) {
     const attention_job *job = ctx;
     const lp_attention_args *a = job->a;
     const lp_steps *steps = job->steps;
-    const int64_t kh = a->kh, d = a->d, dv = a->dv, g = job->g;
-    /* Later tokens see more keys: hand them out first, so the last tasks are the short ones. */
-    const int64_t i = a->n - 1 - (int64_t)task / kh, kv = (int64_t)task % kh;
-    const int64_t b = job->seq_of[i];
-    const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
-    const int64_t n_keys = a->context_lens[b * a->cl_s0] - (q1 - q0) + (i - q0) + 1;
-    const int64_t *table = a->block_tables + b * a->bt_s0;
+    const lp_task *t = job->tasks + index;
+    const int64_t d = a->d, dv = a->dv, g = job->g, kv = t->kv, nt = t->i1 - t->i0, rows = nt * g;
+    const int64_t first = keys_of(a, t->b, t->i0), last = first + nt - 1; /* keys of the first, last token */
+    const int64_t *table = a->block_tables + t->b * a->bt_s0;
+    const int whole = t->part < 0;
 
-    float *qh = job->scratch + (size_t)thread * job->scratch_floats;
-    float *scores = qh + g * d, *acc = scores + g * LP_CHUNK, *mx = acc + g * dv, *sum = mx + g;
-    const float *rows[2][2][LP_CHUNK]; /* [chunk parity][key, value][key of the chunk] */
-    for (int64_t h = 0; h < g; h++) {
-        memcpy(qh + h * d, a->q + i * a->q_s0 + (kv * g + h) * a->q_s1, (size_t)d * sizeof(float));
-        mx[h] = -INFINITY;
-        sum[h] = 0.0f;
-    }
-    memset(acc, 0, (size_t)(g * dv) * sizeof(float));
-    memset(scores, 0, (size_t)(g * LP_CHUNK) * sizeof(float)); /* exps_avx2 reads (and drops) past len */
+    const float **qp = (const float **)(job->scratch + (size_t)thread * job->scratch_bytes);
+    float *scores = (float *)(qp + job->rows);
+    float *w_acc = scores + job->rows * LP_CHUNK, *w_max = w_acc + job->rows * dv, *w_sum = w_max + job->rows;
+    float *m_acc = w_sum + job->rows * LP_LANES, *m_max = m_acc + job->rows * dv, *m_sum = m_max + job->rows;
+    for (int64_t r = 0; r < rows; r++)
+        qp[r] = a->q + (t->i0 + r / g) * a->q_s0 + (kv * g + r % g) * a->q_s1;
+    memset(scores, 0, (size_t)(rows * LP_CHUNK) * sizeof(float)); /* softmax reads (and drops) past n */
 
-    chunk_rows(a, table, kv, 0, n_keys, rows[0], 0);
-    for (int64_t c0 = 0, parity = 0; c0 < n_keys; c0 += LP_CHUNK, parity ^= 1) {
-        const int64_t len = n_keys - c0 < LP_CHUNK ? n_keys - c0 : LP_CHUNK;
-        if (c0 + LP_CHUNK < n_keys) chunk_rows(a, table, kv, c0 + LP_CHUNK, n_keys, rows[parity ^ 1], 1);
-        const float *const *krow = rows[parity][0], *const *vrow = rows[parity][1];
-        steps->scores(qh, g, d, krow, len, job->scale, scores);
-        for (int64_t h = 0; h < g; h++) {
-            float *s = scores + h * LP_CHUNK, *ah = acc + h * dv, m = mx[h];
-            for (int64_t p = 0; p < len; p++) m = s[p] > m ? s[p] : m;
-            if (m > mx[h]) {
-                if (c0 > 0) { /* rescale what came before to the new maximum */
-                    const float alpha = exp_neg(mx[h] - m);
-                    for (int64_t e = 0; e < dv; e++) ah[e] *= alpha;
-                    sum[h] *= alpha;
-                }
-                mx[h] = m;
+    const int64_t end = last < t->s1 * LP_SEGMENT ? last : t->s1 * LP_SEGMENT;
+    const float *chunk[2][2][LP_CHUNK]; /* [chunk parity][key, value][key of the chunk] */
+    const int64_t k_bytes = d * (int64_t)sizeof(float), v_bytes = dv * (int64_t)sizeof(float);
+    int parity = 0;
+    chunk_rows(a, table, kv, t->s0 * LP_SEGMENT, end, chunk[0]);
+    for (int64_t s = t->s0; s < t->s1; s++) {
+        const int64_t lo = s * LP_SEGMENT, hi = end < lo + LP_SEGMENT ? end : lo + LP_SEGMENT;
+        const int64_t ta = lo - first + 1 > 0 ? lo - first + 1 : 0; /* the first token that sees key lo */
+        /* a whole task's first segment goes straight into the merged state */
+        float *acc = whole && s == 0 ? m_acc : w_acc, *mx = whole && s == 0 ? m_max : w_max, *sum = w_sum;
+        for (int64_t r = ta * g; r < rows; r++) mx[r] = -INFINITY;
+        memset(sum + ta * g * LP_LANES, 0, (size_t)((rows - ta * g) * LP_LANES) * sizeof(float));
+        memset(acc + ta * g * dv, 0, (size_t)((rows - ta * g) * dv) * sizeof(float));
+        for (int64_t c0 = lo; c0 < hi; c0 += LP_CHUNK, parity ^= 1) {
+            const int64_t len = hi - c0 < LP_CHUNK ? hi - c0 : LP_CHUNK;
+            const int64_t tc = c0 - first + 1 > 0 ? c0 - first + 1 : 0; /* the first token that sees key c0 */
+            const int64_t next =
+                c0 + LP_CHUNK < end ? chunk_rows(a, table, kv, c0 + LP_CHUNK, end, chunk[parity ^ 1]) : 0;
+            const float *const *krow = chunk[parity][0], *const *vrow = chunk[parity][1];
+            fetch_rows(chunk[parity ^ 1][0], next, k_bytes);
+            steps->scores(qp + tc * g, rows - tc * g, d, krow, len, job->scale, scores + tc * g * LP_CHUNK);
+            fetch_rows(chunk[parity ^ 1][1], next, v_bytes);
+            for (int64_t tok = tc; tok < nt; tok++) {
+                const int64_t n = first + tok - c0 < len ? first + tok - c0 : len; /* keys it sees here */
+                steps->softmax(scores + tok * g * LP_CHUNK, g, n, mx + tok * g, sum + tok * g * LP_LANES,
+                               acc + tok * g * dv, dv, c0 == lo);
+                steps->axpy(acc + tok * g * dv, scores + tok * g * LP_CHUNK, g, vrow, n, dv);
             }
-            sum[h] += steps->exps(s, len, m);
-            steps->axpy(ah, s, vrow, len, dv);
+        }
+        for (int64_t r = ta * g; r < rows; r++) {
+            const float total = fold16(sum + r * LP_LANES);
+            if (!whole) {
+                float *part = job->partials + t->part + (r * t->n_seg + s) * (dv + 2);
+                part[0] = mx[r], part[1] = total;
+                memcpy(part + 2, acc + r * dv, (size_t)dv * sizeof(float));
+            } else if (s > 0) {
+                merge_state(m_max + r, m_sum + r, m_acc + r * dv, mx[r], total, acc + r * dv, dv);
+            } else {
+                m_sum[r] = total;
+            }
         }
     }
-    for (int64_t h = 0; h < g; h++) {
-        float *o = a->out + i * a->out_s0 + (kv * g + h) * a->out_s1;
-        const float *ah = acc + h * dv;
-        for (int64_t e = 0; e < dv; e++) o[e] = ah[e] / sum[h];
+    if (whole)
+        for (int64_t r = 0; r < rows; r++) write_row(a, t->i0 + r / g, kv * g + r % g, m_acc + r * dv, m_sum[r]);
+}
+
+/* The rows of a task split over segments: each segment's state merged in order, as a whole
+ * task merges them. */
+static void merge_partials(const attention_job *job, const lp_task *t) {
+    const lp_attention_args *a = job->a;
+    const int64_t g = job->g, dv = a->dv, first = keys_of(a, t->b, t->i0);
+    for (int64_t r = 0; r < (t->i1 - t->i0) * g; r++) {
+        const int64_t n_seg = (first + r / g + LP_SEGMENT - 1) / LP_SEGMENT;
+        float *state = job->partials + t->part + r * t->n_seg * (dv + 2);
+        for (int64_t s = 1; s < n_seg; s++) {
+            const float *p = state + s * (dv + 2);
+            merge_state(state, state + 1, state + 2, p[0], p[1], p + 2, dv);
+        }
+        write_row(a, t->i0 + r / g, t->kv * g + r % g, state + 2, state[1]);
     }
 }
 
-static atomic_int use_avx2 = -1; /* -1 until first use */
-
-/* The steps of the level in use: AVX2 where the CPU has it, unless LLAISYS_SIMD=scalar. */
-static const lp_steps *attention_steps(void) {
-    int level = atomic_load_explicit(&use_avx2, memory_order_relaxed);
-    if (level < 0) {
-        level = 0;
-#if defined(__x86_64__) || defined(__i386__)
-        const char *want = getenv("LLAISYS_SIMD");
-        level = __builtin_cpu_supports("avx2") && !(want && strcmp(want, "scalar") == 0);
-#endif
-        atomic_store_explicit(&use_avx2, level, memory_order_relaxed);
-    }
-#if defined(__x86_64__) || defined(__i386__)
-    if (level) return &steps_avx2;
-#endif
-    return &steps_portable;
+static int longest_first(const void *x, const void *y) {
+    const lp_task *a = x, *b = y;
+    if (a->work != b->work) return a->work > b->work ? -1 : 1;
+    if (a->b != b->b) return a->b < b->b ? -1 : 1;
+    if (a->i0 != b->i0) return a->i0 < b->i0 ? -1 : 1;
+    if (a->kv != b->kv) return a->kv < b->kv ? -1 : 1;
+    return (a->s0 > b->s0) - (a->s0 < b->s0);
 }
 
-/* Check the index tensors, fill seq_of (N,) and count the K/V bytes the call reads. */
-static int check_indices(lp_attention_args *a, int64_t *seq_of, int64_t *kv_bytes) {
+/* Check the index tensors and count the K/V bytes the call reads. */
+static int check_indices(lp_attention_args *a, int64_t *kv_bytes) {
     const int64_t *qs = a->query_starts, *cl = a->context_lens;
     if (qs[0] != 0) return a->bad[0] = 0, a->bad[1] = qs[0], LP_ERR_START0;
     int64_t keys = 0;
@@ -411,7 +746,6 @@ static int check_indices(lp_attention_args *a, int64_t *seq_of, int64_t *kv_byte
             const int64_t blk = table[k * a->bt_s1];
             if (blk < 0 || blk >= a->nb) return a->bad[0] = b * a->mb + k, a->bad[1] = blk, LP_ERR_BLOCK;
         }
-        for (int64_t i = q0; i < q1; i++) seq_of[i] = b;
         keys += q_len * (c - q_len) + q_len * (q_len + 1) / 2;
     }
     if (qs[a->b * a->qs_s0] != a->n) return a->bad[0] = a->b, a->bad[1] = qs[a->b * a->qs_s0], LP_ERR_END;
@@ -419,45 +753,89 @@ static int check_indices(lp_attention_args *a, int64_t *seq_of, int64_t *kv_byte
     return LP_OK;
 }
 
+/* The tasks of the call (see lp_task) into `tasks` (NULL: only count them), `tokens` query
+ * tokens each at most, the segments of each cut into `pieces` at most; returns how many, and
+ * the partial-state floats they need in *partial_floats. */
+static int64_t plan_tasks(const lp_attention_args *a, int64_t g, int64_t tokens, int64_t pieces, lp_task *tasks,
+                          int64_t *partial_floats) {
+    int64_t count = 0, floats = 0;
+    for (int64_t b = 0; b < a->b; b++) {
+        const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
+        const int64_t blocks = (q1 - q0 + tokens - 1) / tokens;
+        for (int64_t j = 0; j < blocks; j++) {
+            const int64_t i0 = q0 + j * (q1 - q0) / blocks, i1 = q0 + (j + 1) * (q1 - q0) / blocks;
+            const int64_t last = keys_of(a, b, i1 - 1), n_seg = (last + LP_SEGMENT - 1) / LP_SEGMENT;
+            const int64_t cut = pieces < n_seg ? pieces : n_seg;
+            for (int64_t kv = 0; kv < a->kh; kv++, floats += cut > 1 ? (i1 - i0) * g * n_seg * (a->dv + 2) : 0)
+                for (int64_t piece = 0; piece < cut; piece++, count++) {
+                    if (!tasks) continue;
+                    const int64_t s0 = piece * n_seg / cut, s1 = (piece + 1) * n_seg / cut;
+                    const int64_t hi = last < s1 * LP_SEGMENT ? last : s1 * LP_SEGMENT;
+                    tasks[count] = (lp_task){.b = b, .kv = kv, .i0 = i0, .i1 = i1, .s0 = s0, .s1 = s1,
+                                             .n_seg = n_seg, .part = cut > 1 ? floats : -1,
+                                             .work = (i1 - i0) * (hi - s0 * LP_SEGMENT)};
+                }
+        }
+    }
+    *partial_floats = floats;
+    return count;
+}
+
 /* out = softmax(q k^T * scale + causal mask) v per sequence and head (see the top). */
 LQ_EXPORT int llaisys_paged_attention(lp_attention_args *a) {
     if (a->n < 0 || a->b < 0 || a->kh <= 0 || a->h % a->kh || a->d < 0 || a->dv <= 0 || a->bs <= 0)
         return LP_ERR_SHAPE;
     if (a->n == 0) return LP_OK;
-    int64_t seq_small[256], *seq_of = a->n <= 256 ? seq_small : malloc((size_t)a->n * sizeof(int64_t));
-    if (!seq_of) return LP_ERR_MEMORY;
-    int64_t kv_bytes = 0;
-    int status = check_indices(a, seq_of, &kv_bytes);
-    if (status == LP_OK) {
-        attention_job job = {.a = a, .steps = attention_steps(), .seq_of = seq_of, .scale = (float)a->scale,
-                             .g = a->h / a->kh};
-        job.scratch_floats = (size_t)(job.g * (a->d + LP_CHUNK + a->dv + 2) + 15) / 16 * 16; /* whole cache lines */
-        const size_t tasks = (size_t)(a->n * a->kh);
-        int slots = kv_bytes < LP_SERIAL_BYTES ? 1 : lq_pool_threads();
-        if ((size_t)slots > tasks) slots = (int)tasks;
-        void *p = NULL;
-        if (posix_memalign(&p, 64, (size_t)slots * job.scratch_floats * sizeof(float)) != 0) {
-            status = LP_ERR_MEMORY;
-        } else {
-            job.scratch = p;
-            lq_pool_run(attend, &job, tasks, slots);
-            free(p);
-        }
+    int64_t kv_bytes = 0, partial_floats = 0;
+    int status = check_indices(a, &kv_bytes);
+    if (status != LP_OK) return status;
+    const int64_t g = a->h / a->kh;
+    const int threads = kv_bytes < LP_SERIAL_BYTES ? 1 : lq_pool_threads();
+    /* Enough tasks to keep every thread busy to the end: fewer tokens per task, and where
+     * that is not enough (decoding), the segments of each cut into pieces. */
+    const int64_t want = threads > 1 ? 4 * (int64_t)threads : 1;
+    int64_t tokens = LP_TOKENS, pieces = 1, dummy;
+    while (tokens > 1 && plan_tasks(a, g, tokens, 1, NULL, &dummy) < want) tokens /= 2;
+    const int64_t whole_tasks = plan_tasks(a, g, tokens, 1, NULL, &dummy);
+    if (whole_tasks < want) pieces = (want + whole_tasks - 1) / whole_tasks;
+    const int64_t count = plan_tasks(a, g, tokens, pieces, NULL, &partial_floats);
+    if (count == 0) return LP_OK;
+
+    attention_job job = {.a = a, .steps = attention_steps(), .scale = (float)a->scale, .g = g, .rows = tokens * g};
+    job.scratch_bytes = ((size_t)job.rows * sizeof(float *) +
+                         (size_t)(job.rows * (LP_CHUNK + 2 * a->dv + LP_LANES + 3)) * sizeof(float) + 63) / 64 * 64;
+    const int slots = (int64_t)threads > count ? (int)count : threads;
+    lp_task *tasks = malloc((size_t)count * sizeof(lp_task));
+    float *partials = partial_floats ? malloc((size_t)partial_floats * sizeof(float)) : NULL;
+    void *scratch = NULL;
+    if (!tasks || (partial_floats && !partials) ||
+        posix_memalign(&scratch, 64, (size_t)slots * job.scratch_bytes) != 0) {
+        status = LP_ERR_MEMORY;
+    } else {
+        plan_tasks(a, g, tokens, pieces, tasks, &partial_floats);
+        qsort(tasks, (size_t)count, sizeof(lp_task), longest_first);
+        job.tasks = tasks, job.partials = partials, job.scratch = scratch;
+        lq_pool_run(attend, &job, (size_t)count, slots);
+        for (int64_t i = 0; i < count; i++) /* each split task once: at its first piece */
+            if (tasks[i].part >= 0 && tasks[i].s0 == 0) merge_partials(&job, tasks + i);
     }
-    if (seq_of != seq_small) free(seq_of);
+    free(scratch);
+    free(partials);
+    free(tasks);
     return status;
 }
 
-/* 1 when the AVX2 path is in use. `level` 0 forces the portable path, 1 the AVX2 one where the
- * CPU has it (for tests; the two give the same bits); -1 only asks. */
+/* The SIMD level in use (0 portable, 1 AVX2, 2 AVX-512). `level` >= 0 picks that level, or the
+ * best one below it that this CPU runs (for tests and benchmarks: every level gives the same
+ * bits); -1 only asks. */
 LQ_EXPORT int llaisys_paged_simd(int level) {
     attention_steps();
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= 0) atomic_store_explicit(&use_avx2, level > 0 && __builtin_cpu_supports("avx2"), memory_order_relaxed);
-#else
-    (void)level;
-#endif
-    return atomic_load_explicit(&use_avx2, memory_order_relaxed);
+    if (level >= 0) {
+        if (level >= SIMD_LEVEL_COUNT) level = SIMD_LEVEL_COUNT - 1;
+        while (level > SIMD_SCALAR && !steps_of(level)) level--;
+        atomic_store_explicit(&simd_level, level, memory_order_relaxed);
+    }
+    return atomic_load_explicit(&simd_level, memory_order_relaxed);
 }
 
 /* ---- cache write ------------------------------------------------------------------------- */

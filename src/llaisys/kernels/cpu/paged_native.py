@@ -2,10 +2,12 @@
 the NumPy kernels of ``paged`` where they do not apply.
 
 ``kv_cache_write`` (any float type) copies rows with memcpy; ``paged_attention`` (F32) splits
-the work over (query token, KV head) tasks on the library's thread pool and is batch
+the work over tasks of (a few query tokens of one sequence, KV head), and for few tasks
+(decoding) over fixed segments of the keys too, on the library's thread pool, and is batch
 invariant: a row's result is computed by the same float32 operations whatever else is in the
-call. Where the library was not built, or a float tensor's last dimension is strided, the
-NumPy kernels run instead (same results to float32 rounding, not bit for bit).
+call, whatever the thread count, and at every SIMD level (``set_simd``). Where the library
+was not built, or a float tensor's last dimension is strided, the NumPy kernels run instead
+(same results to float32 rounding, not bit for bit).
 
 A decoding step calls these twice per layer, so the ctypes argument block of a call is built
 once and kept with the output tensor (``Tensor.derived``), reused while the same tensors come
@@ -86,9 +88,14 @@ def available() -> bool:
     return bool(_library())
 
 
+SIMD_LEVELS = ("scalar", "avx2", "avx512")  # as LLAISYS_SIMD names them
+
+
 def set_simd(level: int) -> int:
-    """Use the portable path (0) or AVX2 (1, where the CPU has it) for attention; -1 only asks.
-    Returns 1 when AVX2 is in use. Both give the same bits (for tests and benchmarks)."""
+    """Run attention on SIMD level ``level`` (an index of ``SIMD_LEVELS``: 0 is the portable
+    C), or the best one below it that this CPU has; -1 only asks. Returns the level in use.
+    Every level gives the same bits (for tests and benchmarks); the default is the best one,
+    unless the environment variable LLAISYS_SIMD names another."""
     return _library().llaisys_paged_simd(level)
 
 
@@ -217,8 +224,8 @@ def _call_function(function: str) -> "int | None":
 def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
     """``paged_attention`` as an argument block run by ``llaisys_paged_attention_call``: the
-    same C function as a direct call, the same block layout, so the same bits (each (token, KV
-    head) task on the library's pool, batch invariant). None where the direct call would run
+    same C function as a direct call, the same block layout, so the same bits (the same tasks on
+    the library's pool, batch invariant). None where the direct call would run
     NumPy. The index tensors are read at every run (a pass reloads them in place); a rebind to
     other tensors rewrites the block in place."""
     scale = attrs["scale"]
