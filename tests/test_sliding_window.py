@@ -96,3 +96,36 @@ def test_a_windowed_call_never_reaches_a_kernel_without_windows():
     out = Tensor.empty((2, H, D), DataType.F32)
     ops.self_attention(out, Tensor.from_numpy(q), Tensor.from_numpy(k), Tensor.from_numpy(k), 0.2, window=2, plan=plan)
     assert plan.calls[0][0] is find_kernel("self_attention_window", "cpu", DataType.F32)
+
+
+def test_native_window_rows_are_batch_invariant_and_equal_at_every_level():
+    """The native windowed kernel: a decoding row alone equals the same row inside a batch
+    with a prefill, bit for bit, and every SIMD level gives the same bits."""
+    from llaisys.kernels.cpu import paged_native
+
+    if not paged_native.available():
+        pytest.fail("the native kernels are not built; the test suite runs against a built package")
+    rng = np.random.default_rng(9)
+    bs, nb, window = 8, 16, 11
+    k_pool = rng.standard_normal((nb, bs, KH, D)).astype(np.float32)
+    v_pool = rng.standard_normal((nb, bs, KH, D)).astype(np.float32)
+    tables = np.array([[3, 7, 1, 0, 2, 4], [5, 6, 8, 9, 10, 11]], np.int64)
+    q = rng.standard_normal((1 + 13, H, D)).astype(np.float32)
+
+    def run(qs, lens, rows, tbl):
+        out = Tensor.empty((rows.shape[0], H, D), DataType.F32)
+        ops.paged_attention(out, Tensor.from_numpy(rows), Tensor.from_numpy(k_pool), Tensor.from_numpy(v_pool),
+                            Tensor.from_numpy(tbl), Tensor.from_numpy(np.array(qs, np.int64)),
+                            Tensor.from_numpy(np.array(lens, np.int64)), 0.3, window=window)
+        return out.numpy()
+
+    alone = run([0, 1], [37], q[:1], tables[:1])
+    batched = run([0, 1, 14], [37, 40], q, tables)
+    np.testing.assert_array_equal(alone[0], batched[0])
+    level = paged_native.set_simd(-1)
+    try:
+        for other in range(level + 1):
+            paged_native.set_simd(other)
+            np.testing.assert_array_equal(run([0, 1, 14], [37, 40], q, tables), batched, err_msg=f"level {other}")
+    finally:
+        paged_native.set_simd(level)

@@ -73,6 +73,7 @@ typedef struct {
     int64_t n, h, kh, d, dv, nb, bs, b, mb;
     double scale;
     int64_t bad[2];             /* out: see the status codes */
+    int64_t window;             /* > 0: a query sees only its last `window` keys (a sliding window) */
 } lp_attention_args;
 
 /* Arguments of llaisys_paged_kv_write: strides in elements of `itemsize` bytes. */
@@ -781,14 +782,87 @@ static int64_t plan_tasks(const lp_attention_args *a, int64_t g, int64_t tokens,
     return count;
 }
 
+/* ---- attention with a sliding window ------------------------------------------------------- */
+
+/* One task of a windowed call: query token i of sequence b, KV head kv, its G rows. Its keys
+ * are [start, keys) with start = keys - window (at least 0): the first chunk runs from start to
+ * the next multiple of LP_CHUNK, the others are the fixed chunks, one online softmax over them
+ * all (the same steps as whole-context attention). A row's arithmetic depends on its own key
+ * range only, so it is batch invariant as the whole-context kernel is. Scratch: row pointers
+ * (G), scores (G, LP_CHUNK), acc (G, Dv), max (G), partial sums (G, LP_LANES). */
+static void attend_window(void *ctx, size_t index, int thread) {
+    const attention_job *job = ctx;
+    const lp_attention_args *a = job->a;
+    const lp_steps *steps = job->steps;
+    const lp_task *t = job->tasks + index;
+    const int64_t d = a->d, dv = a->dv, g = job->g, kv = t->kv, i = t->i0;
+    const int64_t keys = keys_of(a, t->b, i), start = keys - a->window > 0 ? keys - a->window : 0;
+    const int64_t *table = a->block_tables + t->b * a->bt_s0;
+    const float **qp = (const float **)(job->scratch + (size_t)thread * job->scratch_bytes);
+    float *scores = (float *)(qp + g), *acc = scores + g * LP_CHUNK, *mx = acc + g * dv, *sum = mx + g;
+    for (int64_t r = 0; r < g; r++) qp[r] = a->q + i * a->q_s0 + (kv * g + r) * a->q_s1, mx[r] = -INFINITY;
+    memset(scores, 0, (size_t)(g * LP_CHUNK) * sizeof(float));
+    memset(acc, 0, (size_t)(g * dv) * sizeof(float));
+    memset(sum, 0, (size_t)(g * LP_LANES) * sizeof(float));
+    const float *chunk[2][LP_CHUNK];
+    for (int64_t c0 = start; c0 < keys;) {
+        const int64_t next = (c0 / LP_CHUNK + 1) * LP_CHUNK < keys ? (c0 / LP_CHUNK + 1) * LP_CHUNK : keys;
+        const int64_t len = chunk_rows(a, table, kv, c0, next, chunk);
+        steps->scores(qp, g, d, chunk[0], len, job->scale, scores);
+        steps->softmax(scores, g, len, mx, sum, acc, dv, c0 == start);
+        steps->axpy(acc, scores, g, chunk[1], len, dv);
+        c0 = next;
+    }
+    for (int64_t r = 0; r < g; r++) write_row(a, i, kv * g + r, acc + r * dv, fold16(sum + r * LP_LANES));
+}
+
+/* ``llaisys_paged_attention`` with a->window > 0: a task per (query token, KV head). */
+static int paged_attention_window(lp_attention_args *a) {
+    const int64_t g = a->h / a->kh;
+    int64_t keys = 0, count = a->n * a->kh;
+    for (int64_t b = 0; b < a->b; b++) {
+        const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
+        for (int64_t i = q0; i < q1; i++) {
+            const int64_t k = keys_of(a, b, i);
+            keys += k < a->window ? k : a->window;
+        }
+    }
+    const int64_t kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
+    const int threads = kv_bytes < LP_SERIAL_BYTES ? 1 : lq_pool_threads();
+    attention_job job = {.a = a, .steps = attention_steps(), .scale = (float)a->scale, .g = g, .rows = g};
+    job.scratch_bytes = ((size_t)g * sizeof(float *) + (size_t)(g * (LP_CHUNK + a->dv + 1 + LP_LANES)) * sizeof(float)
+                         + 63) / 64 * 64;
+    const int slots = (int64_t)threads > count ? (int)count : threads;
+    lp_task *tasks = malloc((size_t)count * sizeof(lp_task));
+    void *scratch = NULL;
+    int status = LP_OK;
+    if (!tasks || posix_memalign(&scratch, 64, (size_t)slots * job.scratch_bytes) != 0) {
+        status = LP_ERR_MEMORY;
+    } else {
+        int64_t at = 0;
+        for (int64_t b = 0; b < a->b; b++) {
+            const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
+            for (int64_t i = q0; i < q1; i++)
+                for (int64_t kv = 0; kv < a->kh; kv++)
+                    tasks[at++] = (lp_task){.b = b, .kv = kv, .i0 = i, .i1 = i + 1, .part = -1};
+        }
+        job.tasks = tasks, job.scratch = scratch;
+        lq_pool_run(attend_window, &job, (size_t)count, slots);
+    }
+    free(scratch);
+    free(tasks);
+    return status;
+}
+
 /* out = softmax(q k^T * scale + causal mask) v per sequence and head (see the top). */
 LQ_EXPORT int llaisys_paged_attention(lp_attention_args *a) {
-    if (a->n < 0 || a->b < 0 || a->kh <= 0 || a->h % a->kh || a->d < 0 || a->dv <= 0 || a->bs <= 0)
+    if (a->n < 0 || a->b < 0 || a->kh <= 0 || a->h % a->kh || a->d < 0 || a->dv <= 0 || a->bs <= 0 || a->window < 0)
         return LP_ERR_SHAPE;
     if (a->n == 0) return LP_OK;
     int64_t kv_bytes = 0, partial_floats = 0;
     int status = check_indices(a, &kv_bytes);
     if (status != LP_OK) return status;
+    if (a->window > 0) return paged_attention_window(a);
     const int64_t g = a->h / a->kh;
     const int threads = kv_bytes < LP_SERIAL_BYTES ? 1 : lq_pool_threads();
     /* Enough tasks to keep every thread busy to the end: fewer tokens per task, and where

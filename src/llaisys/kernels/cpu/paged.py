@@ -15,7 +15,7 @@ import numpy as np
 
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
-from ._common import FLOATS, f32
+from ._common import f32
 
 if TYPE_CHECKING:
     from ...tensor import Tensor
@@ -164,7 +164,7 @@ def paged_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | N
         out[q0:q1] = windowed_attention(f32(q[q0:q1]), k, v, attrs["scale"], window)
 
 
-register_kernel("paged_attention_window", "cpu", dtypes=FLOATS, kernel=paged_attention_window)
+register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention_window)
 
 
 # F32 attention and every kv_cache_write go through paged_native, which runs these where the

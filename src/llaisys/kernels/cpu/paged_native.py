@@ -50,7 +50,7 @@ class _AttentionArgs(ctypes.Structure):
                 ("query_starts", ctypes.c_void_p), ("qs_s0", _I64),
                 ("context_lens", ctypes.c_void_p), ("cl_s0", _I64),
                 ("n", _I64), ("h", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
-                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2)]
+                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2), ("window", _I64)]
 
 
 class _WriteArgs(ctypes.Structure):
@@ -104,29 +104,31 @@ def _row_dense(*tensors: Tensor) -> bool:
     return all(t.strides[-1] == 1 or t.shape[-1] == 1 for t in tensors)
 
 
-def _make_attention_args(out: Tensor, inputs: tuple, scale: float) -> _AttentionArgs | None:
+def _make_attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> _AttentionArgs | None:
     q, kc, vc, bt, qs, cl = inputs
     if out.dtype is not DataType.F32 or not _row_dense(out, q, kc, vc) or not _library():
         return None
     n, h, d = q.shape
     nb, bs, kh, dv = vc.shape
-    return _AttentionArgs(
+    args = _AttentionArgs(
         out.data_ptr, out.strides[0], out.strides[1], q.data_ptr, q.strides[0], q.strides[1],
         kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3], bt.data_ptr, *bt.strides,
         qs.data_ptr, qs.strides[0], cl.data_ptr, cl.strides[0],
         n, h, kh, d, dv, nb, bs, bt.shape[0], bt.shape[1], scale)
+    args.window = window
+    return args
 
 
-def _attention_args(out: Tensor, inputs: tuple, scale: float) -> "list":
-    """[q, k_cache, v_cache, block_tables, query_starts, context_lens, scale, args, address]
-    for this call, kept with ``out`` while the same tensors come back; args None when the
-    native kernel does not apply."""
+def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> "list":
+    """[q, k_cache, v_cache, block_tables, query_starts, context_lens, (scale, window), args,
+    address] for this call, kept with ``out`` while the same tensors come back; args None when
+    the native kernel does not apply."""
     entry = out.derived("paged_attention", _empty_entry)
     q, kc, vc, bt, qs, cl = inputs
     if (entry[0] is not q or entry[1] is not kc or entry[2] is not vc or entry[3] is not bt or entry[4] is not qs
-            or entry[5] is not cl or entry[6] != scale):
-        args = _make_attention_args(out, inputs, scale)
-        entry[:] = [q, kc, vc, bt, qs, cl, scale, args, None if args is None else ctypes.addressof(args)]
+            or entry[5] is not cl or entry[6] != (scale, window)):
+        args = _make_attention_args(out, inputs, scale, window)
+        entry[:] = [q, kc, vc, bt, qs, cl, (scale, window), args, None if args is None else ctypes.addressof(args)]
     return entry
 
 
@@ -150,11 +152,23 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
         _run_attention(entry, inputs)
 
 
+def paged_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                           attrs: dict[str, Any]) -> None:
+    """The F32 ``paged_attention_window`` kernel (attrs: scale, window): native where it
+    applies, else ``paged.paged_attention_window``."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs["window"]))
+    if entry[7] is None:
+        paged.paged_attention_window(outputs, inputs, attrs)
+    else:
+        _run_attention(entry, inputs)
+
+
 def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                            attrs: dict[str, Any]) -> None:
-    """``paged_attention`` on the native kernel only (tests, benchmarks); RuntimeError when the
-    library is missing, the type is not F32 or a float tensor's last dimension is strided."""
-    entry = _attention_args(outputs[0], inputs, attrs["scale"])
+    """``paged_attention`` (with ``attrs["window"]``, its windowed form) on the native kernel
+    only (tests, benchmarks); RuntimeError when the library is missing, the type is not F32 or
+    a float tensor's last dimension is strided."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
     if entry[7] is None:
         raise RuntimeError("the native paged_attention needs the native library, F32 tensors and contiguous last "
                            "dimensions")
@@ -228,15 +242,15 @@ def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tenso
     the library's pool, batch invariant). None where the direct call would run
     NumPy. The index tensors are read at every run (a pass reloads them in place); a rebind to
     other tensors rewrites the block in place."""
-    scale = attrs["scale"]
+    scale, window = attrs["scale"], int(attrs.get("window", 0))
     fn = _call_function("llaisys_paged_attention_call")
-    args = None if fn is None else _make_attention_args(outputs[0], inputs, scale)
+    args = None if fn is None else _make_attention_args(outputs[0], inputs, scale, window)
     if args is None:
         return None
     kept = [args, outputs, inputs]  # the block, and the tensors its pointers point into
 
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
-        new = _make_attention_args(outputs2[0], inputs2, scale)
+        new = _make_attention_args(outputs2[0], inputs2, scale, window)
         if new is None:
             return False
         ctypes.pointer(args)[0] = new  # the stretch's table keeps the block's address
@@ -276,7 +290,9 @@ def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor
 
 
 paged_attention.native_call = native_paged_attention_call  # type: ignore[attr-defined]
+paged_attention_window.native_call = native_paged_attention_call  # type: ignore[attr-defined]
 kv_cache_write.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
 
 register_kernel("paged_attention", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
+register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F32,), kernel=paged_attention_window)
 register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)

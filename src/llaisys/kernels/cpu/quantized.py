@@ -107,11 +107,19 @@ def _bindable(out_t: "Tensor", x_t: "Tensor", w_t: "Tensor", b_t: "Tensor | None
         return None
     x, out = x_t.host_array(), out_t.host_array()  # (..., K), (..., N)
     bias = None if b_t is None else b_t.host_array()  # (N,)
-    if x.dtype != np.float32 or out.dtype != np.float32 or not out.flags.c_contiguous:
+    if x.dtype != np.float32 or out.dtype != np.float32:
         return None
     if bias is not None and (bias.dtype != np.float32 or bias.strides != (4,)):
         return None
-    x2, out2 = _rows(x), out.reshape(-1, out.shape[-1])  # (M, K), (M, N)
+    if out.ndim == 2:  # rows at any stride (a column range of a wider buffer): the kernel takes one
+        if out.strides[1] != 4 or (out.shape[0] > 1 and out.strides[0] < 4 * out.shape[1]):
+            return None
+        out2 = out  # (M, N)
+    elif out.flags.c_contiguous:
+        out2 = out.reshape(-1, out.shape[-1])  # (M, N)
+    else:
+        return None
+    x2 = _rows(x)  # (M, K)
     if not np.may_share_memory(x2, x) or np.may_share_memory(out2, x2):  # a copy of x, or out aliasing it
         return None
     return qw, x2, bias, out2
