@@ -232,3 +232,24 @@ def test_requests_arriving_together_compute_a_shared_prefix_once():
     later = [c for c in step.chunks if c.seq.seq_id != 0]
     assert [(c.start, c.length) for c in later] == [(12, 3)] * 3  # the prefix is shared, not recomputed
     assert m.prefix_hits == 3 * 12
+
+
+def test_blocks_behind_a_window_go_back_and_are_not_freed_twice():
+    from llaisys.engine.blocks import KVBlockManager
+
+    blocks = KVBlockManager(10, 2, prefix_caching=True, window=5)
+    tokens = list(range(20))
+    assert blocks.grow("a", 14) and blocks.num_blocks - blocks.pool.num_free == 7
+    blocks.commit("a", tokens, 14)
+    blocks.release_behind("a", 14)  # a token at 14 or later sees keys 10.. : blocks 0..4 go back
+    assert blocks.held_blocks("a") == 2 and blocks.pool.num_free == 8
+    assert len(blocks.block_table("a")) == 7  # the ids stay in the table; the kernels never read them
+    blocks.release_behind("a", 14)  # nothing more
+    assert blocks.pool.num_free == 8
+    blocks.free("a")
+    assert blocks.held_references() == 0 and blocks.pool.num_free == 10
+    assert blocks.match_prefix("b", tokens[:15]) == 14  # handed-back full blocks keep their prefix
+    plain = KVBlockManager(10, 2)
+    plain.grow("a", 14)
+    plain.release_behind("a", 14)
+    assert plain.held_blocks("a") == 7  # no window: nothing goes back

@@ -191,3 +191,23 @@ def test_gemma3_270m_greedy_tokens_equal_transformers(gemma3_gguf_path, hf_gemma
     ours_last = ours.forward(prompt, ours.new_cache(16))
     # the quantized matrices: ours multiply their blocks as stored, transformers' dequantized copies
     assert np.abs(ours_last - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_engine_hands_back_blocks_behind_a_window(tmp_path):
+    """Mistral with a window of 5 keys, blocks of 2 tokens and a pool of 12 blocks (24 tokens):
+    three sequences of 14 + 24 tokens each run to the end with transformers' greedy tokens and
+    no preemption, since blocks wholly behind every window go back to the pool as they grow."""
+    torch.manual_seed(4)
+    hf = _randomized(_mistral(), 1.0)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.kv_window() == 5
+    prompts = [_prompt(PROMPT, seed) for seed in (4, 5, 6)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(p):]
+                .tolist() for p in prompts]
+    engine = LLMEngine(ours, kv_cache_tokens=24, block_size=2, max_batched_tokens=8)
+    assert engine.blocks.window == 5
+    got = engine.generate(prompts, GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    assert [r.token_ids for r in got] == want
+    assert engine.scheduler.num_preemptions == 0 and engine.blocks.held_references() == 0

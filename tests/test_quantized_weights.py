@@ -305,8 +305,12 @@ def test_small_gguf_with_several_block_formats_matches_transformers(mixed_llama)
     l0, l1 = p.layers
     assert (l0.qkv.dtype, l0.o.dtype, l0.gate_up.dtype, l0.down.dtype) == (
         DataType.Q4_K, DataType.Q5_K, DataType.Q6_K, DataType.Q8_0)
-    assert (l1.qkv.dtype, l1.o.dtype, l1.gate_up.dtype, l1.down.dtype) == (
-        DataType.F32, DataType.Q5_0, DataType.Q5_1, DataType.Q4_1)  # q/k/v in two formats: dequantized
+    assert (l1.qkv, l1.o.dtype, l1.gate_up.dtype, l1.down.dtype) == (None, DataType.Q5_0, DataType.Q5_1, DataType.Q4_1)
+    # q/k/v in three runs of formats: each run kept as stored, a product into its columns
+    c = model.config
+    dq, dkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    assert [(t.dtype, t.shape[0]) for t in l1.qkv_parts] == [(DataType.Q4_0, dq), (DataType.Q4_1, dkv),
+                                                             (DataType.Q4_0, dkv)]
     assert (p.embed.dtype, p.lm_head.dtype) == (DataType.Q8_0, DataType.Q4_0)
     ids = np.random.default_rng(13).integers(0, 256, 12).tolist()
     want = _hf_logits(mixed_llama, ids)
@@ -333,7 +337,8 @@ def test_bf16_model_keeps_quantized_matrices(mixed_llama):
     model = load_model(mixed_llama, dtype="bf16")
     l0, l1 = model.params.layers
     assert model.dtype is DataType.BF16 and l0.qkv.dtype is DataType.Q4_K
-    assert l1.qkv.dtype is DataType.BF16 and l0.attn_norm.dtype is DataType.BF16  # what is converted follows dtype
+    assert l1.qkv is None and {t.dtype for t in l1.qkv_parts} == {DataType.Q4_0, DataType.Q4_1}
+    assert l0.attn_norm.dtype is DataType.BF16  # what is converted follows dtype
     logits = model.forward([1, 2, 3], model.new_cache(4))
     assert np.isfinite(logits).all()
 

@@ -130,7 +130,8 @@ def summarize(runs: list[Timings]) -> dict[str, float]:
 def weight_type(model: Any) -> str:
     """The data type the layers' matrices are held in (``Q4_1``; ``Q4_K/Q6_K`` when they differ,
     the most common first), which can differ from ``model.dtype``, the activations' type."""
-    counts = Counter(t.dtype.name for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down)
+    counts = Counter(t.dtype.name for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down,
+                                                                          lp.gate_exps, lp.up_exps, lp.down_exps)
                      if t is not None)
     return "/".join(name for name, _ in counts.most_common()) or model.dtype.name
 

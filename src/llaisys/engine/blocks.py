@@ -87,11 +87,18 @@ class KVBlockManager:
     """Block tables of sequences (by id) over one ``BlockPool`` of ``block_size``-token blocks.
 
     ``prefix_queries`` and ``prefix_hits`` count prompt tokens looked up in the prefix cache and
-    tokens found there (vLLM's metrics of those names)."""
+    tokens found there (vLLM's metrics of those names). ``window``: the keys any layer still
+    attends to behind a new token when every layer has a sliding window (0: all keys); then a
+    sequence's blocks that fall wholly behind it are handed back as it grows (``release_behind``),
+    their ids left in its table, where the attention kernels never read them."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, window: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(window, int) or window < 0:
+            raise ValueError(f"window must be an integer >= 0, got {window!r}")
+        self.window = window
+        self.released: dict[object, int] = {}  # leading blocks of each sequence handed back
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -176,6 +183,10 @@ class KVBlockManager:
             self.prefix_queries += queried
             self.prefix_hits += hit
 
+    def held_blocks(self, seq_id: object) -> int:
+        """Blocks ``seq_id`` holds now (those handed back behind a window not counted)."""
+        return len(self.tables.get(seq_id, ())) - self.released.get(seq_id, 0)
+
     def can_grow(self, seq_id: object, num_tokens: int) -> bool:
         """Whether ``seq_id`` can be given blocks for ``num_tokens`` tokens in all."""
         return self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())) <= self.pool.num_free
@@ -218,10 +229,27 @@ class KVBlockManager:
             if self.in_flight.get(h) == seq_id:
                 del self.in_flight[h]
 
+    def release_behind(self, seq_id: object, num_computed: int) -> None:
+        """With a window: hand back the blocks of ``seq_id`` whose every key lies before the
+        first one a token at position ``num_computed`` or later can see (a full block keeps
+        its prefix hash, so a later sequence with that prefix may still take it back)."""
+        if not self.window:
+            return
+        table = self.tables.get(seq_id)
+        if not table:
+            return
+        behind = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        done = self.released.get(seq_id, 0)
+        for block in table[done:behind]:
+            self.pool.release(block)
+        if behind > done:
+            self.released[seq_id] = behind
+
     def free(self, seq_id: object) -> None:
-        """Release every block of ``seq_id`` (last block first, so a prefix's head outlives its
-        tail in the cache) and forget the sequence."""
-        for block in reversed(self.tables.pop(seq_id, [])):
+        """Release every block of ``seq_id`` still held (last block first, so a prefix's head
+        outlives its tail in the cache) and forget the sequence."""
+        table = self.tables.pop(seq_id, [])
+        for block in reversed(table[self.released.pop(seq_id, 0):]):
             self.pool.release(block)
         for h in self.hashes.pop(seq_id, ()):
             if self.in_flight.get(h) == seq_id:

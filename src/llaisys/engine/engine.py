@@ -132,7 +132,9 @@ class LLMEngine:
                              f"got {kv_cache_tokens!r} tokens ({per_token} bytes each)")
         num_blocks = kv_cache_tokens // block_size
         self.cache = model.new_paged_cache(num_blocks, block_size)
-        self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching)
+        config = getattr(model, "config", None)
+        window = config.kv_window() if hasattr(config, "kv_window") else 0
+        self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching, window)
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_seqs, speculative_max_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -372,10 +374,10 @@ class LLMEngine:
     def model_hidden(self, num_tokens: int) -> np.ndarray:
         """The final hidden states (N, D) float32 (after the last norm) of the batch of
         ``num_tokens`` tokens the model just ran over this engine's cache."""
-        ws = self.cache.workspaces.get(num_tokens)
-        if ws is None or not hasattr(ws, "h"):
+        hidden_states = getattr(self.model, "hidden_states", None)
+        if hidden_states is None:
             raise RuntimeError("this model does not expose its hidden states; it cannot give embeddings")
-        return ws.h.numpy().astype(np.float32, copy=False)[:num_tokens]
+        return hidden_states(self.cache, num_tokens)[:num_tokens]
 
     def _grammar_masks(self, sampling: list[Request], vocab: int) -> dict[int, np.ndarray]:
         """The tokens (vocab,) bool each constrained request of ``sampling`` may pick, by row:

@@ -124,9 +124,13 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``. Raises ValueError when its prompt plus ``max_tokens`` could not fit in
-        the whole pool even alone (it would wait forever)."""
+        the whole pool even alone (it would wait forever). Behind a window (every layer sliding)
+        a sequence holds at most the window and one step's tokens at once."""
         need = len(seq.prompt_ids) + seq.max_tokens - 1  # the last token picked is never run
-        if self.blocks.blocks_for(need) > self.blocks.num_blocks:
+        blocks = self.blocks.blocks_for(need)
+        if self.blocks.window:
+            blocks = min(blocks, self.blocks.blocks_for(self.blocks.window + self.max_batched_tokens) + 1)
+        if blocks > self.blocks.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id!r} needs up to {need} tokens of KV cache ({len(seq.prompt_ids)} prompt + "
                 f"{seq.max_tokens} to generate), more than the whole pool holds "
@@ -226,6 +230,7 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            self.blocks.release_behind(seq.seq_id, seq.num_computed)
 
     def accept_draft(self, seq: Sequence, accepted: int) -> None:
         """Record that the first ``accepted`` ids of ``seq``'s draft were right (they are now
@@ -236,6 +241,7 @@ class Scheduler:
         assert seq.num_computed < seq.num_tokens, "an accepted draft ran past the sequence"
         self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         self.blocks.trim(seq.seq_id, seq.num_tokens)
+        self.blocks.release_behind(seq.seq_id, seq.num_computed)
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""

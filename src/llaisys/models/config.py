@@ -49,6 +49,13 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # attention scores times 1/sqrt(this); 0: head_dim
     embedding_multiplier: float = 1.0  # the token embeddings times this (Gemma: sqrt(hidden_size))
     rope_local_theta: float = 0.0  # the rope base of sliding-window layers; 0: rope_theta
+    # A routed mixture of experts in place of the MLP (Qwen3-MoE) on the sparse layers:
+    num_experts: int = 0  # E; 0: every layer dense
+    num_experts_per_tok: int = 0  # k experts chosen per token
+    norm_topk_prob: bool = False  # the chosen experts' weights divided by their sum
+    moe_intermediate_size: int = 0  # an expert's MLP width
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and it is not listed here
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads == 0:
@@ -112,6 +119,7 @@ class ModelConfig:
 
     def _validate_blocks(self, source: str) -> None:
         """Checks of the fields the architectures set for their blocks."""
+        self._validate_experts(source)
         if self.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported; expected one of "
                                  f"{', '.join(map(repr, ACTIVATIONS))}")
@@ -134,11 +142,42 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: {name} must be a {'positive' if low is None else 'non-negative'} "
                                      f"number, got {value!r}")
 
+    def _validate_experts(self, source: str) -> None:
+        """Checks of the mixture-of-experts fields."""
+        if not is_int(self.num_experts) or not 0 <= self.num_experts <= 1 << 16:
+            raise ModelLoadError(f"{source}: num_experts must be an integer in [0, 65536], got {self.num_experts!r}")
+        if not self.num_experts:
+            return
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ModelLoadError(f"{source}: {name} must be a positive integer, got {getattr(self, name)!r}")
+        k = self.num_experts_per_tok
+        if not is_int(k) or not 1 <= k <= self.num_experts:
+            raise ModelLoadError(f"{source}: num_experts_per_tok must be an integer in [1, num_experts="
+                                 f"{self.num_experts}], got {k!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        layers = self.mlp_only_layers
+        if not isinstance(layers, list) or not all(is_int(i) and 0 <= i < self.num_hidden_layers for i in layers):
+            raise ModelLoadError(f"{source}: mlp_only_layers must list layer indices in [0, "
+                                 f"{self.num_hidden_layers}), got {layers!r:.200}")
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs the routed experts rather than the dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     def layer_window(self, layer: int) -> int:
         """Keys layer ``layer`` attends to, its own included (0: all before it)."""
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+
+    def kv_window(self) -> int:
+        """Keys behind a new token that some layer still attends to, when every layer has a
+        sliding window (the largest); 0 when some layer sees every key."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return 0 if not windows or 0 in windows else max(windows)
 
     @property
     def attention_scale(self) -> float:
@@ -249,7 +288,8 @@ def hf_common_fields(raw: Any, source: str) -> dict[str, Any]:
 # Fields only an architecture's module sets from a file (a key of the same name in config.json
 # means what that architecture says, if anything).
 BLOCK_FIELDS = ("hidden_act", "qk_norm", "sliding_window", "layer_types", "query_pre_attn_scalar",
-                "embedding_multiplier", "rope_local_theta")
+                "embedding_multiplier", "rope_local_theta", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 def read_config_json(path: "str | os.PathLike[str]") -> Any:

@@ -86,7 +86,9 @@ class CausalLM:
         """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
         ``forward_batch`` (block tables as wide as the context length needs)."""
         c = self.local_config
-        max_blocks = min(-(-c.max_position_embeddings // block_size), num_blocks) if block_size > 0 else 1
+        max_blocks = -(-c.max_position_embeddings // block_size) if block_size > 0 else 1
+        if not c.kv_window():  # a sequence holds its table's blocks at once (behind a window it hands them back)
+            max_blocks = min(max_blocks, num_blocks)
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                              self.dtype, self.device, max_blocks, owner=self)
         return self._keyed(cache, ("paged", num_blocks, block_size))
@@ -223,6 +225,12 @@ class CausalLM:
         self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
         return self.runner.run_batch(batch, cache)
 
+    def hidden_states(self, cache: PagedKVCache, num_tokens: int) -> np.ndarray:
+        """The final hidden states (N, D) float32 (after the last norm) of the pass of
+        ``num_tokens`` tokens that just ran over ``cache`` (the rows an embedding pools)."""
+        with self._lock:
+            return self.runner.hidden_states(cache, num_tokens).numpy().astype(np.float32, copy=False)
+
     def _check_ids(self, token_ids: "Sequence[int] | np.ndarray") -> np.ndarray:
         try:
             ids = np.asarray(token_ids)
@@ -254,8 +262,9 @@ class CausalLM:
         p = self.params
         tensors = [p.embed, p.norm] + ([] if self.config.tie_word_embeddings else [p.lm_head])
         for lp in p.layers:
-            tensors += [t for t in (lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down)
-                        if t is not None]
+            tensors += [t for t in (lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down,
+                                    *lp.qkv_parts, *lp.gate_up_parts, lp.router, lp.gate_exps, lp.up_exps,
+                                    lp.down_exps) if t is not None]
         return sum(t.numel() for t in tensors)
 
     def weight_types(self) -> dict[str, str]:
@@ -263,8 +272,10 @@ class CausalLM:
         a role whose layers differ lists the counts (``"Q4_K x20, Q6_K x10"``)."""
         p = self.params
         roles: dict[str, list[Tensor]] = {"embed": [p.embed], "lm_head": [p.lm_head]}
-        for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias"):
-            tensors = [getattr(lp, name) for lp in p.layers if getattr(lp, name) is not None]
+        for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "router", "gate_exps", "up_exps",
+                     "down_exps"):
+            tensors = [t for lp in p.layers for t in ((getattr(lp, name),) if getattr(lp, name) is not None
+                                                     else getattr(lp, name + "_parts", ()))]
             if tensors:
                 roles[name] = tensors
         roles["norms"] = [p.norm] + [t for lp in p.layers for t in (lp.attn_norm, lp.ffn_norm)]
@@ -280,7 +291,8 @@ class CausalLM:
         """Bytes the weights take on the device (a tied head counted once)."""
         p = self.params
         tensors = [p.embed, p.lm_head, p.norm] + [t for lp in p.layers for t in (
-            lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down) if t is not None]
+            lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down,
+            *lp.qkv_parts, *lp.gate_up_parts, lp.router, lp.gate_exps, lp.up_exps, lp.down_exps) if t is not None]
         return sum({id(t.storage): t.storage.nbytes for t in tensors}.values())
 
     def info(self) -> dict:

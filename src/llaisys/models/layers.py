@@ -1,11 +1,12 @@
 """The shared blocks of the decoders, written with ``llaisys.ops`` only, over the buffers of a
 ``Workspace``: the q/k/v projection (with its optional per-head norms and the rotary
 embedding), attention over one sequence's cache or a paged pool (with an optional sliding
-window), the gated MLP (SiLU or tanh-GELU), and the pre-norm layer the Llama family runs. An
-architecture module (``models.architectures``) names the layer it runs, built from these.
+window), the gated MLP (SiLU or tanh-GELU) or a routed mixture of experts, and the pre-norm
+layer the Llama family runs. An architecture module (``models.architectures``) names the layer
+it runs, built from these.
 
 Shapes: S tokens in the pass, T = cache length after it, D hidden, H/KH query/kv heads,
-Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, V vocabulary.
+Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, E experts, V vocabulary.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Workspace:
         self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
         self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
         self.act = new(s, inter)  # (S, I)
+        self.router_logits = new(s, config.num_experts) if config.num_experts else None  # (S, E)
         self.h_last = self.h.slice(0, s - 1, s)  # (1, D) the last row, finally normalised
         self.logits = new(1, config.vocab_size)  # (1, V)
 
@@ -68,10 +70,24 @@ def sum_over_ranks(ws: Workspace, partial: Tensor, plan: ops.Plan) -> None:
         record_all_reduce(plan, ws.comm, partial)
 
 
+def fused_linear(out: Tensor, x: Tensor, weight: Tensor | None, parts: tuple[Tensor, ...], bias: Tensor | None,
+                 plan: ops.Plan) -> None:
+    """out (S, N) = x @ W^T + bias for a fused matrix W (N, D) given whole (``weight``) or as
+    consecutive row ranges (``parts``, stored in different formats), each into its columns."""
+    if weight is not None:
+        ops.linear(out, x, weight, bias, plan=plan)
+        return
+    at = 0
+    for part in parts:
+        n = part.shape[0]
+        ops.linear(out.slice(1, at, at + n), x, part, None if bias is None else bias.slice(0, at, at + n), plan=plan)
+        at += n
+
+
 def project_qkv(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
     """ws.qk = rope(q and k heads of ws.h's projection), each head first normalised by its
     norm where the layer has them; ws.v_in = the value heads."""
-    ops.linear(ws.qkv, ws.h, lp.qkv, lp.qkv_bias, plan=plan)  # (S, Dq + 2*Dkv)
+    fused_linear(ws.qkv, ws.h, lp.qkv, lp.qkv_parts, lp.qkv_bias, plan)  # (S, Dq + 2*Dkv)
     qk = ws.qk_in  # (S, H+KH, Dh) strided view of the projection
     if lp.q_norm is not None:
         h, eps = config.num_attention_heads, config.rms_norm_eps
@@ -121,13 +137,26 @@ def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor],
 def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
     """ws.proj = down(act(gate) * up) of ws.h, the normalised input; act is SiLU (SwiGLU) or
     tanh-approximated GELU (GeGLU), as ``config.hidden_act`` says."""
-    ops.linear(ws.gate_up, ws.h, lp.gate_up, plan=plan)  # (S, 2I)
+    fused_linear(ws.gate_up, ws.h, lp.gate_up, lp.gate_up_parts, None, plan)  # (S, 2I)
     if config.hidden_act == "gelu_tanh":
         ops.geglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
     else:
         ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
     ops.linear(ws.proj, ws.act, lp.down, plan=plan)  # (S, D)
     sum_over_ranks(ws, ws.proj, plan)
+
+
+def routed_mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.proj = the routed mixture of SwiGLU experts of ws.h (``ops.moe_mlp``): the router's
+    logits, then each token's ``num_experts_per_tok`` experts weighted by their probabilities."""
+    ops.linear(ws.router_logits, ws.h, lp.router, plan=plan)  # (S, E)
+    ops.moe_mlp(ws.proj, ws.h, ws.router_logits, lp.gate_exps, lp.up_exps, lp.down_exps, config.num_experts_per_tok,
+                config.norm_topk_prob, plan=plan)  # (S, D)
+
+
+def feed_forward(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+    """ws.proj = the layer's MLP block of ws.h: its routed experts where it has them, else ``mlp``."""
+    (mlp if lp.router is None else routed_mlp)(ws, lp, config, plan)
 
 
 def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
@@ -140,7 +169,7 @@ def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Cal
     eps = config.rms_norm_eps
     attend()
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
-    mlp(ws, lp, config, plan)
+    feed_forward(ws, lp, config, plan)
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)
 
 

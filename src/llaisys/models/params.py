@@ -33,13 +33,13 @@ class LayerParams:
     """One decoder layer's weights. Dq = H*Dh, Dkv = KH*Dh."""
 
     attn_norm: Tensor  # (D,)
-    qkv: Tensor  # (Dq + 2*Dkv, D): rows of q, then k, then v
+    qkv: Tensor | None  # (Dq + 2*Dkv, D): rows of q, then k, then v; None: held in parts
     qkv_bias: Tensor | None  # (Dq + 2*Dkv,)
     o: Tensor  # (D, Dq)
     o_bias: Tensor | None  # (D,)
     ffn_norm: Tensor  # (D,)
-    gate_up: Tensor  # (2*I, D): rows of gate, then up
-    down: Tensor  # (D, I)
+    gate_up: Tensor | None  # (2*I, D): rows of gate, then up; None: held in parts
+    down: Tensor | None  # (D, I); None in a sparse layer
     # (R/2,) F32 inverse rotary frequencies, shared by the layers of one kind; None: the plain rope
     rope_freqs: Tensor | None = None
     rope_factor: float = 1.0  # multiplies rope's cos and sin (YaRN's attention factor)
@@ -49,6 +49,15 @@ class LayerParams:
     k_norm: Tensor | None = None  # (Dh,) of each key head
     post_attn_norm: Tensor | None = None  # (D,) norm of the attention block's output (Gemma 3)
     post_ffn_norm: Tensor | None = None  # (D,) norm of the MLP block's output (Gemma 3)
+    # qkv and gate_up as consecutive row ranges (q and k, then v ...) where their parts are
+    # stored in different block formats: each kept as stored rather than all converted to floats
+    qkv_parts: tuple[Tensor, ...] = ()
+    gate_up_parts: tuple[Tensor, ...] = ()
+    # A sparse layer's routed experts (config.layer_is_sparse), in place of gate_up and down:
+    router: Tensor | None = None  # (E, D) the router's logits projection
+    gate_exps: Tensor | None = None  # (E*I, D): expert e's gate rows e*I:(e+1)*I
+    up_exps: Tensor | None = None  # (E*I, D)
+    down_exps: Tensor | None = None  # (E*D, I): expert e's rows e*D:(e+1)*D
 
 
 @dataclass(slots=True)
@@ -106,7 +115,7 @@ class _Builder:
         type when half matrices are kept, else the model's dtype."""
         kinds = {self.weights[n].kind for n in names}
         if self.keep_half and len(kinds) == 1 and kinds <= set(HALF_KINDS) and all(
-                len(self.weights[n].shape) == 2 for n in names):
+                len(self.weights[n].shape) in (2, 3) for n in names):
             return DataType[kinds.pop()]
         return self.dtype
 
@@ -156,7 +165,8 @@ class _Builder:
             if s.mapped[0] is not data or s.mapped[1] != end:
                 return None
             end += dtype.nbytes_of(math.prod(s.shape))
-        out = Tensor.host_view(data[start:end], (sum(s.shape[0] for s in sources), *sources[0].shape[1:]), dtype)
+        rows = sum(math.prod(s.shape[:-1]) for s in sources)  # a stack of matrices (E, N, K) as E*N rows
+        out = Tensor.host_view(data[start:end], (rows, sources[0].shape[-1]), dtype)
         self.progress.step(len(names))
         return out
 
@@ -171,6 +181,37 @@ class _Builder:
         out = Tensor.empty(src.shape, float_dtype if kept is None else kept, self.device)
         (self._fill if kept is None else self._fill_raw)(out, name)
         return out.freeze()
+
+    def experts(self, name: str) -> Tensor:
+        """Weight ``name``, a stack of matrices (E, N, K), as one matrix (E*N, K)."""
+        src = self.weights[name]
+        e, n, k = src.shape
+        kept = kept_dtype(src)
+        mapped = self._mapped([name], kept)
+        if mapped is not None:
+            return mapped
+        if kept is not None:  # read_raw_rows takes the E*N rows
+            out = Tensor.empty((e * n, k), kept, self.device)
+            self._fill_raw(out, name)
+            return out.freeze()
+        out = Tensor.empty((e, n, k), self._float_dtype([name]), self.device)
+        self._fill(out, name)
+        return out.freeze().view(e * n, k)
+
+    def fused(self, names: Sequence[str]) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        """The named tensors stacked along dim 0 as (one tensor, ()) when they share a stored
+        block format (or are all converted to floats); else (None, parts): runs of consecutive
+        names of one format stacked, each kept as stored."""
+        kinds = [kept_dtype(self.weights[n]) for n in names]
+        if len(set(kinds)) == 1 or all(k is None for k in kinds):
+            return self.stacked(names), ()
+        runs: list[list[str]] = []
+        for name, kind in zip(names, kinds):
+            if runs and kept_dtype(self.weights[runs[-1][-1]]) == kind:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        return None, tuple(self.stacked(run) for run in runs)
 
     def maybe(self, name: str) -> Tensor | None:
         return self.one(name) if name in self.weights else None
@@ -210,15 +251,20 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
         window = config.layer_window(i)
         # a sliding layer of a model with a local rope base (Gemma 3) rotates with that base, unscaled
         local = bool(window and config.rope_local_theta)
+        qkv, qkv_parts = b.fused([p + "q", p + "k", p + "v"])
+        sparse = config.layer_is_sparse(i)
+        gate_up, gate_up_parts = (None, ()) if sparse else b.fused([p + "gate", p + "up"])
         layers.append(LayerParams(
             attn_norm=b.one(p + "attn_norm"),
-            qkv=b.stacked([p + "q", p + "k", p + "v"]),
+            qkv=qkv,
+            qkv_parts=qkv_parts,
             qkv_bias=b.stacked([p + "q_bias", p + "k_bias", p + "v_bias"]) if config.attention_bias else None,
             o=b.one(p + "o"),
             o_bias=b.maybe(p + "o_bias"),
             ffn_norm=b.one(p + "ffn_norm"),
-            gate_up=b.stacked([p + "gate", p + "up"]),
-            down=b.one(p + "down"),
+            gate_up=gate_up,
+            gate_up_parts=gate_up_parts,
+            down=None if sparse else b.one(p + "down"),
             rope_freqs=None if local else rope_freqs,
             rope_factor=1.0 if local else rope_factor,
             rope_theta=config.rope_local_theta if local else config.rope_theta,
@@ -227,6 +273,10 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             k_norm=b.maybe(p + "k_norm"),
             post_attn_norm=b.maybe(p + "post_attn_norm"),
             post_ffn_norm=b.maybe(p + "post_ffn_norm"),
+            router=b.one(p + "router") if sparse else None,
+            gate_exps=b.experts(p + "gate_exps") if sparse else None,
+            up_exps=b.experts(p + "up_exps") if sparse else None,
+            down_exps=b.experts(p + "down_exps") if sparse else None,
         ))
     embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
     if config.tie_word_embeddings:

@@ -249,6 +249,15 @@ class ModelRunner:
         return step.logits  # (R, V)
 
     # ---- buffers, passes, graphs -----------------------------------------------------------
+    def hidden_states(self, cache: PagedKVCache, num_tokens: int) -> Tensor:
+        """The finally normalised rows (N, D) of the last pass of ``num_tokens`` tokens over
+        ``cache`` (its work buffer, valid until the next pass of that size); RuntimeError when
+        no such pass ran."""
+        ws = cache.workspaces.get(num_tokens)
+        if ws is None:
+            raise RuntimeError(f"no pass of {num_tokens} tokens ran over this cache; its hidden states are gone")
+        return ws.h
+
     def decoding_pass(self, cache: KVCache) -> "BatchPass | RowsPass":
         """The recorded pass that decodes one token of the sequence in ``cache`` (after at
         least one decoding step ran); KeyError before that."""
@@ -280,10 +289,12 @@ class ModelRunner:
     def _graphs(self, cache: PagedKVCache) -> Any:
         """The graph cache (``backends.nvidia.graphs.GraphCache``) that replays the decoding
         passes over ``cache``, or None: on a device whose backend captures no graphs (the CPU,
-        plugins), with ``LLAISYS_NVIDIA_GRAPHS=0``, or under tensor parallelism (its plans hold
-        collective calls)."""
+        plugins), with ``LLAISYS_NVIDIA_GRAPHS=0``, under tensor parallelism (its plans hold
+        collective calls), or for routed experts the device runs on the CPU fallback (host copies)."""
         m = self.model
         if m.shard is not None or m.device.is_cpu:
+            return None
+        if m.config.num_experts and find_kernel("moe_mlp", m.device.type.name, m.dtype) is None:
             return None
         try:
             return self._graph_caches[cache]

@@ -142,9 +142,13 @@ class Shard:
 
 def check_fits(config: ModelConfig, size: int) -> None:
     """Raise TensorParallelError unless ``size`` ranks divide the model's query heads, KV heads
-    and MLP width, naming the numbers."""
+    and MLP width, naming the numbers; a mixture-of-experts model is refused over several ranks."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise TensorParallelError(f"tensor-parallel size must be a positive integer, got {size!r}")
+    if config.num_experts and size > 1:
+        raise TensorParallelError(f"tensor parallelism does not split a mixture of experts yet: this "
+                                  f"{config.architecture} model routes over {config.num_experts} experts; run it "
+                                  f"on one process (tensor-parallel size 1)")
     parts = {"key/value heads": config.num_key_value_heads, "attention heads": config.num_attention_heads,
              "MLP width (intermediate_size)": config.intermediate_size}
     for what, n in parts.items():

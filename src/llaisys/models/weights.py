@@ -7,7 +7,9 @@ Each architecture (``models.architectures``) names its table per format; ``HF_NA
 Our names: ``embed`` (V, D), ``norm`` (D,), ``lm_head`` (V, D) and per layer ``layers.{i}.X``
 with X in attn_norm (D,), q (H*Dh, D), k (KH*Dh, D), v (KH*Dh, D), q_bias/k_bias/v_bias,
 o (D, H*Dh), o_bias (D,), q_norm/k_norm (Dh,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I),
-and post_attn_norm/post_ffn_norm (D,) in the layers that have them.
+and post_attn_norm/post_ffn_norm (D,) in the layers that have them; a sparse layer of a mixture of
+experts has router (E, D), gate_exps/up_exps (E, I, D) and down_exps (E, D, I) in place of gate,
+up and down (I: the experts' width).
 """
 from __future__ import annotations
 
@@ -137,7 +139,8 @@ class WeightSource:
     read_rows: Callable[[int, int], np.ndarray] | None = None  # rows [start, stop) only
     row_multiple: int = 1  # read_rows (and read_raw_rows) need start and stop to be multiples of this
     # A block-quantized matrix kept as stored: rows [start, stop) as their raw blocks, uint8
-    # (stop - start, row_bytes), with the same row fix as read_rows. None: always dequantized.
+    # (stop - start, row_bytes), with the same row fix as read_rows (a stack of matrices
+    # (E, N, K): rows of its E*N). None: always dequantized.
     read_raw_rows: Callable[[int, int], np.ndarray] | None = None
     # Where read_raw_rows' bytes lie, unchanged, in a read-only memory map of the file: (the
     # map, uint8, and the offset of row 0 in it). None: they are copied or fixed on the way.

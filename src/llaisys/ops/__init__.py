@@ -3,8 +3,9 @@ arguments once, then dispatches through the kernel registry. ``llaisys.ops.funct
 holds the same ops returning new tensors; ``Plan`` records checked calls to replay."""
 from .core import (add, add_rms_norm, argmax, embedding, geglu, linear, rearrange, rms_norm, rope, scale, self_attention,
                    swiglu)
+from .moe import moe_mlp
 from .paged import kv_cache_write, paged_attention
 from . import functional
 from .plan import Plan
 
-__all__ = ["add", "add_rms_norm", "argmax", "embedding", "geglu", "kv_cache_write", "linear", "paged_attention", "rearrange", "rms_norm", "rope", "scale", "self_attention", "swiglu", "functional", "Plan"]
+__all__ = ["add", "add_rms_norm", "argmax", "embedding", "geglu", "kv_cache_write", "linear", "moe_mlp", "paged_attention", "rearrange", "rms_norm", "rope", "scale", "self_attention", "swiglu", "functional", "Plan"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from . import core
+from .moe import moe_mlp as _moe_mlp
 from ._checks import ndim_is, tensors_match
 
 _new = Tensor.empty_like
@@ -93,3 +94,10 @@ def scale(inp: Tensor, factor: float) -> Tensor:
     """inp * factor as a new tensor of inp's shape and dtype."""
     tensors_match("scale", ("in",), (inp,))
     return core.scale(_new(inp), inp, factor)
+
+
+def moe_mlp(h: Tensor, router_logits: Tensor, gate: Tensor, up: Tensor, down: Tensor, top_k: int,
+            norm_topk_prob: bool) -> Tensor:
+    """The routed SwiGLU experts of h (N, D) (``ops.moe_mlp``) as a new (N, D) tensor of h's type."""
+    tensors_match("moe_mlp", ("h",), (h,))
+    return _moe_mlp(_new(h), h, router_logits, gate, up, down, top_k, norm_topk_prob)

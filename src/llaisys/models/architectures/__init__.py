@@ -6,7 +6,7 @@ in each file format and the weights each layer has, the fix-ups its tensors need
 decoder layer it runs, built from the shared blocks of ``models.layers``. Its name is the
 config's ``model_type`` and the GGUF file's ``general.architecture`` (and so the prefix of the
 GGUF's hyper-parameter keys, ``{name}.block_count`` ...). Each module (``llama``, ``qwen2``,
-``qwen3``, ``gemma3``) builds one and calls ``register``; ``ALIASES`` maps a model type that is
+``qwen3``, ``qwen3_moe``, ``gemma3``) builds one and calls ``register``; ``ALIASES`` maps a model type that is
 another's with a flag (``mistral``: Llama with its sliding window). The loaders look one up
 with ``get`` and read a ``config.json`` through ``config_from_hf``. Adding an architecture is
 one new module here plus its import below (docs/models.md shows one).
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig, hf_common_fields, read_config_json
 from ..errors import ModelLoadError
-from ..weights import LayerShapes, NameTable, layer_shapes
+from ..weights import LayerShapes, NameTable, WeightSource, layer_shapes
 
 # A fix applied to a block of a GGUF tensor's rows (float rows, or the raw rows of a quantized
 # matrix) as they are read, with the row count the blocks' bounds must be multiples of.
@@ -53,6 +53,10 @@ class Architecture:
     # (our weight name, config) -> a function fixing a safetensors weight's values as read, or None
     hf_value_fix: Callable[[str, ModelConfig], Callable[[np.ndarray], np.ndarray] | None] = field(
         default=lambda ours, config: None, repr=False)
+    # (weights by our name, config, source) -> the same put in the form ``layer_shapes`` names,
+    # before the strict check (Qwen3-MoE: a safetensors file's experts, one tensor each, stacked)
+    sanitize_weights: Callable[[dict[str, WeightSource], ModelConfig, str], dict[str, WeightSource]] = field(
+        default=lambda weights, config, source: weights, repr=False)
     options: Mapping[str, Any] = field(default_factory=dict)  # the flags of an alias (``ALIASES``)
 
 
@@ -61,6 +65,7 @@ _REGISTRY: dict[str, Architecture] = {}
 ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("llama", {"sliding_window": True}),  # Llama with a sliding window on every layer
     "gemma3_text": ("gemma3", {}),  # the text model's config of Gemma 3
+    "qwen3moe": ("qwen3_moe", {}),  # llama.cpp's name (GGUF general.architecture) for Qwen3-MoE
 }
 
 
@@ -165,4 +170,4 @@ def qwen_sliding_layers(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {"sliding_window": window, "layer_types": types}
 
 
-from . import gemma3, llama, qwen2, qwen3  # noqa: E402,F401  (each registers itself; they import the names above)
+from . import gemma3, llama, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself; they import the names above)

@@ -185,8 +185,8 @@ def _dequantize(raw: np.ndarray, raw_type: int) -> np.ndarray:
 
 def _raw_row_reader(t: GGUFTensor, shape: tuple[int, ...], fix: Callable[[np.ndarray], np.ndarray] | None):
     """A function giving rows [start, stop) of block-quantized matrix ``t`` as stored bytes,
-    uint8 (stop - start, row_bytes)."""
-    rows = t.data.reshape(shape[0], -1).view(np.uint8)  # (rows, row_bytes)
+    uint8 (stop - start, row_bytes); a stack of matrices (E, N, K) is read as its E*N rows."""
+    rows = t.data.reshape(int(np.prod(shape[:-1])), -1).view(np.uint8)  # (rows, row_bytes)
 
     def read_raw_rows(start: int, stop: int) -> np.ndarray:
         part = rows[start:stop]
@@ -228,10 +228,11 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
         fix, multiple = (arch.gguf_row_fix(ours, config) if ours is not None else None) or (None, 1)
         read_rows = _row_reader(t, shape, path, fix)
         rows = shape[0] if len(shape) > 1 else 1
-        raw = _raw_row_reader(t, shape, fix) if len(shape) == 2 and t.tensor_type in KEPT_QUANTIZED else None
+        raw = _raw_row_reader(t, shape, fix) if len(shape) in (2, 3) and t.tensor_type in KEPT_QUANTIZED else None
         mapped = (gguf.data, t.data_offset) if raw is not None and fix is None and gguf.byte_order == "<" else None
         sources[name] = WeightSource(path, name, shape, t.type_name, functools.partial(read_rows, 0, rows),
                                      read_rows if len(shape) > 1 else None, multiple, raw, mapped)
-    weights = sanitize(map_names(sources, table, path, config.architecture), config)
+    weights = arch.sanitize_weights(sanitize(map_names(sources, table, path, config.architecture), config), config,
+                                    path)
     check_weights(weights, config, table, path, arch.layer_shapes)
     return GGUFContents(config, weights, meta, dict(types), gguf)

@@ -115,7 +115,8 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
             where[name] = path
     label = str(folder)
     table = arch.hf_names
-    weights = sanitize(map_names(sources, table, label, config.architecture), config)
+    weights = arch.sanitize_weights(sanitize(map_names(sources, table, label, config.architecture), config), config,
+                                    label)
     check_weights(weights, config, table, label, arch.layer_shapes)
     for ours, src in weights.items():
         fix = arch.hf_value_fix(ours, config)

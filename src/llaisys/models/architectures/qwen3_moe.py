@@ -1,0 +1,144 @@
+"""Qwen3-MoE: Qwen3's layer (per-head q/k norms) whose MLP, on its sparse layers, is a routed
+mixture of SwiGLU experts (``layers.routed_mlp``): softmax of the router's logits, the top
+``num_experts_per_tok`` experts, their weights renormalised when ``norm_topk_prob``. Layer i is
+sparse when it is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the
+others run the dense MLP of ``intermediate_size``.
+
+Files: safetensors folders hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight``,
+as ``save_pretrained`` writes them) or transformers' fused stacks (``mlp.experts.gate_up_proj``
+(E, 2I, D), ``mlp.experts.down_proj`` (E, D, I)); ``sanitize_weights`` stacks or splits them
+into ours: ``router`` (E, D), ``gate_exps``/``up_exps`` (E, I, D), ``down_exps`` (E, D, I), as
+llama.cpp's GGUF stores them (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``, kept quantized).
+A GGUF's ``general.architecture`` is "qwen3moe" (an alias); its dense layers are those
+without a router."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Collection, Mapping
+
+import numpy as np
+
+from ..config import ModelConfig, json_flag
+from ..errors import ModelLoadError
+from ..layers import decoder_layer
+from ..weights import GGUF_NAMES, HF_NAMES, NameTable, WeightSource, layer_shapes
+from . import Architecture, no_row_fix, register
+from .qwen3 import gguf_config as qwen3_gguf_config
+from .qwen3 import hf_config as qwen3_hf_config
+
+MAX_EXPERTS = 1024  # per-expert tensor names the safetensors table knows
+PROJECTIONS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))  # ours, transformers'
+
+HF_LAYER = {**HF_NAMES.layer, "mlp.gate.weight": "router",
+            "mlp.experts.gate_up_proj": "gate_up_exps", "mlp.experts.down_proj": "down_exps",
+            **{f"mlp.experts.{e}.{theirs}.weight": f"experts.{e}.{ours}"
+               for e in range(MAX_EXPERTS) for ours, theirs in PROJECTIONS}}
+GGUF_LAYER = {**GGUF_NAMES.layer, "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate_exps",
+              "ffn_up_exps.weight": "up_exps", "ffn_down_exps.weight": "down_exps"}
+HF_TABLE = NameTable(HF_NAMES.globals, HF_NAMES.layer_prefix, HF_LAYER, HF_NAMES.ignored, HF_NAMES.layer_count_key)
+GGUF_TABLE = NameTable(GGUF_NAMES.globals, GGUF_NAMES.layer_prefix, GGUF_LAYER, GGUF_NAMES.ignored,
+                       GGUF_NAMES.layer_count_key, GGUF_NAMES.refused)
+
+
+def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3's fields, then the experts' (``num_experts``, which transformers 5 writes as
+    ``num_local_experts``)."""
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise ModelLoadError(f"{source}: missing required key num_experts (or num_local_experts)")
+    return {**qwen3_hf_config(raw, source, options), "num_experts": experts,
+            "num_experts_per_tok": raw.get("num_experts_per_tok"),
+            "norm_topk_prob": json_flag(raw, "norm_topk_prob", False, source),
+            "moe_intermediate_size": raw.get("moe_intermediate_size"),
+            "decoder_sparse_step": raw.get("decoder_sparse_step", 1),
+            "mlp_only_layers": raw.get("mlp_only_layers") or []}
+
+
+def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:
+    """Qwen3's fields, the experts' from ``qwen3moe.expert_*`` as llama.cpp reads them (the
+    weights renormalised unless ``expert_weights_norm`` says not), the dense layers those
+    without a router."""
+    arch = "qwen3moe"
+    layers = meta.get(f"{arch}.block_count")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if isinstance(
+        layers, int) and 0 <= layers <= len(tensors) else []
+    return {**qwen3_gguf_config(meta, tensors, source), "num_experts": meta.get(f"{arch}.expert_count"),
+            "num_experts_per_tok": meta.get(f"{arch}.expert_used_count"),
+            "norm_topk_prob": meta.get(f"{arch}.expert_weights_norm", True),
+            "moe_intermediate_size": meta.get(f"{arch}.expert_feed_forward_length"),
+            "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+def moe_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3's weights; a sparse layer's router and stacked experts in place of its MLP."""
+    shapes = layer_shapes(config, layer)
+    if not config.layer_is_sparse(layer):
+        return shapes
+    p, d, e, i = f"layers.{layer}.", config.hidden_size, config.num_experts, config.moe_intermediate_size
+    for ours in ("gate", "up", "down"):
+        del shapes[p + ours]
+    return {**shapes, p + "router": (e, d), p + "gate_exps": (e, i, d), p + "up_exps": (e, i, d),
+            p + "down_exps": (e, d, i)}
+
+
+def _stacked(parts: list[WeightSource], name: str) -> WeightSource:
+    """One source (E, N, K) reading the experts' sources (N, K) as a stack."""
+    kinds = {s.kind for s in parts}
+    return WeightSource(parts[0].file, name, (len(parts), *parts[0].shape), kinds.pop() if len(kinds) == 1 else "F32",
+                        read=lambda: np.stack([s.read() for s in parts]),
+                        read_rows=lambda start, stop: np.stack([s.read() for s in parts[start:stop]]))
+
+
+def _half(src: WeightSource, which: int, name: str) -> WeightSource:
+    """Half ``which`` (0: gate, 1: up) of a fused (E, 2I, D) source's middle dimension."""
+    e, two_i, d = src.shape
+    cut = slice(which * two_i // 2, (which + 1) * two_i // 2)
+    return dataclasses.replace(src, file_name=name, shape=(e, two_i // 2, d), read=lambda: src.read()[:, cut],
+                               read_rows=lambda start, stop: src.read_rows(start, stop)[:, cut],
+                               read_raw_rows=None, mapped=None)
+
+
+def sanitize_weights(weights: dict[str, WeightSource], config: ModelConfig, source: str) -> dict[str, WeightSource]:
+    """Each sparse layer's experts as ``moe_layer_shapes`` names them: one tensor per expert
+    stacked, a fused gate_up stack split in two; an expert missing is an error naming it."""
+    for layer in range(config.num_hidden_layers):
+        if not config.layer_is_sparse(layer):
+            continue
+        p = f"layers.{layer}."
+        fused = weights.pop(p + "gate_up_exps", None)
+        if fused is not None:
+            if len(fused.shape) != 3 or fused.shape[1] % 2:
+                raise ModelLoadError(f"{fused.file}: tensor {fused.file_name!r} has shape {fused.shape}; expected "
+                                     f"(E, 2*I, D)")
+            weights[p + "gate_exps"] = _half(fused, 0, fused.file_name + "[gate]")
+            weights[p + "up_exps"] = _half(fused, 1, fused.file_name + "[up]")
+        for ours, theirs in PROJECTIONS:
+            names = [f"{p}experts.{e}.{ours}" for e in range(config.num_experts)]
+            if p + ours + "_exps" in weights and not any(n in weights for n in names):
+                continue
+            missing = [e for e, n in enumerate(names) if n not in weights]
+            if missing:
+                raise ModelLoadError(f"{source}: missing tensor 'model.layers.{layer}.mlp.experts.{missing[0]}."
+                                     f"{theirs}.weight' ({len(missing)} of the {config.num_experts} experts' "
+                                     f"{theirs} missing)")
+            parts = [weights.pop(n) for n in names]
+            want = (config.moe_intermediate_size, config.hidden_size)[::-1 if ours == "down" else 1]
+            for part in parts:
+                if tuple(part.shape) != want:
+                    raise ModelLoadError(f"{part.file}: tensor {part.file_name!r} has shape {tuple(part.shape)}; "
+                                         f"expected {want} from the config")
+            weights[p + ours + "_exps"] = _stacked(parts, f"model.layers.{layer}.mlp.experts.*.{theirs}.weight")
+    return weights
+
+
+QWEN3_MOE = register(Architecture(
+    name="qwen3_moe",
+    hf_config=hf_config,
+    gguf_config=gguf_config,
+    hf_names=HF_TABLE,
+    gguf_names=GGUF_TABLE,
+    gguf_row_fix=no_row_fix,
+    decoder_layer=decoder_layer,
+    layer_shapes=moe_layer_shapes,
+    sanitize_weights=sanitize_weights,
+))
