@@ -164,3 +164,24 @@ def test_no_speculation_off_the_cpu(model):
     r = generate(OffTheCpu(model), COPYING, cfg.replace(speculative_tokens=4))
     assert r.timings.drafted_tokens == 0
     assert r.token_ids == generate(model, COPYING, cfg).token_ids
+
+
+def test_drafter_index_gives_what_a_scan_gives():
+    """The drafter's n-gram index against ``draft_tokens`` (a scan of every id) on growing
+    sequences with many repeats, and on a sequence that is not an extension (rebuilt)."""
+    import random
+
+    from llaisys.generation.speculative import draft_tokens
+
+    rng = random.Random(3)
+    for k in (1, 3, 5):
+        d = Drafter(k)
+        ids: list[int] = []
+        for _ in range(300):
+            ids.append(rng.choice([1, 2, 3, 4, 5, 6, 7, 8]) if rng.random() < 0.7 else rng.randrange(50))
+            want = draft_tokens(ids, k, min_ngram=2)
+            want = want + want[-1:] * (k - len(want))
+            assert d.propose(ids, 100) == want, (k, len(ids))
+        other = [9, 9, 1, 2, 9, 9]
+        want = draft_tokens(other, k, min_ngram=2)
+        assert d.propose(other, 100) == want + want[-1:] * (k - len(want))

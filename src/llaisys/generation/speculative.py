@@ -45,18 +45,48 @@ class Drafter:
     decoding step). A lookup that finds fewer than k ids is padded with its last one (a
     guess like any other: verified, and kept only if right); no draft when fewer than k
     tokens remain to pick after the next. Only suffixes of ``min_ngram`` or more ids are
-    looked up."""
+    looked up.
 
-    __slots__ = ("k", "min_ngram")
+    The ids of one request only grow, so the drafter keeps an index of where each n-gram last
+    started (ids already seen are not scanned again): a lookup costs O(max_ngram), not a scan
+    of the whole sequence, and gives what ``draft_tokens`` gives. Ids that do not extend the
+    ones indexed (another request's, or a shorter list) rebuild the index."""
+
+    __slots__ = ("k", "min_ngram", "_ids", "_last_start")
 
     def __init__(self, k: int, min_ngram: int = DRAFTER_MIN_NGRAM) -> None:
         self.k = k
         self.min_ngram = min_ngram
+        self._ids: list[int] = []  # the ids indexed so far
+        self._last_start: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start among them
 
     def propose(self, ids: Sequence[int], room: int) -> list[int]:
         """k ids continuing ``ids`` (see ``draft_tokens``), or [] when no suffix recurs or
         ``room`` (the tokens that may still be picked after the next one) is under k."""
-        if room < self.k:
+        if room < self.k or self.k <= 0:
             return []
-        draft = draft_tokens(ids, self.k, min_ngram=self.min_ngram)
+        self._catch_up(ids)
+        draft = self._lookup()
         return draft + draft[-1:] * (self.k - len(draft))
+
+    def _catch_up(self, ids: Sequence[int]) -> None:
+        """Index every n-gram of ``ids`` that ends before its last id (the suffix looked up
+        must not find itself; an occurrence may overlap it)."""
+        known = self._ids
+        if len(ids) < len(known) or list(ids[:len(known)]) != known:
+            known.clear()
+            self._last_start.clear()
+        for end in range(max(len(known) - 1, 0), len(ids) - 1):  # n-grams ending at `end`
+            for n in range(self.min_ngram, MAX_NGRAM + 1):
+                if end - n + 1 >= 0:
+                    self._last_start[tuple(ids[end - n + 1:end + 1])] = end - n + 1
+        known.extend(ids[len(known):])
+
+    def _lookup(self) -> list[int]:
+        ids = self._ids
+        size = len(ids)
+        for n in range(min(MAX_NGRAM, size - 1), self.min_ngram - 1, -1):
+            start = self._last_start.get(tuple(ids[size - n:]))
+            if start is not None:
+                return ids[start + n:start + n + self.k]
+        return []
