@@ -15,6 +15,9 @@ from conftest import TOLERANCE, hf_to_gguf_tensors, random_tensor, to_torch, wri
 from llaisys import ops
 from llaisys.engine import LLMEngine
 from llaisys.generation import GenerationConfig
+from llaisys.kernels.cpu import moe as cpu_moe
+from llaisys.kernels.cpu import native_ops
+from llaisys.kernels.registry import find_kernel
 from llaisys.models import ModelLoadError, load_model
 from llaisys.models.tensor_parallel import TensorParallelError, check_fits
 from llaisys.runtime.dtypes import DataType
@@ -143,6 +146,115 @@ def test_moe_mlp_records_in_a_plan():
     plan.run()
     want = llaisys.Tensor.empty(h.shape)
     ops.moe_mlp(want, h, logits, gate, up, down, TOP_K, False)
+    assert np.array_equal(out.numpy(), want.numpy())
+
+
+def _experts(kind: str, floats, rng) -> list[llaisys.Tensor]:
+    """Three stacked expert matrices of the shapes of ``floats``: those quantized to ``kind`` (a
+    GGUF block type), or new random ones of ``kind`` F16/BF16."""
+    import gguf
+
+    if kind in ("F16", "BF16"):
+        return [random_tensor(w.shape, DataType[kind], rng, scale=0.2) for w in floats]
+    return [_quantized(w.numpy(), gguf.GGMLQuantizationType[kind]) for w in floats]
+
+
+def _native_and_numpy(h, logits, experts, top_k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """moe_mlp's output through the native form (which must apply) and through the NumPy path."""
+    attrs = {"top_k": top_k, "norm_topk_prob": norm}
+    native_out, numpy_out = llaisys.Tensor.empty(h.shape), llaisys.Tensor.empty(h.shape)
+    assert cpu_moe._native_args(native_out, (h, logits, *experts), attrs) is not None
+    cpu_moe.moe_mlp((native_out,), (h, logits, *experts), attrs)
+    cpu_moe.moe_mlp_numpy((numpy_out,), (h, logits, *experts), attrs)
+    return native_out.numpy(), numpy_out.numpy()
+
+
+needs_native_moe = pytest.mark.skipif(
+    not cpu_moe._library() or not native_ops.available()
+    or find_kernel("swiglu", "cpu", DataType.F32) is not native_ops.swiglu,
+    reason="the native kernels are not built or not in use")
+
+
+@needs_native_moe
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16", "BF16"])
+@pytest.mark.parametrize("n", [1, 5, 40])
+@pytest.mark.parametrize("norm", [True, False])
+def test_native_moe_mlp_equals_the_numpy_path_bitwise(kind, n, norm):
+    """The one C call gives the NumPy path's bits: routing, grouping, products, SwiGLU, sums;
+    alone (1 token), a few tokens and groups larger than the kept buffers (40)."""
+    rng = np.random.default_rng(10 + n)
+    h, logits, floats = _op_inputs(DataType.F32, n, rng)
+    got, want = _native_and_numpy(h, logits, _experts(kind, floats, rng), 3, norm)
+    assert np.array_equal(got, want)
+
+
+@needs_native_moe
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
+def test_native_moe_mlp_equals_the_numpy_path_at_every_simd_level(level):
+    """At each SIMD level of the quantized kernels (the C call picks the one they use), decoding
+    (experts' products in one pool job) and a batch (one product per expert) give the NumPy
+    path's bits."""
+    from llaisys.kernels.quant import native
+
+    if level not in native.available_simd_levels():
+        pytest.skip(f"this CPU does not run {level}")
+    rng = np.random.default_rng(14)
+    h, logits, floats = _op_inputs(DataType.F32, 24, rng)
+    before = native.simd_level()
+    try:
+        native.set_simd_level(level)
+        for kind in ("Q4_0", "F16"):
+            experts = _experts(kind, floats, rng)
+            for rows in (slice(0, 1), slice(0, 3), slice(0, 24)):
+                got, want = _native_and_numpy(h.slice(0, rows.start, rows.stop),
+                                              logits.slice(0, rows.start, rows.stop), experts, 3, True)
+                assert np.array_equal(got, want), f"{kind}, {rows.stop} tokens"
+    finally:
+        native.set_simd_level(before)
+
+
+@needs_native_moe
+def test_native_moe_mlp_breaks_routing_ties_as_numpy_does():
+    """Equal logits (equal probabilities) pick the lower-numbered experts, as a stable sort does;
+    large and small logits exercise the float32 softmax's range."""
+    rng = np.random.default_rng(11)
+    h, _, floats = _op_inputs(DataType.F32, 6, rng)
+    rows = np.array([[0.5] * EXPERTS, [1.0, 2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 1.0], [-90.0] * 4 + [3.0] * 4,
+                     np.linspace(-200, 80, EXPERTS), [0.0] * 7 + [1e-7], rng.standard_normal(EXPERTS) * 40],
+                    np.float32)
+    logits = llaisys.Tensor.from_numpy(rows)
+    for top_k in (1, 3, EXPERTS):
+        got, want = _native_and_numpy(h, logits, _experts("Q8_0", floats, rng), top_k, True)
+        assert np.array_equal(got, want), f"top_k {top_k}"
+
+
+@needs_native_moe
+def test_native_moe_mlp_f32_experts_match_and_are_batch_invariant():
+    """F32 experts run the native F32 products (the NumPy path uses BLAS): close to it, and a
+    token's bits the same alone and in a batch."""
+    rng = np.random.default_rng(12)
+    h, logits, experts = _op_inputs(DataType.F32, 12, rng)
+    got, want = _native_and_numpy(h, logits, experts, TOP_K, True)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for i in (0, 7):
+        alone, _ = _native_and_numpy(h.slice(0, i, i + 1), logits.slice(0, i, i + 1), experts, TOP_K, True)
+        assert np.array_equal(alone[0], got[i])
+
+
+@needs_native_moe
+def test_native_moe_mlp_replays_inside_a_plans_native_stretch():
+    """A recorded plan replays the op as a native call (no Python between it and its neighbours)
+    and gives the direct call's bits."""
+    rng = np.random.default_rng(13)
+    h, logits, floats = _op_inputs(DataType.F32, 1, rng)
+    experts = _experts("Q4_0", floats, rng)
+    out = llaisys.Tensor.empty(h.shape)
+    plan = ops.Plan()
+    ops.moe_mlp(out, h, logits, *experts, TOP_K, True, plan=plan)
+    plan.run()
+    assert plan.stats().native == 1
+    want = llaisys.Tensor.empty(h.shape)
+    ops.moe_mlp(want, h, logits, *experts, TOP_K, True)
     assert np.array_equal(out.numpy(), want.numpy())
 
 
@@ -309,6 +421,39 @@ def test_gguf_matches_transformers_on_its_weights(tmp_path, qtype):
     ids = _prompt()
     np.testing.assert_allclose(ours.forward(ids, ours.new_cache(32), all_logits=True), _hf_logits(hf, ids),
                                atol=ATOL, rtol=0)
+
+
+@needs_native_moe
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_greedy_tokens_are_the_same_through_the_c_call_and_numpy(tmp_path, qtype, monkeypatch):
+    """The same model decoded greedily with the experts' C call and with the NumPy path gives
+    the same tokens, and the same logits bit for bit."""
+    import gguf
+
+    hf = _moe(False, seed=8)
+    tensors = _gguf_tensors(hf)
+    types = {name: gguf.GGMLQuantizationType[qtype] for name in tensors if "_exps" in name}
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, "qwen3moe", tensors, config=hf.config, types=types,
+               meta={"key_length": 16, "value_length": 16, "rope_dimension_count": 16, "expert_count": EXPERTS,
+                     "expert_used_count": TOP_K, "expert_feed_forward_length": EXPERT_WIDTH})
+
+    def decode() -> tuple[list[int], np.ndarray]:
+        model = load_model(path)
+        cache = model.new_cache(64)
+        logits = model.forward(_prompt(), cache)
+        tokens, seen = [], []
+        for _ in range(12):
+            tokens.append(int(np.argmax(logits)))
+            seen.append(np.array(logits, copy=True))
+            logits = model.forward([tokens[-1]], cache)
+        return tokens, np.stack(seen)
+
+    native_tokens, native_logits = decode()
+    monkeypatch.setattr(cpu_moe, "_lib", False)  # as though the C function were not built
+    numpy_tokens, numpy_logits = decode()
+    assert native_tokens == numpy_tokens
+    assert np.array_equal(native_logits, numpy_logits)
 
 
 def test_nvidia_device_runs_the_experts_through_the_cpu_fallback(tmp_path, nvidia_device):

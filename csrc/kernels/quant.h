@@ -231,4 +231,11 @@ void lq_pool_run(lq_task_fn task, void *ctx, size_t n_chunks, int slots);
 int lq_pool_set_threads(int n);
 int lq_pool_threads(void);
 
+/* The exported entry points of quant.c that moe.c builds on. */
+int llaisys_quant_block_size(int type);
+int llaisys_quant_block_bytes(int type);
+int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
+                         float *y, int64_t ldy, const float *bias);
+const char *llaisys_quant_simd_level(void);
+
 #endif

@@ -1,26 +1,40 @@
-"""moe_mlp on the CPU: routing in NumPy, then the tokens grouped by expert, so each chosen
-expert's weights are read once per call: its rows (views of the stacked matrices) multiplied
-with the rows of its tokens by the CPU ``linear`` kernel of the weight's type (the native
-kernels for block-quantized and F16/BF16 experts, BLAS for F32 ones), the native ``swiglu``
-between. The experts run in ascending order and each adds its weighted output to its tokens'
-rows, so every token sums its experts in ascending order (as transformers does), whatever the
-other tokens are: a token's result depends on the rest of the batch only as far as
-``linear``'s does (not at all for block-quantized and F16/BF16 weights; BLAS may round an F32
-product differently for another number of rows).
+"""moe_mlp on the CPU, two ways with the same bits.
 
-Activations are float32 throughout (F16/BF16 ones widened), the output rounded once. Buffers
-of small groups are kept with the output tensor, so a decoding step reuses them and the
-native calls bound to them. Other devices run this kernel through the registry's CPU fallback.
+The C call (``llaisys_moe_mlp`` of csrc/kernels/moe.c), for F32 activations with
+block-quantized or F16/BF16/F32 experts where the native libraries are built: routing,
+grouping, the experts' products through the quantized kernels, SwiGLU (the native ``swiglu``'s
+function) and the weighted sums in one call, with no Python between the products. Its argument
+block is made once per set of tensors and kept with the output tensor, and a recorded plan
+replays it inside its native stretch (``native_call``).
+
+The NumPy path (``moe_mlp_numpy``), for everything else and the reference the C call is tested
+against: routing in NumPy, then the tokens grouped by expert, so each chosen expert's weights
+are read once per call: its rows (views of the stacked matrices) multiplied with the rows of
+its tokens by the CPU ``linear`` kernel of the weight's type (the native kernels for
+block-quantized and F16/BF16 experts, BLAS for F32 ones), the native ``swiglu`` between.
+Activations are float32 throughout (F16/BF16 ones widened), the output rounded once. Buffers of
+small groups are kept with the output tensor, so a decoding step reuses them and the native
+calls bound to them.
+
+Both run the experts in ascending order, each adding its weighted output to its tokens' rows,
+so every token sums its experts in ascending order (as transformers does), whatever the other
+tokens are: a token's result does not depend on the rest of the batch (the NumPy path with F32
+experts aside: BLAS may round a product differently for another number of rows, where the C
+call's F32 products do not). Other devices run this kernel through the registry's CPU fallback.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _native
 from ...runtime.dtypes import QUANTIZED_TYPES, DataType
 from ...tensor import Storage, Tensor
+from ..quant import native
 from ..registry import find_kernel, register_kernel
+from . import native_calls, native_ops
 from ._common import FLOATS, f32
 
 if TYPE_CHECKING:
@@ -78,9 +92,116 @@ def _linear(weight_dtype: DataType) -> "Kernel":
     return kernel
 
 
+# ---- the native form ---------------------------------------------------------------------
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _MoeArgs(ctypes.Structure):
+    """``lm_moe_args`` of csrc/kernels/moe.c: row strides in floats, GGML type ids."""
+
+    _fields_ = [("out", _PTR), ("ldo", _I64), ("h", _PTR), ("ldh", _I64), ("logits", _PTR), ("ldl", _I64),
+                ("gate", _PTR), ("up", _PTR), ("down", _PTR), ("gate_type", _I64), ("up_type", _I64),
+                ("down_type", _I64), ("n", _I64), ("d", _I64), ("e", _I64), ("inter", _I64), ("top_k", _I64),
+                ("norm", _I64), ("swiglu", _PTR)]
+
+
+_NATIVE_WEIGHTS = {t: t.name for t in QUANTIZED_TYPES} | {t: t.name for t in (DataType.F32, DataType.F16,
+                                                                              DataType.BF16)}
+_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when the native form cannot run
+
+
+def _library() -> "ctypes.CDLL | bool":
+    """The kernels library with ``llaisys_moe_mlp`` declared, or False: not built (the NumPy
+    path has said so where it matters), or built before the function existed."""
+    global _lib
+    if _lib is None:
+        lib = _native.load("kernels")
+        if lib is None or not hasattr(lib, "llaisys_moe_mlp"):
+            _lib = False
+        else:
+            lib.llaisys_moe_mlp.argtypes, lib.llaisys_moe_mlp.restype = [_PTR], ctypes.c_int
+            _lib = lib
+    return _lib
+
+
+def _native_weight(w_t: Tensor) -> "native.QuantWeight":
+    """The stacked expert matrix checked once for the native kernels (a copy only where the
+    tensor is not C-contiguous, kept with it)."""
+    return native.prepare(_NATIVE_WEIGHTS[w_t.dtype], np.ascontiguousarray(w_t.host_array()))
+
+
+def _row_stride(t: Tensor) -> int | None:
+    """The row stride in elements of a 2-D tensor whose rows are contiguous, else None."""
+    return t.strides[0] if t.strides[1] == 1 or t.shape[1] == 1 else None
+
+
+def _native_args(out_t: Tensor, inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> "tuple | None":
+    """(argument block, what it points into) of ``llaisys_moe_mlp`` for this call, or None where
+    the NumPy path must run: a library or the native swiglu missing (its function is the one
+    the block calls), activations other than F32, rows that are not contiguous."""
+    h_t, logits_t, gate_t, up_t, down_t = inputs
+    if (not _library() or not native_ops.available()
+            or find_kernel("swiglu", "cpu", DataType.F32) is not native_ops.swiglu):
+        return None
+    if any(t.dtype is not DataType.F32 for t in (out_t, h_t, logits_t)):
+        return None
+    if any(w.dtype not in _NATIVE_WEIGHTS for w in (gate_t, up_t, down_t)):
+        return None
+    strides = [_row_stride(t) for t in (out_t, h_t, logits_t)]
+    if None in strides:
+        return None
+    weights = [w.derived("moe.native", _native_weight) for w in (gate_t, up_t, down_t)]
+    n, d = out_t.shape
+    e = logits_t.shape[1]
+    args = _MoeArgs(out_t.data_ptr, strides[0], h_t.data_ptr, strides[1], logits_t.data_ptr, strides[2],
+                    *(w.raw.ctypes.data for w in weights), *(w.fmt.type_id for w in weights),
+                    n, d, e, gate_t.shape[0] // e, attrs["top_k"], int(attrs["norm_topk_prob"]),
+                    native_calls.address(native_ops._library(), "llaisys_ops_swiglu"))
+    return args, (out_t, *inputs, weights)
+
+
+def _failed(status: int) -> None:
+    raise RuntimeError(f"llaisys_moe_mlp failed with status {status}")  # arguments were checked: a bug
+
+
+def native_moe_mlp(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                   attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
+    """``moe_mlp`` as a C function and its argument block, for a replayed plan (None: the
+    ordinary call must run)."""
+    made = _native_args(outputs[0], inputs, attrs)
+    if made is None or not native_calls.available():
+        return None
+    return native_calls.NativeCall("moe_mlp", native_calls.address(_library(), "llaisys_moe_mlp_call"), made[0],
+                                   keep=made[1])
+
+
+def _no_calls(out_t: Tensor) -> dict:
+    return {}
+
+
 def moe_mlp(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """out (N, D) = the routed SwiGLU experts of h (N, D) for inputs (h, router_logits (N, E),
-    gate (E*I, D), up (E*I, D), down (E*D, I)); attrs top_k, norm_topk_prob."""
+    gate (E*I, D), up (E*I, D), down (E*D, I)); attrs top_k, norm_topk_prob.
+
+    One C call where it applies (``llaisys_moe_mlp``), its block made on the first call with
+    these tensors and kept with the output; else the NumPy path (``moe_mlp_numpy``)."""
+    out_t = outputs[0]
+    bound = out_t.derived("moe.native_args", _no_calls)
+    key = (*(id(t) for t in inputs), attrs["top_k"], attrs["norm_topk_prob"])
+    entry = bound.get(key)  # the entry keeps the tensors, so their ids stay theirs
+    if entry is None:
+        entry = bound[key] = _native_args(out_t, inputs, attrs) or (None, inputs)
+    if entry[0] is not None:
+        status = _lib.llaisys_moe_mlp(ctypes.addressof(entry[0]))
+        if status:
+            _failed(status)
+        return
+    moe_mlp_numpy(outputs, inputs, attrs)
+
+
+def moe_mlp_numpy(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """``moe_mlp`` through NumPy routing and the CPU linear kernels (the reference the native
+    form is tested against, and the path for what it does not take)."""
     out_t = outputs[0]
     out = out_t.host_array()  # (N, D)
     h_t, logits_t, gate_t, up_t, down_t = inputs
@@ -125,4 +246,5 @@ def moe_mlp(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attr
     out[...] = total  # rounded once, to the output type
 
 
+moe_mlp.native_call = native_moe_mlp  # type: ignore[attr-defined]
 register_kernel("moe_mlp", "cpu", dtypes=FLOATS, weight_dtypes=(*FLOATS, *QUANTIZED_TYPES), kernel=moe_mlp)
