@@ -24,8 +24,11 @@ PROMPTS = [COPYING, OTHER, COPYING.replace("stats", "numbers"), LIST]
 # ---- the scheduler, no model -------------------------------------------------------------------
 def _decoding(blocks: KVBlockManager, scheduler: Scheduler, ids: list[int], k: int, max_tokens: int = 32
               ) -> Sequence:
-    """A sequence whose prompt ``ids`` ran and whose first token was picked: decoding next."""
-    seq = Sequence("s", ids[:-1], max_tokens, drafter=Drafter(k))
+    """A sequence whose prompt ``ids`` ran and whose first token was picked: decoding next
+    (its drafter drafting k ids from the first draft on)."""
+    drafter = Drafter(k)
+    drafter.length = k
+    seq = Sequence("s", ids[:-1], max_tokens, drafter=drafter)
     scheduler.add(seq)
     scheduler.commit(scheduler.schedule())
     seq.output_ids.append(ids[-1])
@@ -141,7 +144,7 @@ def test_copying_prompts_accept_and_an_unrelated_one_mostly_rejects(model):
     cfg = GenerationConfig(max_new_tokens=48, speculative_tokens=4)
     copying, story = _run(model, [COPYING, OTHER], [cfg, cfg.replace(temperature=1.0, seed=3,
                                                                          speculative_tokens=8)])[0]
-    assert copying.timings.accepted_tokens >= 20, copying.timings
+    assert copying.timings.accepted_tokens >= 12, copying.timings
     assert story.timings.drafted_tokens > 2 * story.timings.accepted_tokens, story.timings
 
 
@@ -150,7 +153,11 @@ def test_the_engine_option_is_the_default_and_a_request_may_set_its_own(model):
     plain, _ = _run(model, [COPYING, LIST], cfg)
     fast, stats = _run(model, [COPYING, LIST], [cfg, cfg.replace(speculative_tokens=2)], speculative_tokens=4)
     _same(plain, fast)
-    assert fast[0].timings.drafted_tokens % 4 == 0 and fast[1].timings.drafted_tokens % 2 == 0
+    assert fast[0].timings.drafted_tokens > 0 and fast[1].timings.drafted_tokens > 0
+    engine = LLMEngine(model, speculative_tokens=4)
+    own = engine.add_request(None, LIST, cfg.replace(speculative_tokens=2))
+    default = engine.add_request(None, COPYING, cfg)
+    assert (engine.requests[own].seq.drafter.k, engine.requests[default].seq.drafter.k) == (2, 4)
     assert stats.drafts > 0 and stats.drafted_tokens == fast[0].timings.drafted_tokens + fast[1].timings.drafted_tokens
     with pytest.raises(ValueError, match="speculative_tokens"):
         LLMEngine(model, speculative_tokens=65)

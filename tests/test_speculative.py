@@ -140,11 +140,33 @@ def test_multi_token_logits_are_bitwise_one_at_a_time(model):
 
 
 def test_drafter_drafts_k_ids_or_none():
+    assert Drafter(4).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3, 4]  # the first draft: 2 long
+    assert Drafter(1).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3]
     d = Drafter(4)
-    assert d.propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3, 4, 5, 6]
-    assert d.propose([1, 2, 3, 1, 2], 100) == [3, 1, 2, 2]  # padded with its last id: one width
-    assert d.propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 3) == []  # fewer than k tokens left to pick
-    assert d.propose([5, 1, 9, 1], 100) == []  # a lone recurring id is no match at min_ngram 2
+    d.length = 4
+    assert d.propose([1, 2, 3, 1, 2], 100) == [3, 1, 2, 2]  # padded with its last id
+    assert Drafter(4).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 1) == []  # fewer tokens left to pick than its length
+    assert Drafter(4).propose([5, 1, 9, 1], 100) == []  # a lone recurring id is no match at min_ngram 2
+
+
+def test_drafter_length_follows_how_the_last_draft_fared():
+    d = Drafter(8)
+    d.length = 8
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2]
+    assert d.propose(ids, 100) == [3, 4, 5, 6, 7, 8, 9, 10]
+    ids += [3, 4, 99]  # two accepted, then another token: the next draft is 3 long
+    d.propose(ids, 100)
+    assert d.length == 3
+    d = Drafter(8)
+    d.length = 8
+    assert d.propose(ids[:15], 100) == [3, 4, 5, 6, 7, 8, 9, 10]
+    d.propose(ids[:15] + [42], 100)  # its first id missed: the next draft is 1 long
+    assert d.length == 1
+    d = Drafter(8)
+    d.length = 2
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2]
+    assert d.propose(ids, 100) == [3, 4]
+    assert d.propose(ids + [3, 4, 5], 100) == [6, 7, 8, 9] and d.length == 4  # all accepted: twice as long
 
 
 class OffTheCpu:
@@ -167,8 +189,9 @@ def test_no_speculation_off_the_cpu(model):
 
 
 def test_drafter_index_gives_what_a_scan_gives():
-    """The drafter's n-gram index against ``draft_tokens`` (a scan of every id) on growing
-    sequences with many repeats, and on a sequence that is not an extension (rebuilt)."""
+    """The drafter's n-gram index (extended as the ids grow) against ``draft_tokens`` (a scan
+    of every id), at a fixed draft length, on growing sequences with many repeats, and on a
+    sequence that is not an extension (the index rebuilt)."""
     import random
 
     from llaisys.generation.speculative import draft_tokens
@@ -176,12 +199,12 @@ def test_drafter_index_gives_what_a_scan_gives():
     rng = random.Random(3)
     for k in (1, 3, 5):
         d = Drafter(k)
+        d.length = k
         ids: list[int] = []
         for _ in range(300):
             ids.append(rng.choice([1, 2, 3, 4, 5, 6, 7, 8]) if rng.random() < 0.7 else rng.randrange(50))
-            want = draft_tokens(ids, k, min_ngram=2)
-            want = want + want[-1:] * (k - len(want))
-            assert d.propose(ids, 100) == want, (k, len(ids))
+            d._catch_up(ids)
+            assert d._lookup() == draft_tokens(ids, k, min_ngram=2), (k, len(ids))
         other = [9, 9, 1, 2, 9, 9]
-        want = draft_tokens(other, k, min_ngram=2)
-        assert d.propose(other, 100) == want + want[-1:] * (k - len(want))
+        d._catch_up(other)
+        assert d._lookup() == draft_tokens(other, k, min_ngram=2)

@@ -202,7 +202,7 @@ class Scheduler:
             return budget
         for j, chunk in enumerate(chunks):
             seq = chunk.seq
-            if seq.drafter is None or chunk.length != 1 or not chunk.samples or budget < seq.drafter.k:
+            if seq.drafter is None or chunk.length != 1 or not chunk.samples or budget < seq.drafter.length:
                 continue
             room = seq.max_tokens - len(seq.output_ids) - 1  # tokens that may be picked after the next
             draft = seq.drafter.propose(seq.token_ids, room)

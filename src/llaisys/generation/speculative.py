@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 MAX_NGRAM = 3  # longest suffix looked up; shorter ones are tried when it is not found
 MIN_NGRAM = 1
+FIRST_LENGTH = 2  # a request's first draft: longer ones once drafts hold
 DRAFTER_MIN_NGRAM = 2  # the loop's drafter: a lone recurring id predicts too little of text that does not copy
 
 
@@ -40,11 +41,14 @@ def verifies_exactly(model: object) -> bool:
 
 
 class Drafter:
-    """Drafts of exactly ``k`` ids for one request, so every verifying pass has one width,
-    1 + k (the model records a pass per width and keeps few; a new width costs about a
-    decoding step). A lookup that finds fewer than k ids is padded with its last one (a
-    guess like any other: verified, and kept only if right); no draft when fewer than k
-    tokens remain to pick after the next. Only suffixes of ``min_ngram`` or more ids are
+    """Drafts of up to ``k`` ids for one request. The length adapts to how the last draft
+    fared, read from the ids that followed it: all of it accepted, the next draft is twice as
+    long (at most ``k``); a miss, one longer than what was accepted (at least 1). So a request
+    that copies long runs is verified many ids a pass, and one whose drafts fail pays for short
+    ones; the first is 2 long. Each length is a verifying pass of its own width, recorded once (the runner keeps
+    several). A lookup that finds fewer ids than the length is padded with its last one (a
+    guess like any other: verified, and kept only if right); no draft when fewer tokens remain
+    to pick after the next than its length. Only suffixes of ``min_ngram`` or more ids are
     looked up.
 
     The ids of one request only grow, so the drafter keeps an index of where each n-gram last
@@ -52,22 +56,45 @@ class Drafter:
     of the whole sequence, and gives what ``draft_tokens`` gives. Ids that do not extend the
     ones indexed (another request's, or a shorter list) rebuild the index."""
 
-    __slots__ = ("k", "min_ngram", "_ids", "_last_start")
+    __slots__ = ("k", "min_ngram", "length", "_ids", "_last_start", "_last_draft", "_drafted_at")
 
     def __init__(self, k: int, min_ngram: int = DRAFTER_MIN_NGRAM) -> None:
         self.k = k
         self.min_ngram = min_ngram
+        self.length = min(k, FIRST_LENGTH)  # the next draft's length
         self._ids: list[int] = []  # the ids indexed so far
         self._last_start: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start among them
+        self._last_draft: list[int] = []  # the last draft proposed, and len(ids) then
+        self._drafted_at = 0
 
     def propose(self, ids: Sequence[int], room: int) -> list[int]:
-        """k ids continuing ``ids`` (see ``draft_tokens``), or [] when no suffix recurs or
-        ``room`` (the tokens that may still be picked after the next one) is under k."""
-        if room < self.k or self.k <= 0:
+        """Up to k ids continuing ``ids`` (see ``draft_tokens``), or [] when no suffix recurs or
+        ``room`` (the tokens that may still be picked after the next one) is under the draft's
+        length."""
+        if self.k <= 0:
+            return []
+        self._adapt(ids)
+        if room < self.length:
             return []
         self._catch_up(ids)
         draft = self._lookup()
-        return draft + draft[-1:] * (self.k - len(draft))
+        draft = draft + draft[-1:] * (self.length - len(draft))
+        self._last_draft, self._drafted_at = list(draft), len(ids)  # a copy: callers consume theirs
+        return draft
+
+    def _adapt(self, ids: Sequence[int]) -> None:
+        """The next length, from how much of the last draft the ids now confirm: it followed
+        the ids as they were then, so its verified ids, then the token picked after them, come
+        next."""
+        draft, at = self._last_draft, self._drafted_at
+        if not draft or len(ids) <= at:
+            return
+        got = ids[at:at + len(draft)]
+        accepted = 0
+        while accepted < len(got) and got[accepted] == draft[accepted]:
+            accepted += 1
+        self.length = min(self.k, 2 * len(draft)) if accepted == len(draft) else max(1, accepted + 1)
+        self._last_draft = []
 
     def _catch_up(self, ids: Sequence[int]) -> None:
         """Index every n-gram of ``ids`` that ends before its last id (the suffix looked up
@@ -88,5 +115,5 @@ class Drafter:
         for n in range(min(MAX_NGRAM, size - 1), self.min_ngram - 1, -1):
             start = self._last_start.get(tuple(ids[size - n:]))
             if start is not None:
-                return ids[start + n:start + n + self.k]
+                return ids[start + n:start + n + self.length]
         return []
