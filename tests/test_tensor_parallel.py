@@ -149,10 +149,30 @@ def random_models(tmp_path_factory):
                  vocab_size=301)  # 301: the vocabulary splits unevenly
     random_hf_model("qwen2", 3, tie_word_embeddings=True, **shape).save_pretrained(root / "qwen2")
     random_hf_model("llama", 4, tie_word_embeddings=False, attention_bias=True, **shape).save_pretrained(root / "llama")
+    gemma3(shape).save_pretrained(root / "gemma3")
     return root
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def gemma3(shape: dict):
+    """A random-weight Gemma 3 text model: sliding layers (a window of 4 keys) among global
+    ones, per-head q/k norms, post-norms, GeGLU, scaled embeddings."""
+    import torch
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.Gemma3TextConfig(
+        **shape, head_dim=16, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
 def test_two_ranks_equal_one(random_models, arch, tmp_path):
     split_and_compare(str(random_models / arch), 2, tmp_path)
 

@@ -90,7 +90,7 @@ def project_qkv(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.P
     fused_linear(ws.qkv, ws.h, lp.qkv, lp.qkv_parts, lp.qkv_bias, plan)  # (S, Dq + 2*Dkv)
     qk = ws.qk_in  # (S, H+KH, Dh) strided view of the projection
     if lp.q_norm is not None:
-        h, eps = config.num_attention_heads, config.rms_norm_eps
+        h, eps = ws.q.shape[1], config.rms_norm_eps  # this rank's query heads
         ops.rms_norm(ws.qk_normed.slice(1, 0, h), qk.slice(1, 0, h), lp.q_norm, eps, plan=plan)  # (S, H, Dh)
         ops.rms_norm(ws.qk_normed.slice(1, h, qk.shape[1]), qk.slice(1, h, qk.shape[1]), lp.k_norm, eps,
                      plan=plan)  # (S, KH, Dh)
