@@ -21,20 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops/ops.h" /* lo_swiglu_args: the ops library's swiglu, called through a pointer */
 #include "quant.h"
 
-/* lo_swiglu_args of csrc/ops/ops.h: out = gate / (1 + exp(-gate)) * up over rows of n. */
-typedef struct {
-    float *out;
-    int64_t out_s;
-    const float *gate;
-    int64_t gate_s;
-    const float *up;
-    int64_t up_s;
-    int64_t rows, n;
-} lm_swiglu_args;
-
-typedef int (*lm_swiglu_fn)(const lm_swiglu_args *a);
+typedef int (*lm_swiglu_fn)(const lo_swiglu_args *a);
 
 /* One call's arguments (kernels/cpu/moe.py's _MoeArgs). Row strides in floats. */
 typedef struct {
@@ -296,7 +286,7 @@ LQ_EXPORT int llaisys_moe_mlp(const lm_moe_args *a) {
                           .inter = inter, .ldd = ldd, .ldi = ldi, .x = x, .g = g, .u = u, .act = act, .y = y};
         for (int i = 0; i < 3; i++) p.ix[i] = table_index(types[i]);
         run_products(&p, 0, most);
-        const lm_swiglu_args sa = {act, ldi, g, ldi, u, ldi, nk, inter};
+        const lo_swiglu_args sa = {act, ldi, g, ldi, u, ldi, nk, inter};
         status = a->swiglu(&sa);
         if (status == LM_OK) run_products(&p, 1, most);
     }
@@ -311,7 +301,7 @@ LQ_EXPORT int llaisys_moe_mlp(const lm_moe_args *a) {
             status = llaisys_quant_linear((int)types[0], gw, inter, d, x, ldd, m, g, ldi, NULL);
             if (status == LM_OK) status = llaisys_quant_linear((int)types[1], uw, inter, d, x, ldd, m, u, ldi, NULL);
             if (status != LM_OK) break;
-            const lm_swiglu_args sa = {act, ldi, g, ldi, u, ldi, m, inter};
+            const lo_swiglu_args sa = {act, ldi, g, ldi, u, ldi, m, inter};
             if ((status = a->swiglu(&sa)) != LM_OK) break;
             if ((status = llaisys_quant_linear((int)types[2], dw, d, inter, act, ldi, m, y, ldd, NULL)) != LM_OK) break;
         }

@@ -16,6 +16,7 @@ import numpy as np
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import f32
+from .attention import windowed_attention
 
 if TYPE_CHECKING:
     from ...tensor import Tensor
@@ -105,66 +106,29 @@ def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
 def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """Causal grouped-query attention of q (N, H, D) over the paged cache into out (N, H, Dv),
     one sequence at a time: inputs (q, k_cache, v_cache, block_tables (B, MB), query_starts
-    (B+1,), context_lens (B,)); attrs: scale. ValueError for inconsistent index tensors."""
+    (B+1,), context_lens (B,)); attrs: scale, and for ``paged_attention_window`` window (each
+    query sees its last that many keys: the blocks before the first any of its queries sees
+    are not gathered). ValueError for inconsistent index tensors."""
     out = outputs[0].host_array()  # (N, H, Dv)
     q = inputs[0].host_array()  # (N, H, D)
     k_cache, v_cache = inputs[1].host_array(), inputs[2].host_array()  # (NB, BS, KH, D), (NB, BS, KH, Dv)
     bt, qs, cl = (t.host_array() for t in inputs[3:])  # (B, MB), (B+1,), (B,)
     check_sequences(inputs, qs, cl, bt)
     _, bs, kh, d = k_cache.shape
+    window = int(attrs.get("window", 0))
     for b in range(len(cl)):
         q0, q1, t = int(qs[b]), int(qs[b + 1]), int(cl[b])
         if q1 == q0:
             continue
-        blocks = bt[b, : -(-t // bs)]  # the blocks holding keys 0..t-1
-        k = f32(k_cache[blocks].reshape(-1, kh, d)[:t])  # (T, KH, D)
-        v = f32(v_cache[blocks].reshape(-1, kh, v_cache.shape[3])[:t])  # (T, KH, Dv)
-        out[q0:q1] = _causal_attention(f32(q[q0:q1]), k, v, attrs["scale"])
-
-
-def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """q (S, H, D) at positions T-S .. T-1 over k (T, KH, D), v (T, KH, Dv): (S, H, Dv) float32."""
-    s, h, d = q.shape
-    t, kh, dv = v.shape
-    qg = q.reshape(s, kh, h // kh, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
-    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T)
-    scores *= scale
-    future = np.arange(t)[None, :] > (np.arange(s)[:, None] + (t - s))  # (S, T)
-    np.copyto(scores, -np.inf, where=future)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
-    return ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)
-
-
-def paged_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                           attrs: dict[str, Any]) -> None:
-    """``paged_attention`` where each query sees only its last ``window`` keys, its own
-    included (attrs: scale, window): the sequences' keys gathered through their block tables,
-    from the first any of its queries sees."""
-    from .attention import windowed_attention
-
-    out = outputs[0].host_array()  # (N, H, Dv)
-    q = inputs[0].host_array()  # (N, H, D)
-    k_cache, v_cache = inputs[1].host_array(), inputs[2].host_array()  # (NB, BS, KH, D), (NB, BS, KH, Dv)
-    bt, qs, cl = (t.host_array() for t in inputs[3:])  # (B, MB), (B+1,), (B,)
-    check_sequences(inputs, qs, cl, bt)
-    _, bs, kh, d = k_cache.shape
-    window = int(attrs["window"])
-    for b in range(len(cl)):
-        q0, q1, t = int(qs[b]), int(qs[b + 1]), int(cl[b])
-        if q1 == q0:
-            continue
-        lo = max(0, t - (q1 - q0) - window + 1) // bs  # the first block any query of it sees
+        lo = max(0, t - (q1 - q0) - window + 1) // bs if window else 0  # the first block a query sees
         blocks = bt[b, lo: -(-t // bs)]
         k = f32(k_cache[blocks].reshape(-1, kh, d)[:t - lo * bs])  # (T - lo*BS, KH, D)
         v = f32(v_cache[blocks].reshape(-1, kh, v_cache.shape[3])[:t - lo * bs])
-        # positions counted from the first gathered key: the window needs only their differences
+        # positions counted from the first gathered key: a window needs only their differences
         out[q0:q1] = windowed_attention(f32(q[q0:q1]), k, v, attrs["scale"], window)
 
 
-register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention_window)
+register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention)
 
 
 # F32 attention and every kv_cache_write go through paged_native, which runs these where the

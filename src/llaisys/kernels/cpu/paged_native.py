@@ -144,21 +144,11 @@ def _run_attention(entry: list, inputs: tuple) -> None:
 
 
 def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``paged_attention`` kernel: native where it applies, else ``paged.paged_attention``."""
-    entry = _attention_args(outputs[0], inputs, attrs["scale"])
+    """The F32 ``paged_attention`` and ``paged_attention_window`` kernel (attrs: scale, and
+    window for the latter): native where it applies, else ``paged.paged_attention``."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
     if entry[7] is None:
         paged.paged_attention(outputs, inputs, attrs)
-    else:
-        _run_attention(entry, inputs)
-
-
-def paged_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                           attrs: dict[str, Any]) -> None:
-    """The F32 ``paged_attention_window`` kernel (attrs: scale, window): native where it
-    applies, else ``paged.paged_attention_window``."""
-    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs["window"]))
-    if entry[7] is None:
-        paged.paged_attention_window(outputs, inputs, attrs)
     else:
         _run_attention(entry, inputs)
 
@@ -290,9 +280,8 @@ def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor
 
 
 paged_attention.native_call = native_paged_attention_call  # type: ignore[attr-defined]
-paged_attention_window.native_call = native_paged_attention_call  # type: ignore[attr-defined]
 kv_cache_write.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
 
 register_kernel("paged_attention", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
-register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F32,), kernel=paged_attention_window)
+register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
 register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, hf_common_fields, read_config_json
+from ..config import ModelConfig, hf_common_fields, json_flag, read_config_json
 from ..errors import ModelLoadError
 from ..weights import LayerShapes, NameTable, WeightSource, layer_shapes
 
@@ -139,8 +139,6 @@ def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
 
 def refuse_sliding_window(raw: Mapping[str, Any], source: str) -> None:
     """For an architecture without sliding windows: ``use_sliding_window: true`` is refused."""
-    from ..config import json_flag
-
     if json_flag(raw, "use_sliding_window", False, source):
         raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for model_type "
                              f"{raw.get('model_type')!r}; expected full attention")
@@ -158,8 +156,6 @@ def qwen_sliding_layers(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Qwen2/Qwen3's sliding window as transformers reads it: with ``use_sliding_window``, the
     layers from ``max_window_layers`` on (or those ``layer_types`` names) attend to the last
     ``sliding_window`` keys; without it, every layer to all keys."""
-    from ..config import json_flag
-
     if not json_flag(raw, "use_sliding_window", False, source):
         return {}
     window, first = raw.get("sliding_window"), raw.get("max_window_layers", 0)
