@@ -379,6 +379,36 @@ def test_plan_runs_plugin_kernels_in_native_stretches(plugin, no_fallback, monke
     assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
 
 
+def test_decoding_moves_cache_rows_from_c(plugin, no_fallback, monkeypatch):
+    """Past its first tokens a decode step on the plugin moves its cache rows with one C call
+    (no rebind from Python) and still gives, token after token, the logits of the calls run
+    one by one from Python; after the plan compiles again it goes back to rebinding the new
+    descriptors from the recorded tensors and stays equal."""
+    from llaisys.models.runner import RowFields
+
+    steps = 12
+    want, _ = decode_logits(DEV, steps=steps, python_replay=True)
+    model = random_model_on(DEV)
+    cache = model.new_cache(4 + steps)
+    logits = [model.forward([3, 17, 42, 5], cache)]
+    rebinds = []
+    step = None
+    while len(logits) < steps:
+        if len(logits) == 3:
+            step = model.runner.decoding_pass(cache)
+            assert isinstance(step._fields, RowFields)  # the rows move in C from here on
+            rebind, plan = llaisys.ops.Plan.rebind, step.plan
+            monkeypatch.setattr(llaisys.ops.Plan, "rebind",
+                                lambda self, *a, **k: (self is plan and rebinds.append(a), rebind(self, *a, **k)))
+        if len(logits) == 8:
+            step.plan._program = None  # as after anything that makes the plan compile again
+        logits.append(model.forward([int(np.argmax(logits[-1]))], cache))
+    # one move rebinds from Python (after compiling again): 3 calls per layer
+    assert len(rebinds) == 3 * model.config.num_hidden_layers, len(rebinds)
+    np.testing.assert_array_equal(np.stack(logits), want)
+    assert isinstance(step._fields, RowFields)  # and the C moves resumed
+
+
 def test_native_stretch_raises_the_plugin_status(plugin):
     """A plugin kernel failing inside a stretch raises PluginAPIError naming it, as the call
     from Python does."""

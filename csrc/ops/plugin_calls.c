@@ -8,6 +8,7 @@
  * is 0; C_WARNING, 1, stops the stretch so the binding can log it once and go on).
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <string.h>
 #include <time.h>
 
 #include "llaisys/kernel_ext.h"
@@ -44,6 +45,24 @@ LO_EXPORT int llaisys_ops_plugin_copy_call(const void *block) {
     const lo_plugin_copy_call *c = block;
     if (!c->nbytes) return LO_OK;
     return (int)c->fn(c->device, c->dst, c->src, c->nbytes);
+}
+
+/* One 8-byte field of a recorded call's descriptors (a data pointer or a dimension) that
+ * depends on where in the sequence a pass runs: base + per_start * start + per_end * end.
+ * A decoding step over a contiguous cache moves its cache rows this way every token; one
+ * call rewrites them all instead of a rebind per call from Python. */
+typedef struct {
+    void *field;
+    int64_t base;
+    int64_t per_start;
+    int64_t per_end;
+} lo_row_field;
+
+LO_EXPORT void llaisys_ops_move_rows(const lo_row_field *fields, int64_t n, int64_t start, int64_t end) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t value = fields[i].base + fields[i].per_start * start + fields[i].per_end * end;
+        memcpy(fields[i].field, &value, sizeof value); /* the field is an int64_t or a pointer */
+    }
 }
 
 static int64_t now_ns(void) {

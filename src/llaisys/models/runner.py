@@ -21,6 +21,7 @@ sequence, D hidden, V vocabulary (V or c: this rank's slice under tensor paralle
 """
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -109,8 +110,10 @@ class RowsPass:
     without paged kernels), recorded once and replayed.
 
     Everything but the cache rows stays put between passes of one size, so only the three
-    calls per layer that touch the cache are rebound to the rows of each new position
-    (``move``). ``head`` is the output head of the last row, a plan of its own."""
+    calls per layer that touch the cache move to the rows of each new position (``move``):
+    where all of them run as native calls with descriptors of their own (a plugin's kernels),
+    one C call rewrites the descriptors' data pointers and lengths; otherwise each call is
+    rebound from Python. ``head`` is the output head of the last row, a plan of its own."""
 
     def __init__(self, model: "CausalLM", ws: Workspace, cache: KVCache, start: int, end: int):
         self.ws = ws
@@ -121,7 +124,10 @@ class RowsPass:
             self.kv_at.append(attention(ws, lp, cache.rows(i, start, end), model.config, plan))
 
         record_layers(model, ws, plan, attend)
-        self.span = (start, end)
+        self.span = (start, end)  # the rows the cache calls point at
+        self.recorded_span = self.span  # the rows the plan's recorded tensors name
+        self._fields: Any = None  # the C rewrite of the cache rows (RowFields), False where there is none
+        self._compiled_for: Any = None  # the plan's compiled replay the rewrite's addresses belong to
         self.head = ops.Plan()  # (1, V or c) logits of the last row
         ops.linear(ws.logits, ws.h_last, model.params.lm_head, plan=self.head)
 
@@ -129,13 +135,73 @@ class RowsPass:
         """Point the cache calls at positions ``start:end`` (end - start = S)."""
         if self.span == (start, end):
             return
+        plan = self.plan
+        if self._fields is None and plan.compiled is not None:
+            self._fields = RowFields.of(plan, cache, self.kv_at, *self.span) or False
+            self._compiled_for = plan.compiled
+        if self._fields and plan.compiled is self._compiled_for:
+            self._fields.move(start, end)
+        else:
+            if self._fields:  # compiled again: the new descriptors were made from the recorded tensors
+                self.span, self._fields = self.recorded_span, None
+            self._rebind(cache, start, end)
+        self.span = (start, end)
+
+    def _rebind(self, cache: KVCache, start: int, end: int) -> None:
         plan, q = self.plan, self.ws.q
         for layer, at in enumerate(self.kv_at):
             k_new, v_new, k_seen, v_seen = cache.rows(layer, start, end)
             plan.rebind(at, outputs=(k_new,))
             plan.rebind(at + 1, outputs=(v_new,))
             plan.rebind(at + 2, inputs=(q, k_seen, v_seen))
-        self.span = (start, end)
+        self.recorded_span = (start, end)
+
+
+class _RowField(ctypes.Structure):
+    """``lo_row_field`` of csrc/ops/plugin_calls.c: *field = base + per_start * start + per_end * end."""
+
+    _fields_ = [("field", ctypes.c_void_p), ("base", ctypes.c_int64), ("per_start", ctypes.c_int64),
+                ("per_end", ctypes.c_int64)]
+
+
+class RowFields:
+    """The descriptor fields of a ``RowsPass``'s cache calls that change with the position,
+    rewritten by one C call (``llaisys_ops_move_rows``): each layer's K and V writes start at
+    row ``start`` (data pointer), its attention reads rows ``0:end`` (first dimension)."""
+
+    def __init__(self, fields: list[tuple[int, int, int, int]], keep: list[Any], fn: Any):
+        self.array = (_RowField * len(fields))(*(_RowField(*f) for f in fields))
+        self.keep, self.fn = keep, fn  # the native calls own the memory the fields point into
+
+    @classmethod
+    def of(cls, plan: ops.Plan, cache: KVCache, kv_at: list[int], start: int, end: int) -> "RowFields | None":
+        """The fields of ``plan``'s cache calls (compiled, pointing at rows ``start:end``), or
+        None unless every one of them is a native call that exposes its descriptors."""
+        from .. import _native
+
+        lib = _native.load("ops")
+        fn = getattr(lib, "llaisys_ops_move_rows", None) if lib is not None else None
+        if fn is None:
+            return None
+        fields, keep = [], []
+        for layer, at in enumerate(kv_at):
+            k, v = cache.k_layers[layer], cache.v_layers[layer]  # (1, Tmax, KH, Dh)
+            row = k.strides[1] * k.dtype.itemsize  # bytes per position
+            calls = [plan.native(at), plan.native(at + 1), plan.native(at + 2)]
+            if not all(c is not None and c.fields is not None for c in calls):
+                return None
+            where = [calls[0].fields("outputs", 0), calls[1].fields("outputs", 0),
+                     calls[2].fields("inputs", 1), calls[2].fields("inputs", 2)]
+            if any(w is None for w in where):
+                return None
+            (k_data, _), (v_data, _), (_, k_len), (_, v_len) = where
+            fields += [(k_data, k.data_ptr, row, 0), (v_data, v.data_ptr, row, 0), (k_len, 0, 0, 1), (v_len, 0, 0, 1)]
+            keep += calls
+        return cls(fields, keep, fn)
+
+    def move(self, start: int, end: int) -> None:
+        """Point the fields at rows ``start:end``."""
+        self.fn(self.array, ctypes.c_int64(len(self.array)), ctypes.c_int64(start), ctypes.c_int64(end))
 
 
 def pad_decode_batch(batch: TokenBatch, size: int) -> TokenBatch:

@@ -91,6 +91,17 @@ class Plan:
             self._native[index] = None  # made anew, with the stretch it belongs to, at the next run
             self._program = None
 
+    def native(self, index: int) -> Any:
+        """The native call (``kernels.cpu.native_calls.NativeCall``) call ``index`` runs as in
+        the compiled replay, or None (not compiled yet, or run from Python)."""
+        return self._native[index] or None if self._program is not None else None
+
+    @property
+    def compiled(self) -> "list[Callable[[], None]] | None":
+        """The replay's steps as compiled now (None until the next run compiles them); a new
+        list after anything made the plan compile again."""
+        return self._program
+
     def run(self) -> None:
         """Run every recorded call in order."""
         for step in self._program if self._program is not None else self._compile():

@@ -198,6 +198,15 @@ class _Descs:
         self.given = self._frozen(tensors)
         return True
 
+    def fields(self, i: int) -> "tuple[int, int] | None":
+        """The addresses of tensor ``i``'s data pointer and first dimension (None for a NULL
+        entry or past the end), for writing them from C. A tensor moved that way is no longer
+        the one ``tensors`` names: the caller keeps track of what the descriptor holds."""
+        if not 0 <= i < len(self.entries) or self.entries[i] is None:
+            return None
+        shape = self.entries[i][1]
+        return ctypes.addressof(self.descs) + i * _DESC_SIZE + _DATA_OFFSET, ctypes.addressof(shape)
+
     @staticmethod
     def _frozen(tensors: Sequence["Tensor | None"]) -> "tuple | None":
         return tensors if isinstance(tensors, tuple) else None  # a list could change behind our back
@@ -228,9 +237,13 @@ def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequen
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
         return outs.follow(outputs2) and ins.follow(inputs2)  # each checks its length
 
+    def fields(side: str, i: int) -> "tuple[int, int] | None":
+        return (outs if side == "outputs" else ins).fields(i)
+
     fn = native_calls.address(lib, "llaisys_ops_plugin_kernel_call")
     return native_calls.NativeCall(f"{api} of {backend.device_type.name}", fn, block,
-                                   keep=(outs, ins, attr_arr, device), rebind=rebind, fail=fail)
+                                   keep=(outs, ins, attr_arr, device), rebind=rebind, fail=fail,
+                                   fields=fields)
 
 
 def native_ops_library() -> "ctypes.CDLL | None":
@@ -243,6 +256,7 @@ def native_ops_library() -> "ctypes.CDLL | None":
 
 
 _DESC_SIZE = ctypes.sizeof(abi.LlaisysTensorDesc)
+_DATA_OFFSET = abi.LlaisysTensorDesc.data.offset
 
 
 @functools.lru_cache(maxsize=4096)

@@ -32,16 +32,20 @@ class NativeCall:
     ctypes Structure), ``name`` for errors, and what the block points into (``keep``); or,
     with ``parts``, the calls it is made of, run in order (``fn`` and ``block`` unused).
     ``kernel`` is False for a part that moves data rather than computing (a fallback's copy),
-    which profiling counts as dispatch."""
+    which profiling counts as dispatch. ``fields``, where the block holds tensor descriptors
+    of its own, gives the addresses a descriptor's data pointer and first dimension live at:
+    ``fields("outputs" or "inputs", i)`` -> (data address, dim-0 address), for rewriting
+    them from C (``ops.Plan`` callers that move rows every replay)."""
 
-    __slots__ = ("name", "fn", "block", "refresh", "rebind", "keep", "runner", "fail", "parts", "kernel")
+    __slots__ = ("name", "fn", "block", "refresh", "rebind", "keep", "runner", "fail", "parts", "kernel", "fields")
 
     def __init__(self, name: str, fn: int, block: "ctypes.Structure | None", keep: Any = None,
                  refresh: "Callable[[], None] | None" = None,
                  rebind: "Callable[[tuple, tuple], bool] | None" = None,
                  fail: "Callable[[int], None] | None" = None,
-                 parts: "Sequence[NativeCall] | None" = None, kernel: bool = True):
-        self.name, self.fn, self.block, self.keep = name, fn, block, keep
+                 parts: "Sequence[NativeCall] | None" = None, kernel: bool = True,
+                 fields: "Callable[[str, int], tuple[int, int] | None] | None" = None):
+        self.name, self.fn, self.block, self.keep, self.fields = name, fn, block, keep, fields
         self.refresh, self.rebind, self.fail, self.kernel = refresh, rebind, fail, kernel
         self.parts = None if parts is None else tuple(parts)
         self.runner = batch  # how a stretch of such calls runs (``ops.Plan`` groups by it)
