@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup against plain decoding, single sequence: decode
-tokens/s with and without ``speculative_tokens`` on a copying workload (a code file given in the
-prompt, the reply repeating most of it) and a non-copying one (a story), greedy.
+tokens/s with and without ``speculative_tokens`` on copying workloads (chat requests to edit a
+code file given in the message: the reply repeats most of it) and non-copying ones (a story,
+asked for in a chat message or continued from raw text), greedy.
 
     python benchmarks/speculative.py                   # bundled SmolLM2-135M, 2 threads, k = 1, 2, 4
     python benchmarks/speculative.py --k 4 --tokens 128 --repeat 5
@@ -11,8 +12,7 @@ The two ways alternate, ``--repeat`` runs each; figures are medians of whole-req
 tokens after the first over the time after it). Both give the same tokens (checked).
 
 ``--engine`` measures the serving engine instead (``LLMEngine(speculative_tokens=k)``): N
-requests of the copying workload at once (N from ``--concurrency``; each copies its own
-variant of the file, so no prompt blocks are shared), engine tokens/s = all generated tokens
+requests of the renaming workload at once (N from ``--concurrency``; each names its own file), engine tokens/s = all generated tokens
 over the wall time of ``engine.generate`` (prefill included), median of the alternating runs.
 """
 from __future__ import annotations
@@ -47,11 +47,21 @@ def zscores(values):
     mu, sd = mean(values), stddev(values)
     return [(v - mu) / sd for v in values]
 '''
-WORKLOADS = {
-    "copying (code edit)": ("# stats.py, version 1\n" + CODE
-                            + "\n\n# stats.py, version 2 (the same code, with type hints added)\n"),
-    "non-copying (story)": "Once upon a time, in a small village by the sea, there lived",
+EDIT = "Rename the function `mean` to `average` in {name} and show the whole file.\n\n```python\n" + CODE + "```"
+HINTS = "Add type hints to this Python file. Reply with the whole file.\n\n```python\n" + CODE + "```"
+WORKLOADS = {  # chat messages (through the model's chat template), or raw text
+    "copying (chat: rename)": [{"role": "user", "content": EDIT.format(name="this file")}],
+    "copying (chat: type hints)": [{"role": "user", "content": HINTS}],
+    "non-copying (chat: story)": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+    "non-copying (raw: story)": "Once upon a time, in a small village by the sea, there lived",
 }
+
+
+def prompt_of(model, workload) -> "str | list[int]":
+    """The prompt of a workload: raw text, or the ids of its chat messages."""
+    from llaisys.generation.chat import chat_prompt_ids
+
+    return workload if isinstance(workload, str) else chat_prompt_ids(model, workload)
 
 
 def run(model, prompt: str, cfg) -> tuple[float, float, object]:
@@ -63,11 +73,11 @@ def run(model, prompt: str, cfg) -> tuple[float, float, object]:
     return len(r.token_ids) / (time.perf_counter() - t), r.timings.decode_tokens_per_s, r
 
 
-def engine_prompts(n: int) -> list[str]:
-    """``n`` copying prompts that share no leading block (a different file name first)."""
+def engine_prompts(model, n: int) -> list[list[int]]:
+    """``n`` renaming requests, each naming its own file."""
     names = ["stats", "numbers", "measures", "summary", "figures", "moments", "averages", "spread"]
-    return [f"# {names[i % len(names)]}_{i}.py, version 1\n" + CODE
-            + "\n\n# the same file, version 2 (the same code, with type hints added)\n" for i in range(n)]
+    return [prompt_of(model, [{"role": "user", "content": EDIT.format(name=f"{names[i % len(names)]}_{i}.py")}])
+            for i in range(n)]
 
 
 def run_engine(engine, prompts: list[str], cfg) -> tuple[float, list]:
@@ -85,7 +95,7 @@ def bench_engine(model, args, base) -> None:
     print(f"engine: {args.threads} threads, {args.tokens} tokens a request, greedy, copying workload, "
           f"median of {args.repeat} alternating runs")
     for n in [int(x) for x in args.concurrency.split(",")]:
-        prompts = engine_prompts(n)
+        prompts = engine_prompts(model, n)
         run_engine(plain_engine, prompts, base)  # warm up: the recorded passes of these shapes
         for k in [int(x) for x in args.k.split(",")]:
             spec_engine = LLMEngine(model, prefix_caching=False, speculative_tokens=k)
@@ -104,7 +114,7 @@ def bench_engine(model, args, base) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--k", default="1,2,4", help="draft lengths, comma separated (default 1,2,4)")
+    p.add_argument("--k", default="2,4,8", help="draft lengths, comma separated (default 2,4,8)")
     p.add_argument("--tokens", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each way (default 3)")
     p.add_argument("--threads", type=int, default=2)
@@ -124,7 +134,8 @@ def main() -> int:
         bench_engine(model, args, base)
         return 0
     print(f"{args.threads} threads, {args.tokens} tokens, greedy, median of {args.repeat} alternating runs")
-    for name, prompt in WORKLOADS.items():
+    for name, workload in WORKLOADS.items():
+        prompt = prompt_of(model, workload)
         run(model, prompt, base)  # warm up: the recorded passes, the workspaces
         for k in [int(x) for x in args.k.split(",")]:
             spec = base.replace(speculative_tokens=k)
@@ -138,7 +149,7 @@ def main() -> int:
             a, b = (statistics.median(r[0] for r in runs) for runs in (plain_runs, spec_runs))
             da, db = (statistics.median(r[1] for r in runs) for runs in (plain_runs, spec_runs))
             t = fast.timings
-            print(f"{name:20s} k={k}: whole {a:6.1f} -> {b:6.1f} tok/s x{b / a:.2f}; decode {da:6.1f} -> "
+            print(f"{name:26s} k={k}: whole {a:6.1f} -> {b:6.1f} tok/s x{b / a:.2f}; decode {da:6.1f} -> "
                   f"{db:6.1f} tok/s x{db / da:.2f} (accepted {t.accepted_tokens}/{t.drafted_tokens} drafted)")
     return 0
 

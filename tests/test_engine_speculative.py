@@ -35,34 +35,37 @@ def _decoding(blocks: KVBlockManager, scheduler: Scheduler, ids: list[int], k: i
     return seq
 
 
+# the last 7 ids copy the first 7: the match of 7 ids lets a draft be up to 6 long (8, 9, 10, ...)
+COPY = list(range(1, 21)) + list(range(1, 8))
+
+
 def test_a_draft_joins_the_decoding_chunk_and_counts_against_the_budget():
     blocks = KVBlockManager(16, 4)
     scheduler = Scheduler(blocks, max_batched_tokens=64)
-    seq = _decoding(blocks, scheduler, [1, 2, 3, 4, 5, 6, 7, 1, 2], k=3)
+    seq = _decoding(blocks, scheduler, COPY, k=3)
     (chunk,) = scheduler.schedule().chunks
-    assert chunk.draft == (3, 4, 5) and chunk.length == 4 and chunk.samples
-    assert chunk.token_ids == [2, 3, 4, 5]  # the last token, then the draft
-    assert len(blocks.block_table("s")) == 3 and seq.num_computed == 8  # 12 slots for positions 0..11
+    assert chunk.draft == (8, 9, 10) and chunk.length == 4 and chunk.samples
+    assert chunk.token_ids == [7, 8, 9, 10]  # the last token, then the draft
+    assert len(blocks.block_table("s")) == 8 and seq.num_computed == 26  # 32 slots for positions 0..29
 
 
 def test_no_draft_when_the_budget_or_the_blocks_are_short():
-    ids = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     blocks = KVBlockManager(16, 4)
-    scheduler = Scheduler(blocks, max_batched_tokens=9)
-    _decoding(blocks, scheduler, ids, k=3)
+    scheduler = Scheduler(blocks, max_batched_tokens=64)
+    _decoding(blocks, scheduler, COPY, k=3)
     scheduler.max_batched_tokens = 3  # the token and two more: a draft of 3 does not fit
     (chunk,) = scheduler.schedule().chunks
     assert chunk.draft == () and chunk.length == 1
-    tight = KVBlockManager(4, 4)
+    tight = KVBlockManager(9, 4)  # the prompt takes 7 blocks (positions 0..27)
     scheduler = Scheduler(tight, max_batched_tokens=64)
-    seq = _decoding(tight, scheduler, ids, k=6, max_tokens=8)
-    tight.pool.take_new()  # another user's block: one free, enough for the token, not for its draft
+    seq = _decoding(tight, scheduler, COPY, k=6, max_tokens=8)
+    tight.pool.take_new()  # another user's block: one free, but a draft of 6 (positions 27..32) needs two
     step = scheduler.schedule()
     assert step.chunks[0].draft == () and not step.preempted and seq.status.value == "running"
 
 
 def test_no_drafts_while_more_than_speculative_max_seqs_run():
-    ids = {"a": [1, 2, 3, 4, 5, 6, 7, 1, 2], "b": [8, 9, 3, 4, 5, 6, 8, 9]}  # no shared prefix: both admitted
+    ids = {"a": [9, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2], "b": [7, 8, 9, 3, 4, 5, 6, 7, 8, 9]}  # no shared prefix
     blocks = KVBlockManager(32, 4)
     scheduler = Scheduler(blocks, max_batched_tokens=64, speculative_max_seqs=1)
     seqs = [Sequence(name, ids[name][:-1], 16, drafter=Drafter(2)) for name in ids]
@@ -79,20 +82,20 @@ def test_no_drafts_while_more_than_speculative_max_seqs_run():
 def test_accepting_a_draft_rolls_back_its_rejected_tail_and_caches_only_verified_blocks():
     blocks = KVBlockManager(16, 4)
     scheduler = Scheduler(blocks, max_batched_tokens=64)
-    seq = _decoding(blocks, scheduler, [5, 1, 2, 3, 4, 1, 2], k=6)  # 6 computed, 7 tokens
+    seq = _decoding(blocks, scheduler, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], k=6)  # 10 computed, 11 tokens
     step = scheduler.schedule()
-    assert step.chunks[0].draft == (3, 4, 1, 2, 2, 2)  # what followed "1 2", padded with its last id
+    assert step.chunks[0].draft == (3, 1, 2, 2, 2, 2)  # what followed "1 2", padded with its last id
     table = list(blocks.block_table("s"))
-    assert len(table) == 4  # positions 0..12
+    assert len(table) == 5  # positions 0..16
     scheduler.commit(step)
-    assert seq.num_computed == 7  # the draft does not count yet
-    assert set(blocks.pool.by_hash.values()) == {table[0]}
+    assert seq.num_computed == 11  # the draft does not count yet
+    assert set(blocks.pool.by_hash.values()) == {table[0], table[1]}
     seq.output_ids += [3, 9]  # the draft's first id held, its second did not: 9 was picked instead
     scheduler.accept_draft(seq, 1)
-    assert seq.num_computed == 8 and seq.num_tokens == 9
-    assert blocks.block_table("s") == table[:3]  # the fourth block held only rejected positions
-    assert set(blocks.pool.by_hash.values()) == {table[0], table[1]}  # positions 4..7 verified; 8..11 not full
-    assert next(iter(blocks.pool.free)) == table[3]  # handed back first in the free queue: it holds nothing
+    assert seq.num_computed == 12 and seq.num_tokens == 13
+    assert blocks.block_table("s") == table[:4]  # the fifth block held only rejected positions
+    assert set(blocks.pool.by_hash.values()) == {table[0], table[1], table[2]}  # 8..11 verified; 12..15 not full
+    assert next(iter(blocks.pool.free)) == table[4]  # handed back first in the free queue: it holds nothing
     scheduler.finish(seq)
     assert blocks.held_references() == 0
 
@@ -140,12 +143,14 @@ def test_a_batch_with_speculation_equals_it_without(model, name, k):
     assert stats.generation_tokens == plain_stats.generation_tokens
 
 
-def test_copying_prompts_accept_and_an_unrelated_one_mostly_rejects(model):
+def test_copying_prompts_accept_and_an_unrelated_one_seldom_drafts(model):
     cfg = GenerationConfig(max_new_tokens=48, speculative_tokens=4)
     copying, story = _run(model, [COPYING, OTHER], [cfg, cfg.replace(temperature=1.0, seed=3,
                                                                          speculative_tokens=8)])[0]
     assert copying.timings.accepted_tokens >= 12, copying.timings
-    assert story.timings.drafted_tokens > 2 * story.timings.accepted_tokens, story.timings
+    # the story's drafts are few: its rare recurring pairs match no longer run, so they stay one id long
+    assert story.timings.drafted_tokens <= story.timings.generated_tokens // 8, story.timings
+    assert story.timings.accepted_tokens < copying.timings.accepted_tokens // 4, story.timings
 
 
 def test_the_engine_option_is_the_default_and_a_request_may_set_its_own(model):

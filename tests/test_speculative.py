@@ -34,6 +34,8 @@ def test_draft_follows_the_most_recent_longest_match():
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert draft_tokens(ids, 2) == [7, 8]  # "2 3" last seen before 7 8 (the trigram "5 2 3" never recurs)
     assert draft_tokens([4, 1, 2, 3, 5, 6, 0, 2, 3, 8, 1, 2, 3], 3) == [5, 6, 0]  # "1 2 3" beats the later "2 3"
+    long = [7, 1, 2, 3, 4, 5, 6, 50, 0, 5, 6, 60, 0, 1, 2, 3, 4, 5, 6]
+    assert draft_tokens(long, 1) == [50]  # the run "1 2 3 4 5 6" matched beats the later "5 6"
 
 
 def test_draft_is_cut_at_k_and_at_the_end():
@@ -140,33 +142,47 @@ def test_multi_token_logits_are_bitwise_one_at_a_time(model):
 
 
 def test_drafter_drafts_k_ids_or_none():
-    assert Drafter(4).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3, 4]  # the first draft: 2 long
-    assert Drafter(1).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 100) == [3]
+    ids = [9, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2]  # "9 1 2" recurs: a match of 3 ids
+    assert Drafter(4).propose(ids, 100) == [3, 4]  # the first draft: 2 long
+    assert Drafter(1).propose(ids, 100) == [3]
     d = Drafter(4)
     d.length = 4
-    assert d.propose([1, 2, 3, 1, 2], 100) == [3, 1, 2, 2]  # padded with its last id
-    assert Drafter(4).propose([1, 2, 3, 4, 5, 6, 7, 1, 2], 1) == []  # fewer tokens left to pick than its length
+    assert d.propose([7, 7, 7, 7, 7], 100) == [7, 7, 7]  # a match of 4 ids drafts 3, padded with its last id
+    assert Drafter(4).propose(ids, 1) == []  # fewer tokens left to pick than its length
     assert Drafter(4).propose([5, 1, 9, 1], 100) == []  # a lone recurring id is no match at min_ngram 2
 
 
-def test_drafter_length_follows_how_the_last_draft_fared():
+def test_drafter_draft_is_as_long_as_its_match_is_sure():
+    """A draft is one id shorter than the ids its occurrence matched: a bare bigram drafts one
+    id, a long copied run up to the length; of several occurrences the longest match wins."""
     d = Drafter(8)
     d.length = 8
-    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2]
-    assert d.propose(ids, 100) == [3, 4, 5, 6, 7, 8, 9, 10]
-    ids += [3, 4, 99]  # two accepted, then another token: the next draft is 3 long
-    d.propose(ids, 100)
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2], 100) == [3]  # matched "1 2" only
+    run = [20, 21, 22, 23, 24, 25]
+    ids = run + [1, 2, 30, 31, 32, 33, 34, 35, 36, 37, 1, 2, 40, 41] + run + [1, 2]
+    d = Drafter(8)
+    d.length = 8
+    # "1 2" last occurred before 40 41, but the occurrence after the same run matches 8 ids
+    assert d.propose(ids, 100) == [30, 31, 32, 33, 34, 35, 36]
+
+
+def test_drafter_length_follows_how_the_last_draft_fared():
+    base = list(range(1, 21))
+    ids = base + base[:9]  # copying 1..20 again, 9 ids in: a match of 9 ids
+    d = Drafter(8)
+    d.length = 8
+    assert d.propose(ids, 100) == [10, 11, 12, 13, 14, 15, 16, 17]
+    d.propose(ids + [10, 11, 99], 100)  # two accepted, then another token: the next draft is 3 long
     assert d.length == 3
     d = Drafter(8)
     d.length = 8
-    assert d.propose(ids[:15], 100) == [3, 4, 5, 6, 7, 8, 9, 10]
-    d.propose(ids[:15] + [42], 100)  # its first id missed: the next draft is 1 long
+    assert d.propose(ids, 100) == [10, 11, 12, 13, 14, 15, 16, 17]
+    d.propose(ids + [42], 100)  # its first id missed: the next draft is 1 long
     assert d.length == 1
     d = Drafter(8)
     d.length = 2
-    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2]
-    assert d.propose(ids, 100) == [3, 4]
-    assert d.propose(ids + [3, 4, 5], 100) == [6, 7, 8, 9] and d.length == 4  # all accepted: twice as long
+    assert d.propose(ids, 100) == [10, 11]
+    assert d.propose(ids + [10, 11, 12], 100) == [13, 14, 15, 16] and d.length == 4  # all accepted: twice as long
 
 
 class OffTheCpu:

@@ -11,25 +11,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-MAX_NGRAM = 3  # longest suffix looked up; shorter ones are tried when it is not found
 MIN_NGRAM = 1
-FIRST_LENGTH = 2  # a request's first draft: longer ones once drafts hold
 DRAFTER_MIN_NGRAM = 2  # the loop's drafter: a lone recurring id predicts too little of text that does not copy
+CANDIDATES = 16  # the most recent occurrences of the last ids compared; older ones are not looked at
+MAX_MATCH = 16  # ids compared backwards from each occurrence: matches longer than this tie
+FIRST_LENGTH = 2  # a request's first draft: longer ones once drafts hold
 
 
-def draft_tokens(ids: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
-    """Up to ``k`` ids that followed the most recent earlier occurrence of the last n ids of
-    ``ids`` (n from ``max_ngram`` down to ``min_ngram``, the longest match winning); [] when
-    no suffix recurs. The occurrence may overlap the suffix (a run repeats itself)."""
-    if k <= 0:
+def match_length(ids: Sequence[int], start: int, n: int) -> int:
+    """How many ids (up to MAX_MATCH) end at ``start + n - 1`` as they end ``ids``: the
+    occurrence of the last n ids at ``start`` extended backwards while it still matches."""
+    size, length = len(ids), n
+    while length < MAX_MATCH and start - (length - n) - 1 >= 0 and ids[start - (length - n) - 1] == ids[size - 1 - length]:
+        length += 1
+    return length
+
+
+def best_occurrence(ids: Sequence[int], starts: Sequence[int], n: int) -> tuple[int, int] | None:
+    """Among ``starts`` (earlier occurrences of the last n ids, oldest first), the one whose
+    match (``match_length``) is longest, the most recent of equals: (its start, the match
+    length); None when there is none. Only the last CANDIDATES are compared."""
+    best = None
+    for start in reversed(starts[-CANDIDATES:]):
+        length = match_length(ids, start, n)
+        if best is None or length > best[1]:
+            best = (start, length)
+            if length == MAX_MATCH:
+                break
+    return best
+
+
+def draft_tokens(ids: Sequence[int], k: int, *, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to ``k`` ids that followed the earlier occurrence of the last ``min_ngram`` ids of
+    ``ids`` whose match is longest (``best_occurrence``: extended backwards, most recent of
+    equals, among the last CANDIDATES occurrences); [] when they do not recur. The occurrence
+    may overlap the suffix (a run repeats itself). A scan of the whole list: the reference
+    for ``Drafter``'s index."""
+    size, n = len(ids), min_ngram
+    if k <= 0 or size <= n:
         return []
-    size = len(ids)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        suffix, last = list(ids[size - n:]), ids[size - 1]
-        for start in range(size - n - 1, -1, -1):  # most recent first, the suffix itself excluded
-            if ids[start + n - 1] == last and list(ids[start:start + n]) == suffix:
-                return list(ids[start + n:start + n + k])
-    return []
+    suffix = list(ids[size - n:])
+    starts = [s for s in range(size - n) if list(ids[s:s + n]) == suffix]  # the suffix itself excluded
+    best = best_occurrence(ids, starts, n)
+    return [] if best is None else list(ids[best[0] + n:best[0] + n + k])
 
 
 def verifies_exactly(model: object) -> bool:
@@ -41,44 +65,54 @@ def verifies_exactly(model: object) -> bool:
 
 
 class Drafter:
-    """Drafts of up to ``k`` ids for one request. The length adapts to how the last draft
-    fared, read from the ids that followed it: all of it accepted, the next draft is twice as
-    long (at most ``k``); a miss, one longer than what was accepted (at least 1). So a request
-    that copies long runs is verified many ids a pass, and one whose drafts fail pays for short
-    ones; the first is 2 long. Each length is a verifying pass of its own width, recorded once (the runner keeps
-    several). A lookup that finds fewer ids than the length is padded with its last one (a
-    guess like any other: verified, and kept only if right); no draft when fewer tokens remain
-    to pick after the next than its length. Only suffixes of ``min_ngram`` or more ids are
-    looked up.
+    """Drafts of up to ``k`` ids for one request, looked up as ``draft_tokens`` does.
 
-    The ids of one request only grow, so the drafter keeps an index of where each n-gram last
-    started (ids already seen are not scanned again): a lookup costs O(max_ngram), not a scan
-    of the whole sequence, and gives what ``draft_tokens`` gives. Ids that do not extend the
-    ones indexed (another request's, or a shorter list) rebuild the index."""
+    The length adapts to how the last draft fared, read from the ids that followed it: all of
+    it accepted, the next draft is twice as long (at most ``k``); a miss, one longer than what
+    was accepted (at least 1). And a draft is no longer than its match is sure: one id fewer
+    than the ids the occurrence matched (a bare ``min_ngram`` match drafts one id, a long run
+    copied from the prompt up to the length). So a request that copies long runs is verified
+    many ids a pass, and one whose drafts fail pays for short ones; the first is 2 long. Each
+    length is a verifying pass of its own width, recorded once (the runner keeps several). A
+    lookup that finds fewer ids than the length is padded with its last one (a guess like any
+    other: verified, and kept only if right); no draft when fewer tokens remain to pick after
+    the next than the length.
 
-    __slots__ = ("k", "min_ngram", "length", "_ids", "_last_start", "_last_draft", "_drafted_at")
+    The ids of one request only grow, so the drafter keeps an index of where each
+    ``min_ngram``-gram occurs (ids already seen are not scanned again): a lookup compares at
+    most CANDIDATES occurrences, not the whole sequence, and finds what ``draft_tokens`` finds.
+    Ids that do not extend the ones indexed (another request's, or a shorter list) rebuild
+    the index."""
+
+    __slots__ = ("k", "min_ngram", "length", "_ids", "_starts", "_last_draft", "_drafted_at")
 
     def __init__(self, k: int, min_ngram: int = DRAFTER_MIN_NGRAM) -> None:
         self.k = k
         self.min_ngram = min_ngram
-        self.length = min(k, FIRST_LENGTH)  # the next draft's length
+        self.length = min(k, FIRST_LENGTH)  # the next draft's length (before its match caps it)
         self._ids: list[int] = []  # the ids indexed so far
-        self._last_start: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start among them
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its starts among them, in order
         self._last_draft: list[int] = []  # the last draft proposed, and len(ids) then
         self._drafted_at = 0
 
     def propose(self, ids: Sequence[int], room: int) -> list[int]:
-        """Up to k ids continuing ``ids`` (see ``draft_tokens``), or [] when no suffix recurs or
-        ``room`` (the tokens that may still be picked after the next one) is under the draft's
-        length."""
+        """Up to k ids continuing ``ids``, or [] when the last ids do not recur or ``room``
+        (the tokens that may still be picked after the next one) is under the draft's length."""
         if self.k <= 0:
             return []
         self._adapt(ids)
         if room < self.length:
             return []
         self._catch_up(ids)
-        draft = self._lookup()
-        draft = draft + draft[-1:] * (self.length - len(draft))
+        found = self._find()
+        if found is None:
+            draft: list[int] = []
+        else:
+            start, matched = found
+            length = min(self.length, matched - 1)
+            n = self.min_ngram
+            draft = self._ids[start + n:start + n + length]
+            draft = draft + draft[-1:] * (length - len(draft))
         self._last_draft, self._drafted_at = list(draft), len(ids)  # a copy: callers consume theirs
         return draft
 
@@ -99,21 +133,23 @@ class Drafter:
     def _catch_up(self, ids: Sequence[int]) -> None:
         """Index every n-gram of ``ids`` that ends before its last id (the suffix looked up
         must not find itself; an occurrence may overlap it)."""
-        known = self._ids
+        known, n = self._ids, self.min_ngram
         if len(ids) < len(known) or list(ids[:len(known)]) != known:
             known.clear()
-            self._last_start.clear()
-        for end in range(max(len(known) - 1, 0), len(ids) - 1):  # n-grams ending at `end`
-            for n in range(self.min_ngram, MAX_NGRAM + 1):
-                if end - n + 1 >= 0:
-                    self._last_start[tuple(ids[end - n + 1:end + 1])] = end - n + 1
+            self._starts.clear()
+        for start in range(max(len(known) - n, 0), len(ids) - n):  # n-grams ending before the last id
+            self._starts.setdefault(tuple(ids[start:start + n]), []).append(start)
         known.extend(ids[len(known):])
 
+    def _find(self) -> tuple[int, int] | None:
+        """(start, match length) of the best earlier occurrence of the last ids, or None."""
+        ids, n = self._ids, self.min_ngram
+        if len(ids) <= n:
+            return None
+        return best_occurrence(ids, self._starts.get(tuple(ids[len(ids) - n:]), ()), n)
+
     def _lookup(self) -> list[int]:
-        ids = self._ids
-        size = len(ids)
-        for n in range(min(MAX_NGRAM, size - 1), self.min_ngram - 1, -1):
-            start = self._last_start.get(tuple(ids[size - n:]))
-            if start is not None:
-                return ids[start + n:start + n + self.length]
-        return []
+        """The ids (up to the current length) after the best occurrence, uncapped by its match."""
+        found = self._find()
+        n = self.min_ngram
+        return [] if found is None else self._ids[found[0] + n:found[0] + n + self.length]
