@@ -10,9 +10,15 @@ keeps one host copy and a decoding step copies only activations. Devices:
   minimal       tests/plugins/contract_devices.c: devices, memory, synchronous copies and memory
                 stats only; no streams, no events, no kernels
   reference     the reference plugin (plugins/custom_cpu) with its own kernels (float32: the
-                quantized linear and embedding still take the CPU fallback)
-  reference-nk  the reference plugin with its kernels unregistered (not with `reference`: one
-                process loads the plugin once)
+                quantized linear and embedding still take the CPU fallback), its paged kernels
+                included, so a single sequence decodes through the paged pass (``BatchPass``)
+  reference-rows
+                the reference plugin with only its paged kernels unregistered: a single sequence
+                decodes with the contiguous ops (``RowsPass``), its cache rows moved from C
+  reference-nk  the reference plugin with its kernels unregistered
+
+A run takes at most one of `reference`, `reference-rows` and `reference-nk`: one process loads
+the plugin once, and the last two unregister some of its kernels for the whole process.
 
 Each run prefills a prompt, then decodes greedily with the KV cache; only the decode is
 timed. Each run's cache is new, so its first decoded token records the decoding step, which
@@ -26,8 +32,9 @@ figure is the median tokens/s over --repeats runs after one warm-up run.
 The table gives each device's decode tokens/s and its ratio to the CPU's in the same run, and,
 from ``ops.Plan.profile`` of the recorded decoding step, the step's time and its dispatch
 part (outside the kernels: Python, crossings into C, the fallback's copies, calls made from
-Python); the output head, replayed as a plan of its own after the step on a plugin device,
-counts in tok/s. The last column, overhead, is the one figure of what the device pays beyond
+Python); the step of a paged pass (cpu, reference) includes the output head, while with
+``RowsPass`` (the devices without paged kernels) the head is a plan of its own replayed after
+the step, which counts in tok/s only. The last column, overhead, is the one figure of what the device pays beyond
 its kernels: a whole token's time (the step, the head, the argmax and everything around them)
 less the time inside every kernel of the step and the head, both taken in the timed runs (the
 stretches time their kernels in C as they replay).
@@ -47,7 +54,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMAL_SOURCE = ROOT / "tests" / "plugins" / "contract_devices.c"
-DEVICES = ("cpu", "minimal", "reference", "reference-nk")
+DEVICES = ("cpu", "minimal", "reference", "reference-rows", "reference-nk")
+REFERENCE_DEVICES = ("reference", "reference-rows", "reference-nk")  # the reference plugin, as loaded
+PAGED_OPS = ("kv_cache_write", "paged_attention", "paged_attention_window")
 
 
 def load_device(name: str, build_dir: str) -> str:
@@ -60,8 +69,10 @@ def load_device(name: str, build_dir: str) -> str:
     if name == "minimal":
         path = build_plugin(MINIMAL_SOURCE, Path(build_dir) / "libfallback_dev.so", ['DEVICE_TYPE="fallback_dev"'])
         return f"{llaisys.load_plugin(path).name}:0"
-    if name in ("reference", "reference-nk"):
+    if name in REFERENCE_DEVICES:
         plugin = llaisys.load_plugin(build_reference_plugin())
+        if name == "reference-rows":
+            llaisys.kernels.unregister_kernels(plugin.name, ops=PAGED_OPS)  # single sequences take RowsPass
         if name == "reference-nk":
             llaisys.kernels.unregister_kernels(plugin.name)  # every op takes the CPU fallback
         return f"{plugin.name}:0"
@@ -140,8 +151,9 @@ def measure(devices: list[str], model_path: str | None, prompt_tokens: int, toke
     runs, after a warm-up run; and ``dispatch_ms`` of each."""
     from llaisys.models import load_model
 
-    if "reference" in devices and "reference-nk" in devices:
-        raise ValueError("reference and reference-nk load the same plugin; measure them in separate runs")
+    same_plugin = [d for d in devices if d in REFERENCE_DEVICES]
+    if len(same_plugin) > 1:
+        raise ValueError(f"{' and '.join(same_plugin)} load the same plugin; measure them in separate runs")
     with tempfile.TemporaryDirectory() as build_dir:
         models = {name: load_model(model_path, device=load_device(name, build_dir)) for name in devices}
     vocab = next(iter(models.values())).config.vocab_size
@@ -198,11 +210,11 @@ def main() -> None:
     print("step: the recorded decoding step's time per token; kernels: its part inside kernels (timed in C);\n"
           "dispatch: the rest (Python, crossings into C, the fallback's copies, calls made from Python);\n"
           "overhead: a whole token's time less the time inside the kernels of its step and head (same run)")
-    print(f"{'device':12} {'tok/s':>8} {'vs cpu':>7} {'step ms':>8} {'kernels':>8} {'dispatch':>9} {'overhead':>9}  replay")
+    print(f"{'device':14} {'tok/s':>8} {'vs cpu':>7} {'step ms':>8} {'kernels':>8} {'dispatch':>9} {'overhead':>9}  replay")
     for name, rate in rates.items():
         step, kernels, how = steps[name]
         overhead = overheads[name]
-        print(f"{name:12} {rate:8.2f} {rate / rates['cpu']:7.2f} {step:8.2f} {kernels:8.2f} {step - kernels:9.3f} "
+        print(f"{name:14} {rate:8.2f} {rate / rates['cpu']:7.2f} {step:8.2f} {kernels:8.2f} {step - kernels:9.3f} "
               f"{overhead:9.3f}  {how}")
 
 

@@ -18,14 +18,16 @@ import torch
 
 import llaisys
 from llaisys import DataType, MemcpyKind, Tensor
-from llaisys.kernels import find_kernel
+from llaisys.kernels import find_kernel, unregister_kernels
 from llaisys.backends.plugin import abi
 from llaisys.plugins import PluginAPIError, PluginOutOfMemoryError, load_plugin, unload_plugin
 from llaisys.plugins.build import build_reference_plugin
+from llaisys.plugins.kernels import install_kernels
 from llaisys.tools.plugin_check import FAIL, PASS, decoder_layer_chain, random_model_run, run_check, write_random_qwen2
 
 F = llaisys.ops.functional
 DEV = "custom_cpu:1"
+PAGED_OPS = ("kv_cache_write", "paged_attention", "paged_attention_window")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,15 @@ def plugin():
 def no_fallback(monkeypatch):
     """Ops must run on the plugin's own kernels: a missing one raises instead of falling back."""
     monkeypatch.setenv("LLAISYS_KERNEL_FALLBACK", "0")
+
+
+@pytest.fixture
+def rows_pass(plugin):
+    """The plugin without its paged kernels for the test, so a model loaded on its device runs
+    single sequences with the contiguous ops (``RowsPass``); they are installed again after."""
+    unregister_kernels(plugin.name, ops=PAGED_OPS)
+    yield
+    install_kernels([k for k in plugin.kernels if k.op in PAGED_OPS], plugin.backend)
 
 
 def dev(array: np.ndarray) -> Tensor:
@@ -207,7 +218,8 @@ def test_collectives_on_one_rank(plugin, monkeypatch):
 
 # ---- kernels ----------------------------------------------------------------------------------
 def test_kernels_are_registered_for_f32(plugin):
-    for op in ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu"):
+    for op in ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu",
+               *PAGED_OPS):
         assert find_kernel(op, "custom_cpu", DataType.F32) is not None, op
     assert find_kernel("add", "custom_cpu", DataType.F16) is None
     assert find_kernel("rearrange", "custom_cpu", DataType.I64) is not None
@@ -357,16 +369,23 @@ def random_model_on(device: str):
         return load_model(folder, device=device)
 
 
-def test_plan_runs_plugin_kernels_in_native_stretches(plugin, no_fallback, monkeypatch):
-    """A decode step recorded on the plugin's device (every op a plugin kernel) replays as one
-    native call with no kernel called from Python, bit for bit as the calls run one by one
-    from Python."""
+def test_plan_runs_plugin_kernels_in_native_stretches(plugin, rows_pass, no_fallback, monkeypatch):
+    """A decode step recorded on the plugin's device with its contiguous ops (``RowsPass``,
+    every op a plugin kernel) replays as one native call with no kernel called from Python,
+    bit for bit as the calls run one by one from Python."""
+    from llaisys.models.runner import RowsPass
+
     kernel_calls = []  # the Python wrapper of a plugin kernel checks each call's status
     check = plugin.backend.check_status
     monkeypatch.setattr(plugin.backend, "check_status", lambda *a: (kernel_calls.append(a[0]), check(*a)))
     logits, plan = decode_logits(DEV)
     stats = plan.stats()
     assert (stats.python, stats.stretches, stats.native) == (0, 1, stats.calls), stats
+    model = random_model_on(DEV)
+    cache = model.new_cache(4)
+    model.forward([3, 17], cache)
+    model.forward([42], cache)
+    assert isinstance(model.runner.decoding_pass(cache), RowsPass)
     before = len(kernel_calls)
     plan.run()
     assert len(kernel_calls) == before  # a replay calls no kernel from Python
@@ -379,7 +398,7 @@ def test_plan_runs_plugin_kernels_in_native_stretches(plugin, no_fallback, monke
     assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
 
 
-def test_decoding_moves_cache_rows_from_c(plugin, no_fallback, monkeypatch):
+def test_decoding_moves_cache_rows_from_c(plugin, rows_pass, no_fallback, monkeypatch):
     """Past its first tokens a decode step on the plugin moves its cache rows with one C call
     (no rebind from Python) and still gives, token after token, the logits of the calls run
     one by one from Python; after the plan compiles again it goes back to rebinding the new
@@ -427,7 +446,7 @@ def test_native_stretch_raises_the_plugin_status(plugin):
         plan.run()
 
 
-def test_bundled_model_keeps_the_cpu_text_on_the_plugin(plugin):
+def test_bundled_model_keeps_the_cpu_text_on_the_plugin(plugin, rows_pass):
     """The bundled (quantized) model: the plugin's kernels and the CPU fallback of the
     quantized linear, all in one native stretch, give what the Python replay gives, and the
     CPU's greedy tokens."""
@@ -443,7 +462,7 @@ def test_bundled_model_keeps_the_cpu_text_on_the_plugin(plugin):
     assert logits.argmax(-1).tolist() == cpu.argmax(-1).tolist()
 
 
-def test_bundled_model_head_runs_from_c_on_the_plugin(plugin):
+def test_bundled_model_head_runs_from_c_on_the_plugin(plugin, rows_pass):
     """The decoding step's output head (a quantized matrix: the CPU fallback on the plugin) is
     a recorded plan replayed in one native stretch, bit for bit as the call from Python."""
     from llaisys.models import default_model_path, load_model

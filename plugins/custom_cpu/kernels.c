@@ -1,6 +1,7 @@
 /*
  * Kernels registered through kernel_ext.h: the nine llaisys ops in float32 (rearrange in
- * every type), plus blas_axpby of the device interface. They accept strided tensors. A
+ * every type), the paged KV-cache ops (kv_cache_write, paged_attention and its sliding-window
+ * form) in float32, plus blas_axpby of the device interface. They accept strided tensors. A
  * kernel given a stream first waits for it, then runs on the calling thread, so it has
  * finished when it returns either way.
  */
@@ -285,6 +286,161 @@ KERNEL(k_self_attention) {
   return C_SUCCESS;
 }
 
+/* ---- the paged KV cache ------------------------------------------------------------------
+ * One layer's pool holds NB blocks of BS token slots: k_cache (NB, BS, KH, D), v_cache
+ * (NB, BS, KH, Dv). A call serves a flat batch of N query tokens from B sequences, sequence b
+ * owning rows query_starts[b]:query_starts[b + 1], having context_lens[b] keys and finding
+ * key p in block block_tables[b, p / BS], slot p % BS. Index tensors are INT64. */
+
+static int is_i64(Desc t, int32_t ndim) { return t->dtype == INT64 && t->ndim == ndim; }
+
+static int is_f32(Desc t, int32_t ndim) { return t->dtype == FLOAT32 && t->ndim == ndim; }
+
+/* 1 when v_cache (NB, BS, KH, Dv) pairs with k_cache (NB, BS, KH, D). */
+static int same_pool(Desc k_cache, Desc v_cache) {
+  for (int32_t d = 0; d < 3; ++d)
+    if (k_cache->shape[d] != v_cache->shape[d]) return 0;
+  return 1;
+}
+
+/* outputs (k_cache, v_cache), inputs (k (N, KH, D), v (N, KH, Dv), slots (N,)): the row of
+   token i goes to slot s = slots[i], block s / BS, offset s % BS. Every slot is checked
+   before anything is written. */
+KERNEL(k_kv_cache_write) {
+  PROLOGUE(2, 3, 0);
+  Desc kc = outs[0], vc = outs[1], k = ins[0], v = ins[1], slots = ins[2];
+  if (!is_f32(kc, 4) || !is_f32(vc, 4) || !is_f32(k, 3) || !is_f32(v, 3) || !is_i64(slots, 1) ||
+      !same_pool(kc, vc))
+    return C_ERROR;
+  int64_t nb = kc->shape[0], bs = kc->shape[1], kh = kc->shape[2], d = kc->shape[3];
+  int64_t dv = vc->shape[3], n = slots->shape[0];
+  if (k->shape[0] != n || k->shape[1] != kh || k->shape[2] != d || v->shape[0] != n ||
+      v->shape[1] != kh || v->shape[2] != dv)
+    return C_ERROR;
+  const int64_t *ps = (const int64_t *)slots->data;
+  for (int64_t i = 0; i < n; ++i)
+    if (ps[i * slots->strides[0]] < 0 || ps[i * slots->strides[0]] >= nb * bs) return C_ERROR;
+  const float *pk = (const float *)k->data, *pv = (const float *)v->data;
+  float *pkc = (float *)kc->data, *pvc = (float *)vc->data;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t s = ps[i * slots->strides[0]], blk = s / bs, off = s % bs;
+    for (int64_t h = 0; h < kh; ++h) {
+      float *kd = pkc + blk * kc->strides[0] + off * kc->strides[1] + h * kc->strides[2];
+      float *vd = pvc + blk * vc->strides[0] + off * vc->strides[1] + h * vc->strides[2];
+      const float *ks = pk + i * k->strides[0] + h * k->strides[1];
+      const float *vs = pv + i * v->strides[0] + h * v->strides[1];
+      for (int64_t e = 0; e < d; ++e) kd[e * kc->strides[3]] = ks[e * k->strides[2]];
+      for (int64_t e = 0; e < dv; ++e) vd[e * vc->strides[3]] = vs[e * v->strides[2]];
+    }
+  }
+  return C_SUCCESS;
+}
+
+/* The operands of one paged attention call. */
+typedef struct {
+  Desc out, q, kc, vc, bt, qs, cl;
+  int64_t n, h, kh, d, dv, nb, bs, b, mb;
+} paged_args;
+
+static int64_t at1(Desc t, int64_t i) { return ((const int64_t *)t->data)[i * t->strides[0]]; }
+
+/* Fill `a` from the descriptors; 0 when a type, rank or shape does not fit the op. */
+static int paged_shapes(paged_args *a, Desc const *outs, Desc const *ins) {
+  a->out = outs[0], a->q = ins[0], a->kc = ins[1], a->vc = ins[2];
+  a->bt = ins[3], a->qs = ins[4], a->cl = ins[5];
+  if (!is_f32(a->out, 3) || !is_f32(a->q, 3) || !is_f32(a->kc, 4) || !is_f32(a->vc, 4) ||
+      !is_i64(a->bt, 2) || !is_i64(a->qs, 1) || !is_i64(a->cl, 1) || !same_pool(a->kc, a->vc))
+    return 0;
+  a->n = a->q->shape[0], a->h = a->q->shape[1], a->d = a->q->shape[2];
+  a->nb = a->kc->shape[0], a->bs = a->kc->shape[1], a->kh = a->kc->shape[2], a->dv = a->vc->shape[3];
+  a->b = a->bt->shape[0], a->mb = a->bt->shape[1];
+  return a->kc->shape[3] == a->d && a->kh > 0 && a->h % a->kh == 0 && a->bs > 0 &&
+         a->out->shape[0] == a->n && a->out->shape[1] == a->h && a->out->shape[2] == a->dv &&
+         a->qs->shape[0] == a->b + 1 && a->cl->shape[0] == a->b;
+}
+
+/* 1 when query_starts runs from 0 to N without going down, q_len <= context_lens[b] <=
+   MB * BS, and every block a sequence with queries holds lies in [0, NB); *most_keys is the
+   largest context length. */
+static int paged_indices(const paged_args *a, int64_t *most_keys) {
+  if (at1(a->qs, 0) != 0 || at1(a->qs, a->b) != a->n) return 0;
+  *most_keys = 0;
+  for (int64_t b = 0; b < a->b; ++b) {
+    int64_t q_len = at1(a->qs, b + 1) - at1(a->qs, b), c = at1(a->cl, b);
+    if (q_len < 0 || at1(a->qs, b + 1) > a->n || c < q_len || c > a->mb * a->bs) return 0;
+    if (q_len == 0) continue;
+    for (int64_t i = 0; i < (c + a->bs - 1) / a->bs; ++i) {
+      int64_t blk = ((const int64_t *)a->bt->data)[b * a->bt->strides[0] + i * a->bt->strides[1]];
+      if (blk < 0 || blk >= a->nb) return 0;
+    }
+    if (c > *most_keys) *most_keys = c;
+  }
+  return 1;
+}
+
+/* The row of KV head `kvh` at key position p of sequence b in pool `cache`. */
+static const float *paged_row(const paged_args *a, Desc cache, int64_t b, int64_t p, int64_t kvh) {
+  int64_t blk = ((const int64_t *)a->bt->data)[b * a->bt->strides[0] + (p / a->bs) * a->bt->strides[1]];
+  return (const float *)cache->data + blk * cache->strides[0] + (p % a->bs) * cache->strides[1] +
+         kvh * cache->strides[2];
+}
+
+/* out[i, h] for query row i of sequence b at position `pos`, over keys lo..pos: softmax of
+   q . k * scale, then the weighted sum of v, in double; p holds (pos - lo + 1) + Dv doubles. */
+static void paged_row_attention(const paged_args *a, int64_t b, int64_t i, int64_t h, int64_t lo,
+                                int64_t pos, double scale, double *p) {
+  int64_t kvh = h / (a->h / a->kh), count = pos - lo + 1;
+  double *acc = p + count, top = -INFINITY, sum = 0.0;
+  const float *qv = (const float *)a->q->data + i * a->q->strides[0] + h * a->q->strides[1];
+  for (int64_t t = 0; t < count; ++t) {
+    const float *kv = paged_row(a, a->kc, b, lo + t, kvh);
+    p[t] = dot_f64(qv, a->q->strides[2], kv, a->kc->strides[3], a->d) * scale;
+    if (p[t] > top) top = p[t];
+  }
+  for (int64_t t = 0; t < count; ++t) sum += p[t] = exp(p[t] - top);
+  for (int64_t e = 0; e < a->dv; ++e) acc[e] = 0.0;
+  for (int64_t t = 0; t < count; ++t) {
+    const float *vr = paged_row(a, a->vc, b, lo + t, kvh);
+    for (int64_t e = 0; e < a->dv; ++e) acc[e] += p[t] * vr[e * a->vc->strides[3]];
+  }
+  float *ov = (float *)a->out->data + i * a->out->strides[0] + h * a->out->strides[1];
+  for (int64_t e = 0; e < a->dv; ++e) ov[e * a->out->strides[2]] = (float)(acc[e] / sum);
+}
+
+/* outputs (out (N, H, Dv)), inputs (q (N, H, D), k_cache, v_cache, block_tables (B, MB),
+   query_starts (B+1,), context_lens (B,)): query j of sequence b (q_len queries, C keys) sits
+   at position C - q_len + j and sees keys from max(0, position - window + 1) (0 without a
+   window) to its position; query head h reads KV head h / (H / KH). */
+static C_Status paged_attention(Desc const *outs, Desc const *ins, double scale, int64_t window) {
+  paged_args a;
+  int64_t most_keys;
+  if (!paged_shapes(&a, outs, ins) || !paged_indices(&a, &most_keys)) return C_ERROR;
+  double *p = (double *)malloc((size_t)(most_keys + a.dv + 1) * sizeof *p);
+  if (!p) return C_FAILED;
+  for (int64_t b = 0; b < a.b; ++b) {
+    int64_t q0 = at1(a.qs, b), q1 = at1(a.qs, b + 1), c = at1(a.cl, b);
+    for (int64_t i = q0; i < q1; ++i) {
+      int64_t pos = c - (q1 - q0) + (i - q0), lo = window && pos - window + 1 > 0 ? pos - window + 1 : 0;
+      for (int64_t h = 0; h < a.h; ++h) paged_row_attention(&a, b, i, h, lo, pos, scale, p);
+    }
+  }
+  free(p);
+  return C_SUCCESS;
+}
+
+KERNEL(k_paged_attention) {
+  PROLOGUE(1, 6, 0);
+  return paged_attention(outs, ins, llaisys_kernel_attr(attrs, nattr, "scale", 1.0), 0);
+}
+
+/* attrs scale and window (> 0: each query sees its last `window` keys, its own included). */
+KERNEL(k_paged_attention_window) {
+  PROLOGUE(1, 6, 0);
+  double window = llaisys_kernel_attr(attrs, nattr, "window", 0.0);
+  if (!(window >= 1.0)) return C_ERROR;
+  return paged_attention(outs, ins, llaisys_kernel_attr(attrs, nattr, "scale", 1.0), (int64_t)window);
+}
+
 /* ---- blas_axpby of the device interface: y = alpha * x + beta * y (float32) ---------- */
 
 typedef struct {
@@ -329,6 +485,12 @@ LLAISYS_PLUGIN_EXPORT C_Status InitPluginKernels(LlaisysKernelRegistrar *registr
   LLAISYS_REGISTER_PLUGIN_KERNEL(registrar, rope, custom_cpu, ALL_LAYOUT, k_rope, FLOAT32);
   LLAISYS_REGISTER_PLUGIN_KERNEL(registrar, self_attention, custom_cpu, ALL_LAYOUT,
                                  k_self_attention, FLOAT32);
+  LLAISYS_REGISTER_PLUGIN_KERNEL(registrar, kv_cache_write, custom_cpu, ALL_LAYOUT,
+                                 k_kv_cache_write, FLOAT32);
+  LLAISYS_REGISTER_PLUGIN_KERNEL(registrar, paged_attention, custom_cpu, ALL_LAYOUT,
+                                 k_paged_attention, FLOAT32);
+  LLAISYS_REGISTER_PLUGIN_KERNEL(registrar, paged_attention_window, custom_cpu, ALL_LAYOUT,
+                                 k_paged_attention_window, FLOAT32);
   static const C_DataType every_type[] = {BOOL,    UINT8,   UINT16,  UINT32,    UINT64,
                                           INT8,    INT16,   INT32,   INT64,     FLOAT16,
                                           FLOAT32, FLOAT64, BFLOAT16, COMPLEX64, COMPLEX128};

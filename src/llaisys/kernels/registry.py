@@ -99,11 +99,13 @@ def register_kernel(
     return add(kernel) if kernel is not None else add
 
 
-def unregister_kernels(backend: "str | DeviceType") -> int:
-    """Drop every kernel of ``backend``; returns how many were dropped."""
+def unregister_kernels(backend: "str | DeviceType", ops: Iterable[str] | None = None) -> int:
+    """Drop the kernels of ``backend``: every one (``ops`` None), or only those of the op
+    names in ``ops``; returns how many were dropped."""
     backend_name = _backend_name(backend)
+    names = None if ops is None else (frozenset((ops,)) if isinstance(ops, str) else frozenset(ops))
     with _lock:
-        keys = [k for k in _kernels if k[1] == backend_name]
+        keys = [k for k in _kernels if k[1] == backend_name and (names is None or k[0] in names)]
         for k in keys:
             del _kernels[k]
     return len(keys)

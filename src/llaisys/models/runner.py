@@ -11,10 +11,11 @@ nvidia device, the CUDA graphs that replay decoding steps. A pass is recorded on
 (N tokens, B sequences, R logit rows) and cache; later steps of that shape only load their
 index arrays into its static buffers and replay it.
 
-A device whose backend has no paged kernels (a device plugin: its kernels are the nine ops)
-runs single sequences with its own contiguous ops instead (``RowsPass``: the cache calls of a
-recorded pass rebound to the rows of each new position), since the CPU fallback of a paged op
-would copy a whole layer's pool to the host and back at each call.
+A device without paged kernels (a device plugin that registers only the nine ops; the
+reference plugin has them) runs single sequences with its own contiguous ops instead
+(``RowsPass``: the cache calls of a recorded pass moved to the rows of each new position),
+since the CPU fallback of a paged op would copy a whole layer's pool to the host and back at
+each call.
 
 Shapes: N tokens in a pass, B sequences, MB block-table width, R logit rows, S tokens of one
 sequence, D hidden, V vocabulary (V or c: this rank's slice under tensor parallelism).

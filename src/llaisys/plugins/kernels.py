@@ -12,6 +12,10 @@ Every kernel has the one C signature of ``kernel_ext.h``, so a call recorded in 
 and device handle are built once, and the plan runs it from C inside a stretch with the
 calls around it (``csrc/ops/plugin_calls.c``); a rebind rewrites the descriptors in place.
 
+``KNOWN_OPS`` are the ops a plugin kernel can serve: the nine of every model and the paged
+KV-cache ops (``kv_cache_write``, ``paged_attention``, ``paged_attention_window``), with which
+a plugin device runs single sequences and the serving engine through paged passes.
+
 Layouts: the runtime asks only for ``ANY`` (the ops take strided tensors of any layout), so
 a kernel registered under ``ANY`` or ``STRIDED`` serves every call, and one registered under
 NHWC, NCHW, NCDHW or NDHWC would never run: it is refused at registration, naming it.
@@ -35,7 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KNOWN_OPS = ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu")
+# The ops a plugin kernel may serve (a kernel for another name is registered, and logged).
+KNOWN_OPS = ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu",
+             "kv_cache_write", "paged_attention", "paged_attention_window")
 
 # C_DataLayout -> registry Layout; ANY (= ALL_LAYOUT) and STRIDED both take any strided tensor.
 # The layouts of images (NHWC ...) are refused: dispatch never asks for them.
