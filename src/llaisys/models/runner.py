@@ -357,7 +357,8 @@ class ModelRunner:
         """The graph cache (``backends.nvidia.graphs.GraphCache``) that replays the decoding
         passes over ``cache``, or None: on a device whose backend captures no graphs (the CPU,
         plugins), with ``LLAISYS_NVIDIA_GRAPHS=0``, under tensor parallelism (its plans hold
-        collective calls), or for routed experts the device runs on the CPU fallback (host copies)."""
+        collective calls), or for routed experts with no kernel on the device (the CPU fallback's
+        host copies cannot be captured; nvidia has one, ``kernels/nvidia/moe.py``)."""
         m = self.model
         if m.shard is not None or m.device.is_cpu:
             return None

@@ -9,4 +9,4 @@ not present (``aot``).
 from ...backends.nvidia import prepare_triton
 
 prepare_triton()  # before any kernel module imports triton
-from . import attention, elementwise, linear, misc, norm_rope  # noqa: F401  (each registers itself)  # isort: skip
+from . import attention, elementwise, linear, misc, moe, norm_rope  # noqa: F401  (each registers itself)  # isort: skip

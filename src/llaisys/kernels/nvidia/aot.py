@@ -57,7 +57,7 @@ def _start_recording_backend() -> None:
 
 def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
     """Run every kernel the decoder runs, at ``shape``, in ``dtype``, on ``device`` (prefill and
-    decoding, one sequence and a paged batch; argmax on logits), through the kernel registry
+    decoding, one sequence and a paged batch; argmax on logits; routed experts), through the kernel registry
     with the arguments the ops would pass."""
     from ...runtime.dtypes import DataType
     from ...tensor import Tensor
@@ -102,6 +102,10 @@ def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
                                                    new(b + 1, dt=DataType.I64), new(b, dt=DataType.I64)),
             {"scale": 0.125})
     run("argmax", (new(2, dt=DataType.I64), new(2)), (new(2, 4096),))
+    experts, inter = 16, 768  # routed experts (Qwen3-MoE's moe_intermediate_size), 8 per token
+    gate, up, down = new(experts * inter, d), new(experts * inter, d), new(experts * d, inter)
+    for n in (1, 64):  # a decoding step (blocks of 16 pairs) and a prefill (blocks of 32)
+        run("moe_mlp", (new(n, d),), (new(n, d), new(n, experts), gate, up, down), {"top_k": 8, "norm_topk_prob": True})
     from .quant import DEVICE_FORMATS, quantized_linear
 
     for fmt in DEVICE_FORMATS:  # the quantized GEMM (LLAISYS_NVIDIA_QUANT_GEMM=1), decoding and prefill rows
@@ -138,7 +142,7 @@ def recorded_launches(dtypes: tuple = ("F32", "F16", "BF16")) -> list[tuple]:
     from . import _common
 
     _start_recording_backend()
-    from . import attention, elementwise, linear, misc, norm_rope  # noqa: F401  (register the kernels)
+    from . import attention, elementwise, linear, misc, moe, norm_rope  # noqa: F401  (register the kernels)
 
     seen: dict[tuple, tuple] = {}
     with _common.recording() as rec:
