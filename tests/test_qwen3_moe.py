@@ -19,7 +19,6 @@ from llaisys.kernels.cpu import moe as cpu_moe
 from llaisys.kernels.cpu import native_ops
 from llaisys.kernels.registry import find_kernel
 from llaisys.models import ModelLoadError, load_model
-from llaisys.models.tensor_parallel import TensorParallelError, check_fits
 from llaisys.runtime.dtypes import DataType
 
 VOCAB = 320
@@ -356,13 +355,6 @@ def test_missing_expert_is_named(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.2.mlp.experts.5.up_proj.weight'"):
         load_model(tmp_path)
-
-
-def test_tensor_parallel_refuses_experts(case):
-    _, ours = case
-    with pytest.raises(TensorParallelError, match="mixture of experts"):
-        check_fits(ours.config, 2)
-    check_fits(ours.config, 1)
 
 
 # ---- GGUF --------------------------------------------------------------------------------

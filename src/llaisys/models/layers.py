@@ -148,10 +148,13 @@ def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> 
 
 def routed_mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
     """ws.proj = the routed mixture of SwiGLU experts of ws.h (``ops.moe_mlp``): the router's
-    logits, then each token's ``num_experts_per_tok`` experts weighted by their probabilities."""
+    logits, then each token's ``num_experts_per_tok`` experts weighted by their probabilities.
+    Under tensor parallelism every rank routes with the whole router and holds I/N of each
+    expert's width, so its output is a partial sum, added over the ranks like ``mlp``'s."""
     ops.linear(ws.router_logits, ws.h, lp.router, plan=plan)  # (S, E)
     ops.moe_mlp(ws.proj, ws.h, ws.router_logits, lp.gate_exps, lp.up_exps, lp.down_exps, config.num_experts_per_tok,
                 config.norm_topk_prob, plan=plan)  # (S, D)
+    sum_over_ranks(ws, ws.proj, plan)
 
 
 def feed_forward(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:

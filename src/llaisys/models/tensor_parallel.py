@@ -7,6 +7,11 @@ Of N ranks, rank r holds:
   - o: the columns of its query heads; down: its I/N columns of the MLP width (row-parallel:
     each rank's product is a partial sum, added over ranks by one all-reduce per block);
   - gate/up: its I/N rows of each;
+  - a mixture of experts' stacks, each expert split like the dense MLP (I the experts' width):
+    gate/up (E*I, D) the rows e*I + [r*I/N, (r+1)*I/N) of every expert e, stacked (E*I/N, D)
+    with expert e's at e*I/N; down (E*D, I) the same I/N columns of every row, (E*D, I/N). Its
+    ``moe_mlp`` output is a partial sum, added over ranks by the all-reduce the dense MLP uses;
+    the router whole on every rank (each rank routes every token identically);
   - the output bias on rank 0 only (added once by the all-reduce); the norms whole;
   - the embedding table and the output head split by vocabulary: rows [r*c, (r+1)*c) with
     c = ceil(V/N), the last rank's padded with zero rows. The embedding table gets one more
@@ -14,12 +19,14 @@ Of N ranks, rank r holds:
     embedded rows gives each token its row. Splitting rather than replicating: the head is read
     on every token (a quarter of a small model's bytes), and a large vocabulary would make each
     rank hold it whole. Logits are all-gathered, (N, R, c) -> (R, N*c) -> the first V columns.
-The KV cache holds each rank's KV heads only. N must divide the query heads, the KV heads and
-the MLP width; anything else is refused with the numbers (replicating KV heads is left out).
+The KV cache holds each rank's KV heads only. N must divide the query heads, the KV heads, the
+MLP width and the experts' width; anything else is refused with the numbers (replicating KV
+heads is left out).
 
-Reads: a row range of a matrix reads only those rows; a column range reads each row's slice
-(for a block-quantized matrix, whole blocks: the bounds must fall on block edges, else that
-shard is dequantized to floats, which the load logs).
+Reads: a row range of a matrix reads only those rows; a stack's expert rows read E row ranges,
+one per expert (block-quantized rows as their raw blocks, so the stack stays quantized); a
+column range reads each row's slice (for a block-quantized matrix or stack, whole blocks: the
+bounds must fall on block edges, else that shard is dequantized to floats, which the load logs).
 """
 from __future__ import annotations
 
@@ -78,6 +85,12 @@ class Shard:
         return self.rank * n, (self.rank + 1) * n
 
     @property
+    def expert_ffn(self) -> tuple[int, int]:
+        """This rank's columns of every expert's MLP width [start, stop)."""
+        n = self.config.moe_intermediate_size // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
     def vocab_rows(self) -> int:
         """c = ceil(V / N): the rows of the vocabulary each rank holds (padded on the last)."""
         return -(-self.config.vocab_size // self.size)
@@ -89,13 +102,15 @@ class Shard:
         return min(v, self.rank * c), min(v, (self.rank + 1) * c)
 
     def local_config(self) -> ModelConfig:
-        """The config of this rank's part: its heads, KV heads and MLP width; the vocabulary
-        its c rows (the hidden size and everything else as the model's)."""
+        """The config of this rank's part: its heads, KV heads, MLP width and experts' width; the
+        vocabulary its c rows (the hidden size, the experts and everything else as the model's)."""
         c = self.config
         return dataclasses.replace(
             c, num_attention_heads=c.num_attention_heads // self.size,
             num_key_value_heads=c.num_key_value_heads // self.size,
-            intermediate_size=c.intermediate_size // self.size, head_dim=c.head_dim, vocab_size=self.vocab_rows)
+            intermediate_size=c.intermediate_size // self.size,
+            moe_intermediate_size=c.moe_intermediate_size // self.size, head_dim=c.head_dim,
+            vocab_size=self.vocab_rows)
 
     def local_ids(self, ids: np.ndarray) -> np.ndarray:
         """Token ids (S,) as rows of this rank's embedding table: its own range shifted to
@@ -132,25 +147,27 @@ class Shard:
                 out[name] = column_range(src, *q_rows)
             elif short == "down":
                 out[name] = column_range(src, *self.ffn)
+            elif short in ("gate_exps", "up_exps"):
+                out[name] = expert_rows(src, *self.expert_ffn)
+            elif short == "down_exps":
+                out[name] = column_range(src, *self.expert_ffn)
             elif short == "o_bias":
                 if self.rank == 0:
                     out[name] = src
-            else:  # the norms
+            else:  # the norms and the routers
                 out[name] = src
         return out
 
 
 def check_fits(config: ModelConfig, size: int) -> None:
-    """Raise TensorParallelError unless ``size`` ranks divide the model's query heads, KV heads
-    and MLP width, naming the numbers; a mixture-of-experts model is refused over several ranks."""
+    """Raise TensorParallelError unless ``size`` ranks divide the model's query heads, KV heads,
+    MLP width and (a mixture of experts) every expert's width, naming the numbers."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise TensorParallelError(f"tensor-parallel size must be a positive integer, got {size!r}")
-    if config.num_experts and size > 1:
-        raise TensorParallelError(f"tensor parallelism does not split a mixture of experts yet: this "
-                                  f"{config.architecture} model routes over {config.num_experts} experts; run it "
-                                  f"on one process (tensor-parallel size 1)")
     parts = {"key/value heads": config.num_key_value_heads, "attention heads": config.num_attention_heads,
              "MLP width (intermediate_size)": config.intermediate_size}
+    if config.num_experts:
+        parts["experts' MLP width (moe_intermediate_size)"] = config.moe_intermediate_size
     for what, n in parts.items():
         if n % size:
             fits = [d for d in range(1, n + 1) if all(m % d == 0 for m in parts.values())]
@@ -185,20 +202,61 @@ def row_range(src: WeightSource, start: int, stop: int) -> WeightSource:
             block, nbytes = BLOCK_SHAPES[src.kind]
             data, offset = src.mapped
             mapped = (data, offset + start * (src.shape[1] // block * nbytes))
-    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=mapped)
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=mapped,
+                               read_matrix_rows=None)
+
+
+def expert_rows(src: WeightSource, start: int, stop: int) -> WeightSource:
+    """Rows [start, stop) of every matrix of the stack ``src`` (E, N, K): a stack (E, n, K),
+    n = stop - start, reading only those rows. Block-quantized rows stay raw blocks (each row
+    is whole blocks), read from the E*N rows as E runs; floats through the source's
+    ``read_matrix_rows``, else a whole matrix at a time, cut."""
+    e, rows, k = src.shape
+    _check_rows(src, start, stop)
+    n = stop - start
+    matrix_rows = None
+    if src.read_matrix_rows is not None:
+        of_matrix = src.read_matrix_rows
+        matrix_rows = lambda x, a, b: of_matrix(x, start + a, start + b)  # noqa: E731
+        floats = lambda a, b: np.stack([of_matrix(x, start, stop) for x in range(a, b)])  # noqa: E731
+    elif src.read_rows is not None:
+        read_experts = src.read_rows
+        floats = lambda a, b: np.stack([read_experts(x, x + 1)[0, start:stop] for x in range(a, b)])  # noqa: E731
+    else:
+        whole = src.read
+        floats = lambda a, b: whole()[a:b, start:stop]  # noqa: E731
+    by_experts = floats if src.read_rows is not None or matrix_rows is not None else None
+    raw = None
+    if src.read_raw_rows is not None:
+        read_raw = src.read_raw_rows
+        raw = lambda a, b: _gather_raw(read_raw, rows, start, n, a, b)  # noqa: E731
+    return dataclasses.replace(src, shape=(e, n, k), read=lambda: floats(0, e).reshape(e, n, k), read_rows=by_experts,
+                               read_raw_rows=raw, mapped=None, read_matrix_rows=matrix_rows)
+
+
+def _gather_raw(read_raw: Callable[[int, int], np.ndarray], rows: int, start: int, n: int, a: int,
+                b: int) -> np.ndarray:
+    """Rows [a, b) of the gathered E*n rows, uint8 (b - a, row_bytes): row j is row start + j % n
+    of expert j // n, row (j // n) * rows + start + j % n of the stored E*N."""
+    parts = []
+    for x in range(a // n, -(-b // n)):
+        lo, hi = max(a, x * n) - x * n, min(b, (x + 1) * n) - x * n
+        parts.append(read_raw(x * rows + start + lo, x * rows + start + hi))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
-    """Columns [start, stop) of matrix ``src``: raw blocks when the bounds fall on the block
-    edges of its format, else floats."""
-    shape = (src.shape[0], stop - start)
+    """Columns [start, stop) of the last dimension of ``src``, a matrix (M, K) or a stack of
+    them (E, M, K): raw blocks when the bounds fall on the block edges of its format, else
+    floats."""
+    shape = (*src.shape[:-1], stop - start)
     if src.read_rows is not None:
         read_rows = src.read_rows
-        rows = lambda a, b: read_rows(a, b)[:, start:stop]  # noqa: E731
+        rows = lambda a, b: read_rows(a, b)[..., start:stop]  # noqa: E731
         read = lambda: rows(0, src.shape[0])  # noqa: E731
     else:
         whole = src.read
-        read, rows = (lambda: whole()[:, start:stop]), None
+        read, rows = (lambda: whole()[..., start:stop]), None
     raw = None
     if src.read_raw_rows is not None:
         block, nbytes = BLOCK_SHAPES[src.kind]
@@ -208,7 +266,12 @@ def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
         else:
             log.info("%s: columns %d:%d of %s (%s) do not fall on its %d-element blocks; that shard is dequantized",
                      src.file, start, stop, src.file_name, src.kind, block)
-    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=None)
+    matrix_rows = None
+    if src.read_matrix_rows is not None:
+        of_matrix = src.read_matrix_rows
+        matrix_rows = lambda x, a, b: of_matrix(x, a, b)[:, start:stop]  # noqa: E731
+    return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=None,
+                               read_matrix_rows=matrix_rows)
 
 
 def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightSource:
@@ -232,7 +295,7 @@ def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightS
         raw = lambda a, b: padded(part.read_raw_rows, a, b, zero_raw)  # noqa: E731
     return dataclasses.replace(src, shape=(total, *width), read=lambda: padded(floats, 0, total, zero_float),
                                read_rows=lambda a, b: padded(floats, a, b, zero_float), read_raw_rows=raw,
-                               row_multiple=1, mapped=None)
+                               row_multiple=1, mapped=None, read_matrix_rows=None)
 
 
 def follow(model) -> None:

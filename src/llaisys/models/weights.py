@@ -145,6 +145,9 @@ class WeightSource:
     # Where read_raw_rows' bytes lie, unchanged, in a read-only memory map of the file: (the
     # map, uint8, and the offset of row 0 in it). None: they are copied or fixed on the way.
     mapped: tuple[np.ndarray, int] | None = None
+    # A stack of matrices (E, N, K): rows [start, stop) of matrix e as floats (stop - start, K),
+    # reading only those rows. None: read through read_rows, a whole matrix at a time.
+    read_matrix_rows: Callable[[int, int, int], np.ndarray] | None = None
 
 
 def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -84,18 +84,26 @@ def moe_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ..
 def _stacked(parts: list[WeightSource], name: str) -> WeightSource:
     """One source (E, N, K) reading the experts' sources (N, K) as a stack."""
     kinds = {s.kind for s in parts}
+
+    def matrix_rows(e: int, start: int, stop: int) -> np.ndarray:
+        part = parts[e]
+        return part.read_rows(start, stop) if part.read_rows is not None else part.read()[start:stop]
     return WeightSource(parts[0].file, name, (len(parts), *parts[0].shape), kinds.pop() if len(kinds) == 1 else "F32",
                         read=lambda: np.stack([s.read() for s in parts]),
-                        read_rows=lambda start, stop: np.stack([s.read() for s in parts[start:stop]]))
+                        read_rows=lambda start, stop: np.stack([s.read() for s in parts[start:stop]]),
+                        read_matrix_rows=matrix_rows)
 
 
 def _half(src: WeightSource, which: int, name: str) -> WeightSource:
     """Half ``which`` (0: gate, 1: up) of a fused (E, 2I, D) source's middle dimension."""
     e, two_i, d = src.shape
     cut = slice(which * two_i // 2, (which + 1) * two_i // 2)
+    matrix_rows = src.read_matrix_rows
     return dataclasses.replace(src, file_name=name, shape=(e, two_i // 2, d), read=lambda: src.read()[:, cut],
                                read_rows=lambda start, stop: src.read_rows(start, stop)[:, cut],
-                               read_raw_rows=None, mapped=None)
+                               read_raw_rows=None, mapped=None,
+                               read_matrix_rows=None if matrix_rows is None else (
+                                   lambda x, a, b: matrix_rows(x, cut.start + a, cut.start + b)))
 
 
 def sanitize_weights(weights: dict[str, WeightSource], config: ModelConfig, source: str) -> dict[str, WeightSource]:

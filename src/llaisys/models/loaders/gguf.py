@@ -154,24 +154,38 @@ def _token_id(meta: dict[str, Any], key: str, path: str) -> int | None:
     return value
 
 
+def _decode(t: GGUFTensor, part: np.ndarray, want: tuple[int, ...], path: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored rows ``part`` of tensor ``t`` as floats of shape ``want`` (quantized rows dequantized)."""
+    if t.tensor_type in (Q.F32, Q.F16):
+        arr = part
+    elif t.tensor_type == Q.BF16:
+        arr = part.view(np.uint8).view(ml_dtypes.bfloat16)
+    else:
+        arr = _dequantize(part, t.tensor_type)
+    if arr.size != int(np.prod(want)):
+        raise ModelLoadError(f"{path}: tensor {t.name!r} decoded to {arr.size} values; expected shape {shape}")
+    return arr.reshape(want)
+
+
 def _row_reader(t: GGUFTensor, shape: tuple[int, ...], path: str, fix: Callable[[np.ndarray], np.ndarray] | None):
     """A function giving rows [start, stop) of tensor ``t`` as floats (quantized rows dequantized)."""
     rows = t.data.reshape(shape[0], -1) if len(shape) > 1 else t.data.reshape(1, -1)  # (rows, stored row)
 
     def read_rows(start: int, stop: int) -> np.ndarray:
-        part = rows[start:stop]
-        if t.tensor_type in (Q.F32, Q.F16):
-            arr = part
-        elif t.tensor_type == Q.BF16:
-            arr = part.view(np.uint8).view(ml_dtypes.bfloat16)
-        else:
-            arr = _dequantize(part, t.tensor_type)
-        want = (stop - start, *shape[1:]) if len(shape) > 1 else shape
-        if arr.size != int(np.prod(want)):
-            raise ModelLoadError(f"{path}: tensor {t.name!r} decoded to {arr.size} values; expected shape {shape}")
-        arr = arr.reshape(want)
+        arr = _decode(t, rows[start:stop], (stop - start, *shape[1:]) if len(shape) > 1 else shape, path, shape)
         return fix(arr) if fix is not None else arr
     return read_rows
+
+
+def _matrix_row_reader(t: GGUFTensor, shape: tuple[int, int, int], path: str):
+    """A function giving rows [start, stop) of matrix e of the stack ``t`` (E, N, K) as floats
+    (stop - start, K), decoding only those rows."""
+    e, n, k = shape
+    rows = t.data.reshape(e * n, -1)  # (E*N, stored row)
+
+    def read_matrix_rows(x: int, start: int, stop: int) -> np.ndarray:
+        return _decode(t, rows[x * n + start:x * n + stop], (stop - start, k), path, shape)
+    return read_matrix_rows
 
 
 def _dequantize(raw: np.ndarray, raw_type: int) -> np.ndarray:
@@ -230,8 +244,9 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
         rows = shape[0] if len(shape) > 1 else 1
         raw = _raw_row_reader(t, shape, fix) if len(shape) in (2, 3) and t.tensor_type in KEPT_QUANTIZED else None
         mapped = (gguf.data, t.data_offset) if raw is not None and fix is None and gguf.byte_order == "<" else None
+        matrix_rows = _matrix_row_reader(t, shape, path) if len(shape) == 3 and fix is None else None
         sources[name] = WeightSource(path, name, shape, t.type_name, functools.partial(read_rows, 0, rows),
-                                     read_rows if len(shape) > 1 else None, multiple, raw, mapped)
+                                     read_rows if len(shape) > 1 else None, multiple, raw, mapped, matrix_rows)
     weights = arch.sanitize_weights(sanitize(map_names(sources, table, path, config.architecture), config), config,
                                     path)
     check_weights(weights, config, table, path, arch.layer_shapes)
