@@ -21,6 +21,7 @@ from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import hf_to_gguf_tensors, write_gguf  # noqa: E402
+from test_qwen3_moe import random_qwen3_moe  # noqa: E402
 from test_tensor_parallel import split_and_compare  # noqa: E402
 
 from llaisys.models.config import ModelConfig  # noqa: E402
@@ -33,21 +34,8 @@ EXPERTS, TOP_K, VOCAB = 8, 2, 301  # 301: the vocabulary splits unevenly too
 
 
 def moe(width: int, seed: int) -> transformers.Qwen3MoeForCausalLM:
-    """Three layers, the first dense (mlp_only_layers), the others routed over 8 experts of
-    width ``width``; the router's weights large enough that no two experts nearly tie."""
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=width, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=256, rms_norm_eps=1e-5,
-        initializer_range=0.08, bos_token_id=None, eos_token_id=None, pad_token_id=None))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-    return model.eval()
+    """Three layers, the first dense, the others routed over 8 experts of width ``width``."""
+    return random_qwen3_moe(seed, width=width, experts=EXPERTS, top_k=TOP_K, vocab=VOCAB)
 
 
 def write_moe_gguf(path: Path, hf, qtype: str) -> Path:

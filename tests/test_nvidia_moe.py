@@ -160,23 +160,11 @@ VOCAB = 320
 def moe_models(nvidia_device, tmp_path_factory):
     """A random Qwen3-MoE (2 layers, the second routed over 6 experts, 2 per token) saved to a
     folder: (CPU model, nvidia model)."""
-    import torch
-    import transformers
+    from test_qwen3_moe import random_qwen3_moe
 
-    torch.manual_seed(3)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=WIDTH, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=256, rms_norm_eps=1e-5,
-        initializer_range=0.08, bos_token_id=None, eos_token_id=None, pad_token_id=None))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # routers that keep experts' probabilities apart
+    hf = random_qwen3_moe(3, width=WIDTH, layers=2, experts=6, top_k=2, vocab=VOCAB)
     folder = tmp_path_factory.mktemp("nvidia-qwen3-moe")
-    hf.eval().save_pretrained(folder)
+    hf.save_pretrained(folder)
     return load_model(folder), load_model(folder, device=nvidia_device)
 
 

@@ -15,8 +15,8 @@ from llaisys.generation import GenerationConfig
 from llaisys.kernels import find_kernel
 from llaisys.kernels.cpu import paged as reference
 from llaisys.models import default_model_path, load_model
-from llaisys.plugins import PluginAPIError, load_plugin, unload_plugin
-from llaisys.plugins.build import build_reference_plugin
+from llaisys.plugins import PluginAPIError
+from test_plugin_reference import no_fallback, plugin  # noqa: F401  (fixtures: the loaded plugin, no CPU fallback)
 
 DEV = "custom_cpu:1"
 PAGED_OPS = ("kv_cache_write", "paged_attention", "paged_attention_window")
@@ -26,20 +26,6 @@ NB, BS, H, KH, D, DV = 16, 4, 6, 2, 8, 5
 # chunk, decode rows, and a sequence with nothing to do this step.
 SEQUENCES = ((9, 9), (13, 4), (6, 1), (3, 0), (10, 1))
 MB = 4  # block-table width: MB * BS = 16 keys at most
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    loaded = load_plugin(build_reference_plugin())
-    yield loaded
-    llaisys.get_runtime(DEV).synchronize()
-    unload_plugin("custom_cpu")
-
-
-@pytest.fixture
-def no_fallback(monkeypatch):
-    """Ops must run on the plugin's own kernels: a missing one raises instead of falling back."""
-    monkeypatch.setenv("LLAISYS_KERNEL_FALLBACK", "0")
 
 
 @pytest.fixture

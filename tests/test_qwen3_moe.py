@@ -27,15 +27,17 @@ ATOL = 2e-4
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 32
 
 
-def _moe(norm_topk_prob: bool, seed: int = 0, **extra) -> transformers.Qwen3MoeForCausalLM:
-    """Three layers, the first dense (mlp_only_layers), the others routed over 8 experts; the
-    router's weights large enough that no two experts' probabilities nearly tie."""
+def random_qwen3_moe(seed: int = 0, *, width: int = EXPERT_WIDTH, layers: int = 3, experts: int = EXPERTS,
+                     top_k: int = TOP_K, vocab: int = VOCAB, **extra) -> transformers.Qwen3MoeForCausalLM:
+    """A random Qwen3-MoE: ``layers`` layers, the first dense (mlp_only_layers), the others
+    routed over ``experts`` experts of ``width``, ``top_k`` per token; the router's weights large
+    enough that no two experts' probabilities nearly tie. ``extra``: more config fields."""
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": EXPERT_WIDTH,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "norm_topk_prob": norm_topk_prob,
-        "mlp_only_layers": [0], "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "initializer_range": 0.08,
+        "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": width,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True, "mlp_only_layers": [0],
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "initializer_range": 0.08,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra}))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -44,6 +46,11 @@ def _moe(norm_topk_prob: bool, seed: int = 0, **extra) -> transformers.Qwen3MoeF
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return model.eval()
+
+
+def _moe(norm_topk_prob: bool, seed: int = 0, **extra) -> transformers.Qwen3MoeForCausalLM:
+    """The suite's random Qwen3-MoE (``random_qwen3_moe``) with ``norm_topk_prob``."""
+    return random_qwen3_moe(seed, norm_topk_prob=norm_topk_prob, **extra)
 
 
 def _prompt(n: int = PROMPT, seed: int = 1) -> list[int]:
