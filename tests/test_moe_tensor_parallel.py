@@ -170,6 +170,44 @@ def test_gguf_expert_shards_stay_quantized_where_the_blocks_allow(models):
             np.testing.assert_array_equal(gate.read_matrix_rows(5, 1, 3), want.reshape(e, n, d)[5, 1:3])
 
 
+def test_fused_safetensors_shards_read_only_their_rows(models):
+    """transformers' fused stacks (one (E, 2I, D) tensor): a rank's gate and up read rows of each
+    expert from the file, never a whole stack, and give the rows of the whole tensor."""
+    import contextlib
+    import dataclasses
+
+    from llaisys.models.loaders import safetensors as loader
+    from safetensors.numpy import load_file
+
+    def whole(*_):
+        raise AssertionError("read a whole expert or stack")
+
+    stored = load_file(str(models / "fused/model.safetensors"))["model.layers.1.mlp.experts.gate_up_proj"]
+    with contextlib.ExitStack() as stack:
+        config, weights = loader.read_folder(models / "fused", stack)
+        for name in ("layers.1.gate_exps", "layers.1.up_exps"):
+            weights[name] = dataclasses.replace(weights[name], read=whole, read_rows=whole)
+        part = Shard(1, 2, config).shard_weights(weights)
+        gate, up = part["layers.1.gate_exps"].read(), part["layers.1.up_exps"].read()  # (E, I/2, D)
+    half = stored.shape[1] // 2
+    np.testing.assert_array_equal(gate, stored[:, half // 2:half])
+    np.testing.assert_array_equal(up, stored[:, half + half // 2:])
+
+
 @pytest.mark.parametrize("model", ["folder", "fused", "q8_0.gguf", "q4_0.gguf"])
 def test_two_ranks_equal_one(models, model, tmp_path):
     split_and_compare(str(models / model), 2, tmp_path)
+
+
+def test_value_fixes_apply_to_rows_read_per_matrix():
+    """A value fix of a stacked source (``fixed_values``) applies however its rows are read:
+    whole, by matrices, or rows of one matrix."""
+    from llaisys.models.loaders.safetensors import fixed_values
+
+    w = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    src = WeightSource("f.safetensors", "w", w.shape, "F32", read=lambda: w, read_rows=lambda a, b: w[a:b],
+                       read_matrix_rows=lambda x, a, b: w[x, a:b])
+    fixed = fixed_values(src, lambda values: values + 1.0)
+    np.testing.assert_array_equal(fixed.read(), w + 1)
+    np.testing.assert_array_equal(fixed.read_rows(1, 2), w[1:2] + 1)
+    np.testing.assert_array_equal(fixed.read_matrix_rows(1, 0, 2), w[1, 0:2] + 1)

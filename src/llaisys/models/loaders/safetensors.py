@@ -69,7 +69,8 @@ def _open(path: Path, stack: contextlib.ExitStack):
 
 
 def _readers(handle, path: Path, name: str):
-    """Functions reading the whole tensor and rows [start, stop) of it (from the memory map)."""
+    """Functions reading the whole tensor, rows [start, stop) of it, and rows [start, stop) of
+    matrix e of a stack (E, N, K) (from the memory map)."""
     def read():
         try:
             return handle.get_tensor(name)
@@ -81,7 +82,13 @@ def _readers(handle, path: Path, name: str):
             return handle.get_slice(name)[start:stop]
         except (SafetensorError, OSError, ValueError, TypeError) as exc:
             raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
-    return read, read_rows
+
+    def read_matrix_rows(e: int, start: int, stop: int):
+        try:
+            return handle.get_slice(name)[e:e + 1, start:stop][0]
+        except (SafetensorError, OSError, ValueError, TypeError) as exc:
+            raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+    return read, read_rows, read_matrix_rows
 
 
 def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -> tuple[ModelConfig, dict[str, WeightSource]]:
@@ -110,8 +117,9 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
                     f"{path}: tensor {name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}"
                 )
             shape = tuple(int(d) for d in sl.get_shape())
-            read, read_rows = _readers(handle, path, name)
-            sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None)
+            read, read_rows, matrix_rows = _readers(handle, path, name)
+            sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None,
+                                         read_matrix_rows=matrix_rows if len(shape) == 3 else None)
             where[name] = path
     label = str(folder)
     table = arch.hf_names
@@ -126,7 +134,9 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
 
 
 def fixed_values(src: WeightSource, fix: Callable[[np.ndarray], np.ndarray]) -> WeightSource:
-    """``src`` with ``fix`` applied to its values as they are read (float rows)."""
-    read, read_rows = src.read, src.read_rows
-    return dataclasses.replace(src, read=lambda: fix(read()),
-                               read_rows=None if read_rows is None else (lambda a, b: fix(read_rows(a, b))))
+    """``src`` with ``fix`` applied to its values as they are read (float rows, whichever way)."""
+    read, read_rows, matrix_rows = src.read, src.read_rows, src.read_matrix_rows
+    return dataclasses.replace(
+        src, read=lambda: fix(read()),
+        read_rows=None if read_rows is None else (lambda a, b: fix(read_rows(a, b))),
+        read_matrix_rows=None if matrix_rows is None else (lambda x, a, b: fix(matrix_rows(x, a, b))))
