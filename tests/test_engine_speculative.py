@@ -64,6 +64,21 @@ def test_no_draft_when_the_budget_or_the_blocks_are_short():
     assert step.chunks[0].draft == () and not step.preempted and seq.status.value == "running"
 
 
+def test_a_draft_grown_by_the_last_one_holding_still_fits_the_budget():
+    blocks = KVBlockManager(16, 4)
+    scheduler = Scheduler(blocks, max_batched_tokens=64)
+    seq = _decoding(blocks, scheduler, COPY, k=4)
+    seq.drafter.length = 2
+    step = scheduler.schedule()
+    assert step.chunks[0].draft == (8, 9)
+    scheduler.commit(step)
+    seq.output_ids += [8, 9, 10]  # the whole draft held: the next one would be 4 long
+    scheduler.accept_draft(seq, 2)
+    scheduler.max_batched_tokens = 4  # the token and 3 more
+    step = scheduler.schedule()
+    assert step.chunks[0].draft == () and step.num_tokens <= 4
+
+
 def test_no_drafts_while_more_than_speculative_max_seqs_run():
     ids = {"a": [9, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2], "b": [7, 8, 9, 3, 4, 5, 6, 7, 8, 9]}  # no shared prefix
     blocks = KVBlockManager(32, 4)

@@ -202,10 +202,12 @@ class Scheduler:
             return budget
         for j, chunk in enumerate(chunks):
             seq = chunk.seq
-            if seq.drafter is None or chunk.length != 1 or not chunk.samples or budget < seq.drafter.length:
+            if seq.drafter is None or chunk.length != 1 or not chunk.samples or budget <= 0:
                 continue
             room = seq.max_tokens - len(seq.output_ids) - 1  # tokens that may be picked after the next
-            draft = seq.drafter.propose(seq.token_ids, room)
+            # the drafter sets the draft's length as it proposes (after the last one held): the
+            # budget caps it there, not by the length before
+            draft = seq.drafter.propose(seq.token_ids, min(room, budget))
             if draft and self.blocks.grow(seq.seq_id, seq.num_computed + 1 + len(draft)):
                 chunks[j] = Chunk.of(seq, 1, tuple(draft))
                 budget -= len(draft)
