@@ -164,6 +164,11 @@ def test_drafter_draft_is_as_long_as_its_match_is_sure():
     d.length = 8
     # "1 2" last occurred before 40 41, but the occurrence after the same run matches 8 ids
     assert d.propose(ids, 100) == [30, 31, 32, 33, 34, 35, 36]
+    copied = list(range(100, 140))
+    d = Drafter(32)
+    d.length = 32
+    # a match of all 16 ids compared drafts the whole length
+    assert d.propose(copied + [0] + copied[:20], 100) == copied[20:40] + [0] + copied[:11]
 
 
 def test_drafter_length_follows_how_the_last_draft_fared():

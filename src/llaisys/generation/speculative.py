@@ -70,8 +70,8 @@ class Drafter:
     The length adapts to how the last draft fared, read from the ids that followed it: all of
     it accepted, the next draft is twice as long (at most ``k``); a miss, one longer than what
     was accepted (at least 1). And a draft is no longer than its match is sure: one id fewer
-    than the ids the occurrence matched (a bare ``min_ngram`` match drafts one id, a long run
-    copied from the prompt up to the length). So a request that copies long runs is verified
+    than the ids the occurrence matched (a bare ``min_ngram`` match drafts one id), any length
+    once it matched all MAX_MATCH ids compared (a long run copied from the prompt). So a request that copies long runs is verified
     many ids a pass, and one whose drafts fail pays for short ones; the first is 2 long. Each
     length is a verifying pass of its own width, recorded once (the runner keeps several). A
     lookup that finds fewer ids than the length is padded with its last one (a guess like any
@@ -109,7 +109,7 @@ class Drafter:
             draft: list[int] = []
         else:
             start, matched = found
-            length = min(self.length, matched - 1)
+            length = self.length if matched >= MAX_MATCH else min(self.length, matched - 1)
             n = self.min_ngram
             draft = self._ids[start + n:start + n + length]
             draft = draft + draft[-1:] * (length - len(draft))
