@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -51,14 +50,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="kernel and BLAS threads (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.threads:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(args.threads)
-    from llaisys.kernels.quant import native
+    from llaisys.cli.main import apply_threads
     from llaisys.models import load_model
 
     if args.threads:
-        native.set_threads(args.threads)
+        apply_threads(args.threads)  # the BLAS pools and the quantized kernels' own
     model = load_model(args.model)
     rows = [measure(model, int(n), args.prompt_tokens, args.steps) for n in args.sizes.split(",")]
     base = rows[0]["tok_s"]

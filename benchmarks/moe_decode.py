@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -118,14 +117,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="kernel and BLAS threads (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.threads:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(args.threads)
-    from llaisys.kernels.quant import native
+    from llaisys.cli.main import apply_threads
     from llaisys.models import load_model
 
     if args.threads:
-        native.set_threads(args.threads)
+        apply_threads(args.threads)  # the BLAS pools and the quantized kernels' own
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, VOCAB, size=8).tolist()
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,6 +24,7 @@ from llaisys.kernels.cpu import elementwise, native_calls, native_ops
 from llaisys.ops.plan import ReplayStats
 
 from conftest import TOLERANCE, assert_close, dtype_params, to_torch
+from test_native_ops import simd  # noqa: F401  (fixture: each SIMD level this CPU runs)
 
 F = ops.functional
 native = pytest.mark.skipif(not native_ops.available(), reason="llaisys._native._ops is not built")
@@ -38,15 +39,6 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(2025)
 
 
-@pytest.fixture(params=native_ops.simd_levels() if native_ops.available() else ["none"])
-def simd(request):
-    """Each SIMD level this CPU runs, restored afterwards."""
-    if request.param == "none":
-        pytest.skip("llaisys._native._ops is not built")
-    before = native_ops.simd_level()
-    native_ops.set_simd_level(request.param)
-    yield request.param
-    native_ops.set_simd_level(before)
 
 
 def gelu_tanh_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

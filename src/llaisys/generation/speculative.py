@@ -147,9 +147,3 @@ class Drafter:
         if len(ids) <= n:
             return None
         return best_occurrence(ids, self._starts.get(tuple(ids[len(ids) - n:]), ()), n)
-
-    def _lookup(self) -> list[int]:
-        """The ids (up to the current length) after the best occurrence, uncapped by its match."""
-        found = self._find()
-        n = self.min_ngram
-        return [] if found is None else self._ids[found[0] + n:found[0] + n + self.length]

@@ -213,12 +213,18 @@ def window_size(op: str, window: object) -> int:
 
 def swiglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) -> Tensor:
     """out = up * gate * sigmoid(gate), elementwise; all of one shape. Returns out."""
-    tensors_match("swiglu", ("out", "gate", "up"), (out, gate, up))
-    dtype_in("swiglu", "out", out, FLOAT_TYPES)
-    shape_is("swiglu", "gate", gate, out.shape)
-    shape_is("swiglu", "up", up, out.shape)
+    return _gated("swiglu", out, gate, up, plan)
+
+
+def _gated(op: str, out: Tensor, gate: Tensor, up: Tensor, plan: Plan | None) -> Tensor:
+    """Check and run gated activation ``op`` (swiglu, geglu): out, gate and up of one shape
+    and float dtype on one device. Returns out."""
+    tensors_match(op, ("out", "gate", "up"), (out, gate, up))
+    dtype_in(op, "out", out, FLOAT_TYPES)
+    shape_is(op, "gate", gate, out.shape)
+    shape_is(op, "up", up, out.shape)
     if 0 not in out.shape:
-        _launch(plan, "swiglu", out.dtype, (out,), (gate, up), {})
+        _launch(plan, op, out.dtype, (out,), (gate, up), {})
     return out
 
 
@@ -237,13 +243,7 @@ def geglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) ->
     (x + 0.044715 x^3))) (torch's ``gelu(approximate="tanh")``, Gemma's MLP); all of one shape
     and float dtype, any strides (gate and up are usually column halves of one (S, 2I) buffer).
     F16/BF16 are computed in F32 and rounded once. Returns out."""
-    tensors_match("geglu", ("out", "gate", "up"), (out, gate, up))
-    dtype_in("geglu", "out", out, FLOAT_TYPES)
-    shape_is("geglu", "gate", gate, out.shape)
-    shape_is("geglu", "up", up, out.shape)
-    if 0 not in out.shape:
-        _launch(plan, "geglu", out.dtype, (out,), (gate, up), {})
-    return out
+    return _gated("geglu", out, gate, up, plan)
 
 
 def scale(out: Tensor, inp: Tensor, factor: float, *, plan: Plan | None = None) -> Tensor:

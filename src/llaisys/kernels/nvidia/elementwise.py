@@ -25,18 +25,23 @@ MAX_DIMS = 4
 
 
 @triton.jit
+def _index(idx, s1, s2, s3):
+    """The 4-D index (i0, i1, i2, i3) of flat element ``idx`` of sizes (., s1, s2, s3)."""
+    i3 = idx % s3
+    rest = idx // s3
+    i2 = rest % s2
+    rest = rest // s2
+    return rest // s1, rest % s1, i2, i3
+
+
+@triton.jit
 def _elementwise(out, a, b, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a3, b0, b1, b2, b3,
                  OP: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = op(a[i], b[i]) for the n elements of a 4-D index space (sizes (n / (s1 s2 s3),
     s1, s2, s3)), each operand with its own element strides."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    i3 = idx % s3
-    rest = idx // s3
-    i2 = rest % s2
-    rest = rest // s2
-    i1 = rest % s1
-    i0 = rest // s1
+    i0, i1, i2, i3 = _index(idx, s1, s2, s3)
     x = tl.load(a + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, mask=mask)
     if OP == 0:
         y = x
@@ -73,16 +78,21 @@ def collapse(shape: tuple, *strides: tuple) -> tuple[list[int], list[list[int]]]
     return [1] * pad + sizes, [[0] * pad + st for st in strs]
 
 
-def elementwise(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None) -> None:
-    """Launch the elementwise kernel for ``op`` on llaisys tensors of one shape."""
+def index_space(out: "Tensor", a: "Tensor", b: "Tensor | None") -> tuple:
+    """The arguments after the operands of ``_elementwise`` and ``_geglu_scale``: n, the
+    collapsed sizes s1..s3, then out's, a's and b's element strides (a's again without b)."""
     ops = (out, a) if b is None else (out, a, b)
     sizes, strides = collapse(out.shape, *(t.strides for t in ops))
     if b is None:
         strides.append(strides[1])
-    n = out.numel()
-    args = (tv(out), tv(a), tv(a if b is None else b), n, sizes[1], sizes[2], sizes[3],
-            *strides[0], *strides[1], *strides[2])
-    launch(_elementwise, (triton.cdiv(n, BLOCK),), args, {"OP": op, "BLOCK": BLOCK}, exact=out.dtype is DataType.F32)
+    return (out.numel(), sizes[1], sizes[2], sizes[3], *strides[0], *strides[1], *strides[2])
+
+
+def elementwise(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None) -> None:
+    """Launch the elementwise kernel for ``op`` on llaisys tensors of one shape."""
+    args = (tv(out), tv(a), tv(a if b is None else b), *index_space(out, a, b))
+    launch(_elementwise, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
+           exact=out.dtype is DataType.F32)
 
 
 @register_kernel("add", "nvidia", dtypes=FLOATS)
@@ -132,12 +142,7 @@ def _geglu_scale(out, a, b, factor, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a
     scale (out = a * factor) over the n elements of a 4-D index space, as ``_elementwise``."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    i3 = idx % s3
-    rest = idx // s3
-    i2 = rest % s2
-    rest = rest // s2
-    i1 = rest % s1
-    i0 = rest // s1
+    i0, i1, i2, i3 = _index(idx, s1, s2, s3)
     x = tl.load(a + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, mask=mask).to(tl.float32)
     if OP == 0:
         u = tl.load(b + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3, mask=mask).to(tl.float32)
@@ -150,14 +155,9 @@ def _geglu_scale(out, a, b, factor, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a
 
 def geglu_scale(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None, factor: float = 1.0) -> None:
     """Launch ``_geglu_scale`` for ``op`` on llaisys tensors of one shape."""
-    ops = (out, a) if b is None else (out, a, b)
-    sizes, strides = collapse(out.shape, *(t.strides for t in ops))
-    if b is None:
-        strides.append(strides[1])
-    n = out.numel()
-    args = (tv(out), tv(a), tv(a if b is None else b), float(factor), n, sizes[1], sizes[2], sizes[3],
-            *strides[0], *strides[1], *strides[2])
-    launch(_geglu_scale, (triton.cdiv(n, BLOCK),), args, {"OP": op, "BLOCK": BLOCK}, exact=out.dtype is DataType.F32)
+    args = (tv(out), tv(a), tv(a if b is None else b), float(factor), *index_space(out, a, b))
+    launch(_geglu_scale, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
+           exact=out.dtype is DataType.F32)
 
 
 @register_kernel("geglu", "nvidia", dtypes=FLOATS)
