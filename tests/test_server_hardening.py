@@ -513,7 +513,7 @@ def test_sigterm_drains_and_exits_0():
 
 # ---- 3. file descriptors ---------------------------------------------------------------------
 def test_stalled_connections_under_a_low_descriptor_limit():
-    """256 descriptors, 300 stalled connections: the cap (3/4 of the limit, less 64) keeps the
+    """256 descriptors, 300 stalled connections: the cap (3/4 of the limit less 3 x 64, at least 16) keeps the
     server below the limit and makes room for a normal request; nothing floods the log."""
     with serve_process("--header-timeout", "30", nofile=256) as served:
         proc, base = served.proc, served.url

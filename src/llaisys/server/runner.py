@@ -3,7 +3,7 @@
 Connections: one that has not sent a request's headers within ``options.header_timeout_s``
 (from its opening, or from the end of its last response) is closed. At most
 ``options.max_connections`` are open (default: 3/4 of the process's descriptor limit, less
-the connections accepted in one go, ACCEPT_BATCH): a new one above that closes the one that
+three times the connections accepted in one go, ACCEPT_BATCH): a new one above that closes the one that
 has waited longest without a request (a stalled client, or an idle keep-alive), or, when every
 connection has a request running, is answered 503 and closed. So stalled clients can neither
 use up the descriptors nor keep others out. Should the process run out of descriptors anyway,
@@ -73,12 +73,14 @@ def descriptor_limit() -> int | None:
 
 def connection_cap(options: ServerOptions) -> int:
     """Open connections the server keeps: ``options.max_connections``, else 3/4 of the
-    descriptor limit less ACCEPT_BATCH (the rest for the model's files, the database, the
-    event loop)."""
+    descriptor limit less 3 * ACCEPT_BATCH, at least 16 (the rest for the model's files, the
+    database, the event loop). Three bursts: a burst's connections evict waiting ones as they
+    are made, a loop turn after their accept, and an evicted socket closes a turn later, while
+    each turn may accept another burst."""
     if options.max_connections is not None:
         return options.max_connections
     limit = descriptor_limit()
-    return 65536 if limit is None else max(16, limit * 3 // 4 - ACCEPT_BATCH)
+    return 65536 if limit is None else max(16, limit * 3 // 4 - 3 * ACCEPT_BATCH)
 
 
 def _refusal(status_line: str, err: APIError) -> bytes:
