@@ -32,13 +32,14 @@ def make_env() -> dict[str, str]:
 
 
 def recipe(target: str, *variables: str) -> list[str]:
-    """The command the Makefile's ``target`` runs after installing (its one line that is not a
-    pip install), as `make -n` prints it, split as the shell would."""
-    proc = subprocess.run(["make", "-n", "--no-print-directory", target, f"PYTHON={sys.executable}", *variables],
+    """The command the Makefile's ``target`` runs after installing (its one line, the install
+    step taken as done), as `make -n` prints it, split as the shell would."""
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "-o", "install", target, f"PYTHON={sys.executable}",
+                           *variables],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=make_env())
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.strip() and " -m pip " not in line]
-    assert len(lines) == 1, f"`make -n {target}` runs more than one command besides pip:\n{proc.stdout}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"`make -n {target}` runs more than one command after installing:\n{proc.stdout}"
     return shlex.split(lines[0])
 
 
@@ -55,6 +56,31 @@ def get(url: str, timeout: float = 5) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def installs(checkout: Path, *flags: str) -> bool:
+    """Whether `make -n run` in ``checkout`` (with make's ``flags``) would run pip."""
+    proc = subprocess.run(["make", "-n", "--no-print-directory", *flags, "run", f"PYTHON={sys.executable}"],
+                          cwd=checkout, capture_output=True, text=True, timeout=60, env=make_env())
+    assert proc.returncode == 0, proc.stderr
+    return " -m pip install " in proc.stdout
+
+
+def test_make_installs_once_and_again_when_its_sources_change(tmp_path) -> None:
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for part in ("Makefile", "pyproject.toml", "setup.py", "tools", "csrc", "include"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy2
+        copy(ROOT / part, checkout / part)
+    assert installs(checkout), "a checkout never installed does not install"
+    stamp = subprocess.run([sys.executable, "tools/install_stamp.py", "base"], cwd=checkout, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    (checkout / stamp).parent.mkdir(parents=True)
+    (checkout / stamp).touch()  # what the install step leaves when it has run
+    assert not installs(checkout), "an installed checkout installs again"
+    c_source = next((checkout / "csrc").rglob("*.c")).relative_to(checkout)
+    assert installs(checkout, "-W", str(c_source)), f"a changed {c_source} does not rebuild the native kernels"
+    assert installs(checkout, "-W", "pyproject.toml"), "changed dependencies do not reinstall"
 
 
 def test_make_run_prints_an_answer() -> None:

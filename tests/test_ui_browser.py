@@ -52,7 +52,13 @@ def canned_answer(prompt: str) -> str:
             f"    return a + b  # the sum\n```\n\nDone.")
     if "long" in prompt:
         text += " More" + " words" * 400
+    if "table" in prompt:
+        text += "\n\n| " + " | ".join(TABLE_WORDS) + " |\n|" + "---|" * len(TABLE_WORDS) + "\n| " + \
+            " | ".join(TABLE_WORDS[::-1]) + " |\n"
     return text
+
+
+TABLE_WORDS = ("Temperature", "Pressure", "Humidity", "Visibility", "Precipitation", "Conditions")
 
 
 def canned_reasoning(prompt: str) -> str:
@@ -133,7 +139,7 @@ def build_app(db_path: Path, api_key: str | None = None) -> FastAPI:
                         return
                     yield chunk({"content": piece})
                     await asyncio.sleep(delay)
-                yield chunk({}, "stop")
+                yield chunk({}, "length" if "cut" in prompt else "stop")
                 n = len(thoughts) + len(pieces)
                 usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
                 yield f"data: {json.dumps({'id': 'chatcmpl-fake', 'choices': [], 'usage': usage})}\n\n"
@@ -355,6 +361,51 @@ def test_stop_keeps_the_partial_answer(live: LiveServer, driver: Any) -> None:
     assert answer["meta"]["status"] == "stopped"
     assert len(partial["content"]) <= len(answer["content"]) < len(canned_answer("a long answer please"))
     assert css(driver, "#send")[0].is_displayed() and not css(driver, "#stop")[0].is_displayed()
+
+
+def test_an_answer_cut_at_max_tokens_is_marked(live: LiveServer, driver: Any) -> None:
+    open_page(driver, live.url)
+    send(driver, "an answer cut short")
+    (msg,) = answer_done(driver)
+    mark = msg.find_elements("css selector", ".msg-status.length")
+    assert len(mark) == 1 and "max tokens" in mark[0].text
+    assert conversation(live, "an answer cut short")["messages"][-1]["meta"]["finish_reason"] == "length"
+    reload(driver)  # the mark comes from what was stored
+    wait(driver, lambda d: len(css(d, ".msg.assistant .msg-status.length")) == 1, "the mark after a reload")
+    send(driver, "then a whole answer")
+    answers = answer_done(driver, 2)
+    assert not answers[1].find_elements("css selector", ".msg-status")
+
+
+NARROW = (420, 800)  # a phone's width
+
+
+def test_a_narrow_window_keeps_every_button_and_whole_words(live: LiveServer, driver: Any) -> None:
+    size = driver.get_window_size()
+    driver.set_window_size(*NARROW)
+    try:
+        open_page(driver, live.url)
+        send(driver, "a table please")
+        (msg,) = answer_done(driver)
+        width = driver.execute_script("return document.documentElement.clientWidth")
+        for name in ("rename-button", "settings-button", "export-button", "toggle-sidebar"):
+            button = css(driver, "#" + name)[0]
+            rect = driver.execute_script("return arguments[0].getBoundingClientRect().toJSON()", button)
+            assert button.is_displayed() and rect["left"] >= 0 and rect["right"] <= width, (name, rect, width)
+        # each cell holds one word: one line box for its text, not a word broken over lines
+        lines = driver.execute_script("""
+            return Array.from(arguments[0].querySelectorAll('td, th')).map(cell => {
+              const range = document.createRange(); range.selectNodeContents(cell);
+              return [cell.textContent, range.getClientRects().length];
+            });""", msg)
+        assert sorted(text for text, _ in lines) == sorted(TABLE_WORDS * 2)
+        assert all(n == 1 for _, n in lines), f"table cells broken over lines: {lines}"
+        css(driver, "#rename-button")[0].click()
+        wait(driver, lambda d: css(d, ".rename-input") and css(d, ".rename-input")[0].is_displayed()
+             and d.execute_script("return arguments[0].getBoundingClientRect().left >= 0", css(d, ".rename-input")[0]),
+             "the rename field, on screen")
+    finally:
+        driver.set_window_size(size["width"], size["height"])
 
 
 def path_messages(stored: dict[str, Any]) -> list[dict[str, Any]]:

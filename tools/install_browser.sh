@@ -7,6 +7,7 @@ if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&
 fi
 SUDO=""
 [ "$(id -u)" = "0" ] || SUDO="sudo"
+echo "==> Installing Chromium and ChromeDriver for the chat page's browser tests (Debian packages)"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || {
     $SUDO apt-get update -q >/dev/null

@@ -336,6 +336,11 @@
       const status = statusOf(m);
       if (status && status !== "done") foot.appendChild(el("span", "msg-status " + status, status));
       const meta = metaOf(m);
+      if (meta.finish_reason === "length" && !streaming) {
+        const cut = el("span", "msg-status length", "cut at max tokens");
+        cut.title = "The answer reached its token limit: raise Max tokens in Settings, or ask it to go on.";
+        foot.appendChild(cut);
+      }
       if (typeof meta.error === "string" && meta.error) foot.appendChild(el("span", "msg-error", meta.error));
       const stats = statsText(meta);
       if (stats && !streaming) foot.appendChild(el("span", "msg-stats", stats));
@@ -874,7 +879,9 @@
     $("rename-button").addEventListener("click", () => {
       const li = state.conv && document.querySelector('.conversation[data-id="' + CSS.escape(state.conv.id) + '"]');
       const summary = li && state.list.find((c) => c.id === state.conv.id);
-      if (summary) startRename(li, summary);
+      if (!summary) return;
+      document.body.classList.add("show-sidebar"); // on a narrow screen the title is edited in the sidebar
+      startRename(li, summary);
     });
     $("export-button").addEventListener("click", exportConversation);
     $("import-button").addEventListener("click", () => $("import-file").click());
