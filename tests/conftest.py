@@ -84,24 +84,65 @@ def smollm2_path() -> Path:
     return path
 
 
+# transformers' conversions of the real GGUF files (dequantizing a model takes 10-30 s, a
+# 262k-token vocabulary 15 s) are saved here once per file and transformers version, and loaded
+# from here by later runs: still transformers' own conversion, made by transformers.
+REFERENCE_CACHE = Path(os.environ.get("LLAISYS_TEST_CACHE", Path.home() / ".cache" / "llaisys" / "test-references"))
+
+
+def transformers_from_gguf(kind: str, path: Path):
+    """transformers' tokenizer (``kind`` "tokenizer") or float32 causal LM ("model") built from
+    the GGUF file ``path``, through the on-disk cache of earlier conversions."""
+    import hashlib
+    import shutil
+
+    import torch
+    import transformers
+
+    auto = {"tokenizer": transformers.AutoTokenizer, "model": transformers.AutoModelForCausalLM}[kind]
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+                         f"{torch.__version__}|{kind}".encode()).hexdigest()[:20]
+    saved = REFERENCE_CACHE / f"{path.stem}-{kind}-{key}"
+    extra = {"dtype": torch.float32} if kind == "model" else {}
+    if saved.is_dir():
+        try:
+            loaded = auto.from_pretrained(os.fspath(saved), **extra)
+            return loaded.eval() if kind == "model" else loaded
+        except Exception:  # a damaged or partial copy: converted again below
+            shutil.rmtree(saved, ignore_errors=True)
+    converted = auto.from_pretrained(os.fspath(path.parent), gguf_file=path.name, **extra)
+    part = saved.with_name(f"{saved.name}.{os.getpid()}.part")
+    try:  # into a temporary name, then renamed: a second run at the same time never sees half a copy
+        if kind == "model":  # transformers will not save_pretrained a model it read from GGUF
+            from safetensors.torch import save_model
+
+            part.mkdir(parents=True)
+            converted.config.save_pretrained(os.fspath(part))
+            save_model(converted, os.fspath(part / "model.safetensors"))
+        else:
+            converted.save_pretrained(os.fspath(part))
+        os.replace(part, saved)
+    except OSError:  # no room or a read-only home: the conversion is still good for this run
+        pass
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return converted.eval() if kind == "model" else converted
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path):
     """transformers' tokenizer built from the SmolLM2 GGUF (the reference for ours)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.fspath(smollm2_path.parent), gguf_file=smollm2_path.name)
+    return transformers_from_gguf("tokenizer", smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2_model(smollm2_path):
     """transformers' LlamaForCausalLM with the SmolLM2 GGUF dequantized to f32 (the reference)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+    return transformers_from_gguf("model", smollm2_path)
 
 
 @pytest.fixture(scope="session")
@@ -150,10 +191,9 @@ def gemma3_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_gemma3_tokenizer(gemma3_gguf_path):
-    """transformers' tokenizer built from the Gemma 3 GGUF (the reference for ours; ~15 s)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.fspath(gemma3_gguf_path.parent), gguf_file=gemma3_gguf_path.name)
+    """transformers' tokenizer built from the Gemma 3 GGUF (the reference for ours; ~15 s the
+    first time)."""
+    return transformers_from_gguf("tokenizer", gemma3_gguf_path)
 
 
 class HostMemoryBackend(DeviceBackend):

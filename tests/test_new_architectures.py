@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import hf_to_gguf_tensors, write_gguf  # noqa: E402
+from conftest import hf_to_gguf_tensors, transformers_from_gguf, write_gguf  # noqa: E402
 from llaisys.engine import LLMEngine  # noqa: E402
 from llaisys.generation import GenerationConfig  # noqa: E402
 from llaisys.models import ModelLoadError, load_model  # noqa: E402
@@ -168,9 +168,8 @@ def test_mistral_bad_window_and_llama_window_refused(tmp_path):
 # ---- the real Gemma 3 270M (base) GGUF -------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_gemma3_270m(gemma3_gguf_path):
-    """transformers' model from the same GGUF (dequantized to float32; ~30 s, ~3 GB)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma3_gguf_path.parent), gguf_file=gemma3_gguf_path.name, dtype=torch.float32).eval()
+    """transformers' model from the same GGUF (dequantized to float32; ~30 s the first time)."""
+    return transformers_from_gguf("model", gemma3_gguf_path)
 
 
 def test_gemma3_270m_greedy_tokens_equal_transformers(gemma3_gguf_path, hf_gemma3_270m):
