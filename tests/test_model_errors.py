@@ -376,7 +376,7 @@ def test_the_base_folder_loads(tmp_path):
      r"config\.json: rope_parameters holds per-layer-type entries \('full_attention'\)"),
     ({**HF_CONFIG, "rope_scaling": [1, 2]}, r"config\.json: rope_scaling must be an object, got \[1, 2\]"),
     ({**HF_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": None}},
-     r"config\.json: rope_theta must be a positive number, got None"),
+     r"config\.json: rope_parameters\.rope_theta must be a positive number, got None"),
     ({**HF_CONFIG, "hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
 ])
 def test_bad_config_json(tmp_path, config, message):

@@ -7,6 +7,7 @@ llama3, linear, yarn and dynamic rope against transformers; GGUF files with
 ``rope_freqs.weight`` and linear / yarn scaling keys against transformers' models."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ import llaisys
 from llaisys import DataType, Tensor, ops
 from llaisys.kernels.cpu import native_ops, norm_rope
 from llaisys.models import ModelLoadError, load_model
+from llaisys.models import architectures
 from llaisys.models.architectures import config_from_hf
 from llaisys.models.rope import rope_frequencies
 
@@ -82,13 +84,23 @@ def rope_reference(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, f
     return torch.cat([rot * cos + half * sin, rest], dim=-1)
 
 
+@pytest.fixture
+def partial_llama():
+    """model_type "partial_llama": Llama whose attention rotates only int(Dh * partial_rotary_factor)
+    dims of each head, as transformers' rope functions size them (no registered architecture
+    does: transformers' Llama, Qwen and Gemma rotate whole heads)."""
+    architectures.register(dataclasses.replace(architectures.get("llama"), name="partial_llama", partial_rotary=True))
+    yield "partial_llama"
+    architectures.unregister("partial_llama")
+
+
 # ---- the frequencies ----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CASES))
-def test_frequencies_match_transformers(name):
+def test_frequencies_match_transformers(name, partial_llama):
     params, partial = CASES[name]
     raw = hf_config(params, partial)
     want, want_factor = hf_frequencies(raw)
-    got, factor = rope_frequencies(config_from_hf(raw, "config.json"))
+    got, factor = rope_frequencies(config_from_hf({**raw, "model_type": partial_llama}, "config.json"))
     assert got.dtype == np.float32 and got.shape == (int(HEAD_DIM * partial) // 2,)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(want_factor, rel=1e-12)
@@ -120,7 +132,8 @@ def test_original_max_position_embeddings_follows_transformers():
     ({"rope_type": "linear"}, r"config\.json: rope type 'linear' needs factor in its rope parameters"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
      r"rope type 'llama3' needs high_freq_factor"),
-    ({"rope_type": "yarn", "factor": "big"}, r"rope parameter factor must be a positive number, got 'big'"),
+    ({"rope_type": "yarn", "factor": "big"},
+     r"config\.json: rope_parameters\.factor must be a positive number, got 'big'"),
 ])
 def test_unsupported_or_incomplete_rope_is_refused_by_name(params, message):
     with pytest.raises(ModelLoadError, match=message):
@@ -439,7 +452,7 @@ def test_gguf_yarn_tuning_keys_are_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match=r"llama\.rope\.scaling\.yarn_beta_fast tune llama\.cpp's YaRN"):
         load_model(gguf_of(hf, tmp_path / "tuned.gguf", meta=meta))
     bad = gguf_of(hf, tmp_path / "freqs.gguf", {"rope_freqs.weight": np.ones(HEAD_DIM // 4, np.float32)})
-    with pytest.raises(ModelLoadError, match=r"rope_freqs holds 4 factors; expected 8"):
+    with pytest.raises(ModelLoadError, match=r"freqs\.gguf: rope_freqs\.weight holds 4 factors; expected 8"):
         load_model(bad)
 
 

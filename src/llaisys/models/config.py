@@ -28,8 +28,8 @@ class ModelConfig:
     intermediate_size: int  # I, the MLP width
     num_hidden_layers: int  # L
     num_attention_heads: int  # H
-    num_key_value_heads: int = 0  # KH; 0 means H (no grouping)
-    head_dim: int = 0  # Dh; 0 means D // H
+    num_key_value_heads: int | None = None  # KH; None means H (no grouping)
+    head_dim: int | None = None  # Dh; None means D // H
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # rope type and its parameters (models.rope); None: plain rope
@@ -46,9 +46,9 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotary embedding
     sliding_window: int = 0  # keys a sliding-window layer attends to (its own included); 0: none
     layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
-    query_pre_attn_scalar: float = 0.0  # attention scores times 1/sqrt(this); 0: head_dim
+    query_pre_attn_scalar: float | None = None  # attention scores times 1/sqrt(this); None: head_dim
     embedding_multiplier: float = 1.0  # the token embeddings times this (Gemma: sqrt(hidden_size))
-    rope_local_theta: float = 0.0  # the rope base of sliding-window layers; 0: rope_theta
+    rope_local_theta: float | None = None  # the rope base of sliding-window layers; None: rope_theta
     # A routed mixture of experts in place of the MLP (Qwen3-MoE) on the sparse layers:
     num_experts: int = 0  # E; 0: every layer dense
     num_experts_per_tok: int = 0  # k experts chosen per token
@@ -56,11 +56,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # an expert's MLP width
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and it is not listed here
+    # How the file spells a field or rope parameter, for messages: "head_dim" ->
+    # "llama.attention.key_length", "rope_scaling" -> "rope_parameters" (its parameters follow)
+    key_names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads == 0:
+        if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim == 0 and all(type(v) is int and v > 0 for v in (self.hidden_size, self.num_attention_heads)):
+        if self.head_dim is None and all(is_int(v) and v > 0 for v in (self.hidden_size, self.num_attention_heads)):
             self.head_dim = self.hidden_size // self.num_attention_heads
         # Values of other types are kept as found, for ``validate`` to name them.
         if is_int(self.eos_token_id):
@@ -76,32 +79,47 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
+    def key_name(self, name: str) -> str:
+        """How the file this config came from spells field or rope parameter ``name``
+        ("head_dim", "rope_scaling.factor"), for messages (``key_names``); else ``name``."""
+        if name in self.key_names:
+            return self.key_names[name]
+        table, dot, param = name.partition(".")
+        return f"{self.key_names[table]}.{param}" if dot and table in self.key_names else name
+
     def validate(self, source: str) -> "ModelConfig":
         """Check the values describe a model the shared blocks can run; raises ModelLoadError
-        naming ``source``. (What only an architecture knows, its module checks.)"""
+        naming ``source`` and the key as the file spells it. (What only an architecture
+        knows, its module checks.)"""
         if not isinstance(self.architecture, str) or not self.architecture:
             raise ModelLoadError(f"{source}: architecture must be a non-empty name, got {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value!r}")
+            if not is_int(value) or value <= 0:
+                raise ModelLoadError(f"{source}: {self.key_name(name)} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ModelLoadError(f"{source}: {self.key_name('max_position_embeddings')} must be at most "
+                                 f"{MAX_POSITIONS}, got {self.max_position_embeddings}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
-                f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
+                f"{source}: {self.key_name('num_attention_heads')}={self.num_attention_heads} is not a multiple of "
+                f"{self.key_name('num_key_value_heads')}={self.num_key_value_heads}"
             )
         if self.head_dim % 2:
-            raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ModelLoadError(f"{source}: {self.key_name('head_dim')} must be even for rotary embeddings, "
+                                 f"got {self.head_dim}")
         for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ModelLoadError(f"{source}: {name} must be a positive number, got {value!r}")
+            if not is_positive(getattr(self, name)):
+                raise ModelLoadError(f"{source}: {self.key_name(name)} must be a positive number, "
+                                     f"got {getattr(self, name)!r}")
         value = self.partial_rotary_factor
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-            raise ModelLoadError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {value!r}")
+        if not is_number(value) or not 0 < value <= 1:
+            raise ModelLoadError(f"{source}: {self.key_name('partial_rotary_factor')} must be a number in (0, 1], "
+                                 f"got {value!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
-            raise ModelLoadError(f"{source}: rope_scaling must be an object, got {self.rope_scaling!r}")
+            raise ModelLoadError(f"{source}: {self.key_name('rope_scaling')} must be an object, "
+                                 f"got {self.rope_scaling!r}")
         from .rope import rope_frequencies  # here: models.rope imports this module's type
 
         rope_frequencies(self, source)  # refuses a rope type or parameter llaisys does not apply
@@ -115,7 +133,6 @@ class ModelConfig:
             )
         self.eos_token_id = token_ids(self.eos_token_id, source, "eos_token_id")
         return self
-
 
     def _validate_blocks(self, source: str) -> None:
         """Checks of the fields the architectures set for their blocks."""
@@ -135,12 +152,10 @@ class ModelConfig:
             if "sliding_attention" in types and not self.sliding_window:
                 raise ModelLoadError(f"{source}: layer_types names sliding_attention layers but sliding_window "
                                      f"is not set")
-        for name, low in (("query_pre_attn_scalar", 0.0), ("rope_local_theta", 0.0), ("embedding_multiplier", None)):
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "embedding_multiplier"):
             value = getattr(self, name)
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                    or (value <= 0 if low is None else value < low)):
-                raise ModelLoadError(f"{source}: {name} must be a {'positive' if low is None else 'non-negative'} "
-                                     f"number, got {value!r}")
+            if not is_positive(value) and not (value is None and name != "embedding_multiplier"):
+                raise ModelLoadError(f"{source}: {self.key_name(name)} must be a positive number, got {value!r}")
 
     def _validate_experts(self, source: str) -> None:
         """Checks of the mixture-of-experts fields."""
@@ -182,16 +197,33 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The factor of the attention scores: 1/sqrt(query_pre_attn_scalar or head_dim)."""
-        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+        return 1.0 / math.sqrt(self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar)
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+MAX_POSITIONS = 2**32 - 1  # llama.cpp reads a context length as a 32-bit unsigned integer
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer (a JSON/GGUF integer, not a bool or a float)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (a JSON/GGUF number, not a bool, NaN, infinity
+    or an integer past the float range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def is_positive(value: Any) -> bool:
+    """Whether ``value`` is a finite number > 0."""
+    return is_number(value) and value > 0
 
 
 def is_token_id(value: Any) -> bool:
@@ -237,7 +269,8 @@ def _rope_parameters(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     then the flat one, then 1. A table of type "llama3", "yarn" or "longrope" takes a flat
     ``original_max_position_embeddings`` over its own, else its own, else
     ``max_position_embeddings``. A table of per-layer-type entries is refused; the rope type is
-    checked with the rest of the config (``models.rope``). rope_scaling is None for the plain rope."""
+    checked with the rest of the config (``models.rope``). rope_scaling is None for the plain
+    rope. ``key_names`` says where each value was found, for messages."""
     for key in ("rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], Mapping):
             raise ModelLoadError(f"{source}: {key} must be an object, got {raw[key]!r}")
@@ -247,20 +280,31 @@ def _rope_parameters(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     if nested:
         raise ModelLoadError(f"{source}: {key} holds per-layer-type entries ({', '.join(map(repr, nested))}), "
                              f"which llaisys does not apply; expected one table of rope parameters")
+    names = {"rope_scaling": key}
+    if "rope_type" not in table and "type" in table:
+        names["rope_scaling.rope_type"] = f"{key}.type"
     kind = table.get("rope_type", table.get("type", "default"))
-    theta = table.pop("rope_theta") if "rope_theta" in table else raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    if "rope_theta" in table:
+        theta, names["rope_theta"] = table.pop("rope_theta"), f"{key}.rope_theta"
+    else:
+        theta = raw.get("rope_theta", DEFAULT_ROPE_THETA)
     partial = table.pop("partial_rotary_factor", None)
     if partial is None:
         partial = raw.get("partial_rotary_factor")
+    else:
+        names["partial_rotary_factor"] = f"{key}.partial_rotary_factor"
     if kind in ("llama3", "yarn", "longrope"):
-        if raw.get("original_max_position_embeddings") is not None:
-            table["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-        elif table.get("original_max_position_embeddings") is None:
-            table["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+        origin = "original_max_position_embeddings"
+        if raw.get(origin) is not None:
+            table[origin] = raw[origin]
+            names[f"rope_scaling.{origin}"] = origin
+        elif table.get(origin) is None:
+            table[origin] = raw.get("max_position_embeddings")
+            names[f"rope_scaling.{origin}"] = "max_position_embeddings"
     table["rope_type"] = kind
     table.pop("type", None)
     return {"rope_theta": theta, "rope_scaling": None if kind == "default" else table,
-            "partial_rotary_factor": 1.0 if partial is None else partial}
+            "partial_rotary_factor": 1.0 if partial is None else partial, "key_names": names}
 
 
 def hf_common_fields(raw: Any, source: str) -> dict[str, Any]:
@@ -276,12 +320,9 @@ def hf_common_fields(raw: Any, source: str) -> dict[str, Any]:
         raise ModelLoadError(f"{source}: missing required key(s) {', '.join(missing)}")
     if json_flag(raw, "mlp_bias", False, source):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported; expected MLP projections without bias")
-    values = {k: v for k, v in raw.items() if k not in BLOCK_FIELDS}  # those the architecture sets
+    values = {k: v for k, v in raw.items() if k not in BLOCK_FIELDS and k != "key_names"}  # those the architecture sets
     values.update(_rope_parameters(raw, source))
     values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
-    for key in ("num_key_value_heads", "head_dim"):
-        if values.get(key) is None:
-            values[key] = 0
     return values
 
 

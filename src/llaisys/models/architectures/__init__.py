@@ -14,19 +14,21 @@ one new module here plus its import below (docs/models.md shows one).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, hf_common_fields, json_flag, read_config_json
+from ..config import ModelConfig, hf_common_fields, is_number, json_flag, read_config_json
 from ..errors import ModelLoadError
 from ..weights import LayerShapes, NameTable, WeightSource, layer_shapes
 
 # A fix applied to a block of a GGUF tensor's rows (float rows, or the raw rows of a quantized
 # matrix) as they are read, with the row count the blocks' bounds must be multiples of.
 RowFix = tuple[Callable[[np.ndarray], np.ndarray], int]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class Architecture:
     # before the strict check (Qwen3-MoE: a safetensors file's experts, one tensor each, stacked)
     sanitize_weights: Callable[[dict[str, WeightSource], ModelConfig, str], dict[str, WeightSource]] = field(
         default=lambda weights, config, source: weights, repr=False)
+    # (raw config.json as found) -> how it spells the fields its ``hf_prepare`` moved, for
+    # messages (``ModelConfig.key_names``; Gemma 3: "rope_parameters.full_attention")
+    hf_key_names: Callable[[Mapping[str, Any]], dict[str, str]] = field(default=lambda raw: {}, repr=False)
+    # Whether its attention rotates only the first int(Dh * partial_rotary_factor) dims of each
+    # head. False: whole heads, as transformers' Llama, Qwen and Gemma classes do (``whole_heads``)
+    partial_rotary: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)  # the flags of an alias (``ALIASES``)
 
 
@@ -121,10 +129,14 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     arch = get(raw.get("model_type"), source, key="model_type")
+    names = arch.hf_key_names(raw)
     raw = arch.hf_prepare(raw, source)
     values = hf_common_fields(raw, source)
     values["architecture"] = arch.name
+    values["key_names"] = {**values["key_names"], **names}
     values.update(arch.hf_config(raw, source, arch.options))
+    if not arch.partial_rotary:
+        values = whole_heads(values, source)
     try:
         config = ModelConfig.from_dict(values)
     except (TypeError, ValueError) as exc:
@@ -135,6 +147,26 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
 def read_hf_config(path: "str | os.PathLike[str]") -> ModelConfig:
     """Read and check a ``config.json``."""
     return config_from_hf(read_config_json(path), os.fspath(path))
+
+
+def whole_heads(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """The config ``values`` of an architecture whose attention rotates whole heads, as
+    transformers' model of it does: a ``partial_rotary_factor`` < 1 is ignored with the default
+    rope (transformers sizes that rope by the head alone) and refused with a scaled one (whose
+    frequencies transformers sizes by the factor, then cannot apply to the whole head)."""
+    partial = values.get("partial_rotary_factor", 1.0)
+    if not is_number(partial) or not 0 < partial < 1:  # 1, or a bad value ``validate`` names
+        return values
+    key = values.get("key_names", {}).get("partial_rotary_factor", "partial_rotary_factor")
+    scaling = values.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type") if isinstance(scaling, Mapping) else scaling
+        raise ModelLoadError(f"{source}: {key}={partial} with rope type {kind!r} is not supported for model_type "
+                             f"{values['architecture']!r}, which rotates whole heads (transformers cannot apply a "
+                             f"scaled rope to part of one); expected 1 or absent")
+    log.warning("%s: %s=%s is ignored: model_type %r rotates whole heads with the default rope, as transformers "
+                "does", source, key, partial, values["architecture"])
+    return {**values, "partial_rotary_factor": 1.0}
 
 
 def refuse_sliding_window(raw: Mapping[str, Any], source: str) -> None:

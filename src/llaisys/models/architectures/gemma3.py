@@ -15,7 +15,7 @@ from typing import Any, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, json_flag
+from ..config import ModelConfig, is_number, json_flag
 from ..errors import ModelLoadError
 from ..layers import sandwich_layer
 from ..weights import GGUF_NAMES, HF_NAMES, NameTable, layer_shapes
@@ -23,6 +23,7 @@ from . import Architecture, no_row_fix, register
 
 PATTERN = 6  # every sixth layer is global unless layer_types says otherwise
 LOCAL_ROPE_THETA = 10000.0  # transformers' default rope base of the sliding layers
+GLOBAL_ROPE_THETA = 1_000_000.0  # ... and of the global ones
 
 HF_LAYER = {**{k: v for k, v in HF_NAMES.layer.items() if k != "post_attention_layernorm.weight"},
             "post_attention_layernorm.weight": "post_attn_norm",
@@ -49,25 +50,65 @@ def embedding_multiplier(hidden_size: int) -> float:
 
 def hf_prepare(raw: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     """The full layers' rope table as the config's rope table, and the sliding layers' base as
-    ``rope_local_base_freq`` (transformers 5 writes one table per layer type)."""
+    ``rope_local_base_freq`` (transformers 5 writes one table per layer type); the full layers'
+    base 1000000 when the file gives none, as transformers' Gemma 3 defaults it."""
     if "text_config" in raw:
         raise ModelLoadError(f"{source}: a multimodal Gemma 3 config (text_config inside); llaisys runs the text "
                              f"model only (model_type 'gemma3_text')")
     params = raw.get("rope_parameters")
-    if not isinstance(params, Mapping) or not any(isinstance(v, Mapping) for v in params.values()):
-        return raw
-    unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ModelLoadError(f"{source}: rope_parameters names layer types {unknown}; expected full_attention "
-                             f"and sliding_attention")
-    local = params.get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ModelLoadError(f"{source}: rope_parameters.sliding_attention has rope_type "
-                             f"{local.get('rope_type')!r}; llaisys applies only 'default' to the sliding layers")
-    out = {k: v for k, v in raw.items() if k != "rope_scaling"}
-    out["rope_parameters"] = dict(params.get("full_attention") or {})
-    out["rope_local_base_freq"] = local.get("rope_theta", LOCAL_ROPE_THETA)
+    out = dict(raw)
+    if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ModelLoadError(f"{source}: rope_parameters names layer types {unknown}; expected full_attention "
+                                 f"and sliding_attention")
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: rope_parameters.sliding_attention has rope_type "
+                                 f"{local.get('rope_type')!r}; llaisys applies only 'default' to the sliding layers")
+        out.pop("rope_scaling", None)
+        out["rope_parameters"] = dict(params.get("full_attention") or {})
+        out["rope_local_base_freq"] = given(local, "rope_theta", LOCAL_ROPE_THETA, source,
+                                            "rope_parameters.sliding_attention.rope_theta")
+    table = out.get("rope_scaling") or out.get("rope_parameters")
+    if "rope_theta" not in out and not (isinstance(table, Mapping) and "rope_theta" in table):
+        out["rope_theta"] = GLOBAL_ROPE_THETA
     return out
+
+
+def hf_key_names(raw: Mapping[str, Any]) -> dict[str, str]:
+    """Where a ``config.json`` holds what ``hf_prepare`` moves: the per-layer-type rope tables'
+    keys, or ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters")
+    if not isinstance(params, Mapping) or not any(isinstance(v, Mapping) for v in params.values()):
+        return {"rope_local_theta": "rope_local_base_freq"}
+    full = params.get("full_attention")
+    names = {"rope_scaling": "rope_parameters.full_attention",
+             "rope_local_theta": "rope_parameters.sliding_attention.rope_theta"}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if isinstance(full, Mapping) and key in full:
+            names[key] = f"rope_parameters.full_attention.{key}"
+    return names
+
+
+def given(raw: Mapping[str, Any], key: str, default: Any, source: str, name: str | None = None) -> Any:
+    """``raw[key]``, ``default`` when absent; null, which transformers' Gemma 3 cannot run
+    either, is a ModelLoadError naming the key (``name``, where it sits)."""
+    if key not in raw:
+        return default
+    if raw[key] is None:
+        raise ModelLoadError(f"{source}: {name or key} must be a number, got null")
+    return raw[key]
+
+
+def sliding_pattern(raw: Mapping[str, Any], source: str) -> int:
+    """``sliding_window_pattern`` (every n-th layer global): a positive integer (a float of
+    integer value too, as transformers takes it); ``PATTERN`` when absent."""
+    key = "sliding_window_pattern" if "sliding_window_pattern" in raw else "_sliding_window_pattern"
+    pattern = given(raw, key, PATTERN, source)
+    if not is_number(pattern) or pattern < 1 or pattern != int(pattern):
+        raise ModelLoadError(f"{source}: {key} must be a positive integer (every n-th layer global), got {pattern!r}")
+    return int(pattern)
 
 
 def _refuse_softcap(get: Any, source: str, prefix: str = "") -> None:
@@ -88,15 +129,16 @@ def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -
     bias = json_flag(raw, "attention_bias", False, source)
     layers = raw.get("num_hidden_layers")
     types = raw.get("layer_types")
-    if types is None and isinstance(layers, int) and 0 <= layers <= 1 << 20:
-        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", PATTERN))
-        types = pattern_layers(layers, pattern if isinstance(pattern, int) and pattern > 0 else PATTERN)
+    if types is None:
+        pattern = sliding_pattern(raw, source)
+        if isinstance(layers, int) and 0 <= layers <= 1 << 20:
+            types = pattern_layers(layers, pattern)
     hidden = raw.get("hidden_size")
     return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": bias, "attention_out_bias": bias,
             "sliding_window": raw.get("sliding_window", 4096), "layer_types": types,
-            "query_pre_attn_scalar": raw.get("query_pre_attn_scalar", 256),
+            "query_pre_attn_scalar": given(raw, "query_pre_attn_scalar", 256, source),
             "embedding_multiplier": embedding_multiplier(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0,
-            "rope_local_theta": raw.get("rope_local_base_freq", LOCAL_ROPE_THETA),
+            "rope_local_theta": given(raw, "rope_local_base_freq", LOCAL_ROPE_THETA, source),
             "tie_word_embeddings": json_flag(raw, "tie_word_embeddings", True, source)}
 
 
@@ -107,16 +149,16 @@ def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) 
     _refuse_softcap(meta.get, source, "gemma3.")
     layers, hidden = meta.get("gemma3.block_count"), meta.get("gemma3.embedding_length")
     heads = meta.get("gemma3.attention.head_count")
-    head_dim = meta.get("gemma3.attention.key_length")
-    scalar = head_dim
+    scalar, scalar_key = meta.get("gemma3.attention.key_length"), "gemma3.attention.key_length"
     if layers == 62 and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        scalar = hidden // heads
+        scalar, scalar_key = hidden // heads, "gemma3.embedding_length / gemma3.attention.head_count"
     return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": False, "attention_out_bias": False,
             "sliding_window": meta.get("gemma3.attention.sliding_window", 0),
             "layer_types": pattern_layers(layers) if isinstance(layers, int) and 0 <= layers <= 1 << 20 else None,
-            "query_pre_attn_scalar": scalar or 0.0,
+            "query_pre_attn_scalar": scalar,  # None (no key_length): head_dim
             "embedding_multiplier": embedding_multiplier(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0,
-            "rope_local_theta": LOCAL_ROPE_THETA}
+            "rope_local_theta": LOCAL_ROPE_THETA,
+            "key_names": {"query_pre_attn_scalar": scalar_key, "sliding_window": "gemma3.attention.sliding_window"}}
 
 
 def gemma3_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -143,5 +185,6 @@ GEMMA3 = register(Architecture(
     decoder_layer=sandwich_layer,
     layer_shapes=gemma3_layer_shapes,
     hf_prepare=hf_prepare,
+    hf_key_names=hf_key_names,
     hf_value_fix=hf_value_fix,
 ))

@@ -76,13 +76,16 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     if missing:
         raise ModelLoadError(f"{path}: missing metadata key(s) {', '.join(missing)}")
     values: dict[str, Any] = {"architecture": arch}
+    names = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_KEYS.items() if f"{arch}.{key}" in meta}
     for key, name in GGUF_CONFIG_KEYS.items():
         value = meta.get(f"{arch}.{key}")
         if isinstance(value, list):
             raise ModelLoadError(f"{path}: {arch}.{key} holds per-layer values {value[:4]}...; expected one number")
         if value is not None:
             values[name] = value
-    values.update(_rope_settings(meta, tensors, arch, path))
+    rope, rope_names = _rope_settings(meta, tensors, arch, path)  # names: the keys, for messages
+    values.update(rope)
+    names.update(rope_names)
     if "vocab_size" not in values:
         values["vocab_size"] = _vocab_size(meta, tensors)
     values["tie_word_embeddings"] = architecture.gguf_names.to_file("lm_head") not in tensors
@@ -90,6 +93,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     values["eos_token_id"] = [i for k in eos_keys if (i := _token_id(meta, k, path)) is not None]
     values.update(architecture.gguf_config(meta, tensors.keys(), path))
+    values["key_names"] = {**names, **values.get("key_names", {})}
     config = ModelConfig.from_dict(values).validate(path)
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != config.head_dim:
@@ -102,15 +106,22 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: (R/2,) divisors of the rotary frequencies
 
 
-def _rope_settings(meta: dict[str, Any], tensors: dict[str, Any], arch: str, path: str) -> dict[str, Any]:
+def _rope_settings(meta: dict[str, Any], tensors: dict[str, Any], arch: str,
+                   path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Config fields of the file's rope scaling, as llama.cpp reads it: ``{arch}.rope.scaling.type``
     "none" (whatever the factor), "linear" or "yarn" (with ``.factor`` and, for YaRN,
     ``.original_context_length``; YaRN's own tuning keys are refused by name); a factor without
     a type (or the old ``rope.scale_linear``) is linear scaling; the ``rope_freqs.weight`` tensor
-    gives per-pair divisors of the frequencies. Applied by ``models.rope``."""
+    gives per-pair divisors of the frequencies. Applied (and checked) by ``models.rope``. With
+    the keys they came from, for messages (``ModelConfig.key_names``)."""
     values: dict[str, Any] = {}
+    factor_key = f"{arch}.rope.scaling.factor"
+    if factor_key not in meta:
+        factor_key = f"{arch}.rope.scale_linear"
+    names = {"rope_scaling.rope_type": f"{arch}.rope.scaling.type", "rope_scaling.factor": factor_key,
+             "rope_freq_factors": ROPE_FREQS}
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    factor = meta.get(factor_key)
     if scaling is None and factor is not None and factor != 1.0:
         scaling = "linear"
     if scaling not in ("none", None, "linear", "yarn"):
@@ -126,15 +137,18 @@ def _rope_settings(meta: dict[str, Any], tensors: dict[str, Any], arch: str, pat
         if tuned:
             raise ModelLoadError(f"{path}: {', '.join(tuned)} tune llama.cpp's YaRN in ways llaisys does not apply; "
                                  f"expected only {arch}.rope.scaling.factor and .original_context_length")
-        original = meta.get(f"{arch}.rope.scaling.original_context_length", meta.get(f"{arch}.context_length"))
-        values["rope_scaling"]["original_max_position_embeddings"] = original
+        original_key = f"{arch}.rope.scaling.original_context_length"
+        if original_key not in meta:
+            original_key = f"{arch}.context_length"
+        values["rope_scaling"]["original_max_position_embeddings"] = meta.get(original_key)
+        names["rope_scaling.original_max_position_embeddings"] = original_key
     t = tensors.get(ROPE_FREQS)
     if t is not None:
         if t.tensor_type not in (Q.F32, Q.F16) or len(t.shape) != 1:
             raise ModelLoadError(f"{path}: tensor {ROPE_FREQS!r} is {t.type_name} of shape {tuple(t.shape)}; "
                                  "expected a vector of F32 or F16 frequency divisors")
         values["rope_freq_factors"] = np.asarray(t.data, np.float32).reshape(-1).tolist()
-    return values
+    return values, names
 
 
 def _vocab_size(meta: dict[str, Any], tensors: dict[str, Any]) -> int:
