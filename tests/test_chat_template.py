@@ -8,7 +8,7 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llaisys.models import chat_template
+from llaisys.models import chat_template, template_sandbox
 from llaisys.models.chat_template import ChatTemplate, render_chat
 
 ORIGIN = "/models/x/tokenizer_config.json"
@@ -89,7 +89,7 @@ def test_bad_messages_are_clear_errors(messages, err: type, needle: str):
 # ---- limits --------------------------------------------------------------------------------------
 def test_nested_loops_stop_at_the_iteration_limit():
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match=f"{ORIGIN} stopped: more than {chat_template.MAX_LOOP_ITERATIONS} loop"):
+    with pytest.raises(ValueError, match=f"{ORIGIN} stopped: more than {template_sandbox.MAX_LOOP_ITERATIONS} loop"):
         render("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
     with pytest.raises(ValueError, match="loop iterations"):
         render("{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% endfor %}{% endfor %}")
@@ -97,7 +97,7 @@ def test_nested_loops_stop_at_the_iteration_limit():
 
 
 def test_calls_without_loops_stop_at_the_deadline(monkeypatch):
-    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(template_sandbox, "RENDER_TIMEOUT_S", 0.3)
     exponential = ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
                    "{{ f(60) }}")
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def test_calls_without_loops_stop_at_the_deadline(monkeypatch):
     ("{{ [0] * 10 ** 9 }}", "repeating 1 items"),
     ("{{ 10 ** 100000 }}", "a power of about 400000 bits"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-     "a value of"),
+     "joining with ~ would make 8388608 characters"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
      "joining"),
     ("{% set big = 'y' * 4000000 %}{% set copy %}{% for i in range(10) %}{{ big }}{% endfor %}{% endset %}",
@@ -123,7 +123,7 @@ def test_big_values_and_output_are_refused(source: str, needle: str):
 
 
 def test_limits_are_per_rendering(monkeypatch):
-    monkeypatch.setattr(chat_template, "MAX_LOOP_ITERATIONS", 50)
+    monkeypatch.setattr(template_sandbox, "MAX_LOOP_ITERATIONS", 50)
     loop = "{% for i in range(40) %}.{% endfor %}"
     for _ in range(3):  # 40 iterations each time, under the limit of 50 every time
         assert render(loop) == "." * 40

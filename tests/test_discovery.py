@@ -396,3 +396,84 @@ def test_unsupported_architecture(stores, llama_folder, tmp_path):
         load_model("mamba:tiny")
     line = one_error_line(llaisys(stores, "info", "acme/phi3"), "info")
     assert "unsupported model_type 'phi3'" in line
+
+
+# ---- a name resolves inside its store or not at all -------------------------------------------------
+@pytest.fixture
+def outside(stores, llama_folder) -> Path:
+    """A model folder next to the stores, outside both: what a name must never reach."""
+    folder = stores["home"].parent / "elsewhere"
+    folder.mkdir()
+    for p in llama_folder.iterdir():
+        (folder / p.name).symlink_to(p)
+    return folder
+
+
+@pytest.mark.parametrize("revision", ["../../../elsewhere", "main/../../../../elsewhere", "ABSOLUTE"])
+def test_a_revision_cannot_lead_out_of_the_cache(stores, llama_folder, outside, revision):
+    hf_repo(stores["hf"], "acme/tiny-llama", {p.name: p for p in llama_folder.iterdir()})
+    repo = stores["hf"] / "models--acme--tiny-llama"
+    revision = str(outside) if revision == "ABSOLUTE" else revision
+    assert (repo / "snapshots" / revision).resolve() == outside  # where the revision points
+    with pytest.raises(ValueError, match=r"acme/tiny-llama@.*: the revision must be a ref .* or a commit"):
+        resolve_model(f"acme/tiny-llama@{revision}")
+
+
+@pytest.mark.parametrize("held", ["../../../elsewhere", "ABSOLUTE"])
+def test_a_ref_holding_a_path_is_refused(stores, llama_folder, outside, held):
+    hf_repo(stores["hf"], "acme/tiny-llama", {p.name: p for p in llama_folder.iterdir()})
+    ref = stores["hf"] / "models--acme--tiny-llama" / "refs" / "main"
+    ref.write_text(str(outside) if held == "ABSOLUTE" else held)
+    with pytest.raises(ModelLoadError, match=r"refs/main: expected the name of a commit .*elsewhere"):
+        resolve_model("acme/tiny-llama")
+    (found,) = [f for f in find_models() if f.name.startswith("acme/tiny-llama")]  # listed by its commit
+    assert found.path.parent == ref.parent.parent / "snapshots" and found.name == f"acme/tiny-llama@{COMMIT[:12]}"
+
+
+def test_links_inside_the_cache_cannot_lead_a_name_out(stores, smollm2_path, llama_folder, outside):
+    hf = stores["hf"]
+    hf_repo(hf, "acme/tiny-llama", {p.name: p for p in llama_folder.iterdir()})
+    repo = hf / "models--acme--tiny-llama"
+    pr = repo / "refs" / "refs" / "pr" / "1"  # a ref with slashes, as huggingface_hub stores pull requests
+    pr.parent.mkdir(parents=True)
+    pr.write_text(COMMIT)
+    assert resolve_model("acme/tiny-llama@refs/pr/1") == repo / "snapshots" / COMMIT
+    (repo / "snapshots" / OTHER_COMMIT).symlink_to(outside)  # a snapshot folder linked outside
+    with pytest.raises(ModelLoadError, match="the snapshot folder leads outside"):
+        resolve_model(f"acme/tiny-llama@{OTHER_COMMIT}")
+    detour = stores["home"] / "main"
+    detour.write_text(COMMIT)
+    (repo / "refs" / "side").symlink_to(detour)  # a ref file linked outside
+    with pytest.raises(ModelLoadError, match="the ref file leads outside"):
+        resolve_model("acme/tiny-llama@side")
+    elsewhere_cache = stores["home"] / "other-cache"
+    hf_repo(elsewhere_cache, "acme/linked", {p.name: p for p in llama_folder.iterdir()})
+    (hf / "models--acme--linked").symlink_to(elsewhere_cache / "models--acme--linked")  # a repository linked out
+    with pytest.raises(ModelLoadError, match="the repository folder leads outside"):
+        resolve_model("acme/linked")
+    listed = [f for f in find_models() if f.source == "huggingface"]
+    assert [f.name for f in listed] == ["acme/tiny-llama"]
+    assert all(f.path.resolve().is_relative_to(hf.resolve()) for f in listed)
+
+
+def test_an_ollama_name_cannot_lead_out_of_the_store(stores, smollm2_path, outside):
+    ollama = stores["ollama"]
+    blob = ollama_model(ollama, "smollm2", "135m", smollm2_path)
+    foreign = outside / "manifests"
+    foreign.mkdir()
+    (foreign / "latest").write_text((ollama / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "135m")
+                                    .read_text())
+    (ollama / "manifests" / "registry.ollama.ai" / "library" / "evil").symlink_to(foreign)
+    with pytest.raises(ModelLoadError, match="the manifest leads outside"):
+        resolve_model("evil")
+    assert "evil:latest" not in {f.name for f in find_models()}
+    for name in ("smollm2/..:135m", "registry.ollama.ai/../smollm2:135m", "smollm2:.."):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            resolve_model(name)
+    assert resolve_model("smollm2:135m") == blob
+
+
+@pytest.mark.parametrize("name", ["a" * 5000, "acme/" + "m" * 5000, "acme/m@" + "f" * 5000, "acme/m:" + "Q" * 300])
+def test_an_overlong_name_is_a_clear_error(stores, name):
+    with pytest.raises(ValueError, match=f"{name[:20]}.*\\({len(name)} characters\\).*at most 200 characters"):
+        resolve_model(name)

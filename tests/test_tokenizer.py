@@ -12,6 +12,7 @@ import transformers
 import gguf
 
 from llaisys.models.loaders.gguf import metadata, open_gguf  # noqa: E402
+from llaisys.models import ModelLoadError  # noqa: E402
 from llaisys.models.tokenizer import Tokenizer, byte_alphabet  # noqa: E402
 
 CORPUS = [
@@ -112,6 +113,15 @@ def test_missing_template_and_bad_input_are_clear(ours):
         ours.decode([ours.vocab_size])
 
 
+def test_a_lone_surrogate_is_a_clear_error(ours):
+    """Not valid Unicode text: the tokenizers library would raise a TypeError about its input type."""
+    with pytest.raises(ValueError, match=r"encode: text has a lone surrogate U\+D83D at character 2"):
+        ours.encode("ab\ud83d")
+    with pytest.raises(ValueError, match="chat template from .* rendered a lone surrogate U\\+DC00"):
+        ours.apply_chat_template([{"role": "user", "content": "x\udc00"}])
+    assert ours.encode("ab\U0001F600") == ours.encode("ab😀")  # a surrogate pair written as one code point
+
+
 @pytest.mark.parametrize("bad", [1.7, 1.0, True, "1", np.float32(2.0), None])
 def test_decode_takes_integer_ids_only(ours, bad):
     with pytest.raises(TypeError, match=rf"decode: token ids must be integers, got {re.escape(repr(bad))}"):
@@ -185,6 +195,26 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
         ids = ref.encode(text)
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.bos_token_id == 1 and ours.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("text", ["<0x-1>", "<0xZZ>", "<0x100>", "<0x4>", "A"])
+def test_a_byte_token_not_written_0xhh_is_refused(tmp_path, kind, text):
+    """llama.cpp would decode these as the bytes 0xFF, 0x00, 0x10... and transformers as their
+    text: the file is refused, naming the token."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["a"]
+    tokens[3 + 7] = text
+    types = [2, 3, 3] + [6] * 256 + [1]
+    path = tmp_path / "bad-byte.gguf"
+    _write(path, tokens, types, scores=[0.0] * len(tokens), merges=[] if kind == "gpt2" else None, model=kind)
+    with pytest.raises(ModelLoadError, match=rf"bad-byte.gguf: tokenizer.ggml.tokens\[10\] is '{re.escape(text)}', "
+                                             r"typed BYTE \(6\) .*written <0xHH>"):
+        Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
+    tokens[3 + 7] = "<0x0a>"  # lower-case hex digits are a byte still, for both references
+    path = tmp_path / "lower.gguf"
+    _write(path, tokens, types, scores=[0.0] * len(tokens), model="llama")
+    ours = Tokenizer.from_gguf(metadata(open_gguf(str(path))), str(path))
+    assert ours.decode([10, 3 + 0x41]) == _hf_from_gguf(path).decode([10, 3 + 0x41]) == "\nA"
 
 
 @pytest.mark.timeout(30)

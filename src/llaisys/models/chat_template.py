@@ -1,158 +1,26 @@
 """Rendering chat templates (Jinja2, sandboxed) the way Hugging Face tokenizers do.
 
-A chat template comes with the model file, so it is untrusted code. It renders in Jinja2's
-immutable sandbox, within limits: a deadline (``RENDER_TIMEOUT_S``), a number of loop
-iterations (``MAX_LOOP_ITERATIONS``) and a number of characters (``MAX_CHARS``) for what it
-writes and for any one string or list it builds. Every loop iteration, call, written value and
-``*``, ``**`` or ``+`` goes through a check. What is not bounded: a filter (``join``,
-``replace``, ``center``...) can still build one large string out of values within the limits
-before a check sees it. Any failure inside the template becomes a ValueError naming where the
-template came from.
+A chat template comes with the model file, so it is untrusted code: it renders in the bounded
+sandbox of ``template_sandbox`` (a deadline, loop iterations, the size of each value and what
+one rendering writes and builds). Any failure inside the template, at compile time or while
+it renders, becomes a ValueError naming where the template came from.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
-import time
-from collections.abc import Iterable, Iterator
+import re
 from datetime import datetime
 from typing import Any, Sequence
 
 import jinja2
-from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.visitor import NodeTransformer
 
+from . import template_sandbox
+from .template_sandbox import BoundedSandbox, InsertGuards, RenderLimitError  # noqa: F401
 from .template_source import ChatTemplate, template_origin  # noqa: F401  (ChatTemplate: imported from here too)
 
-RENDER_TIMEOUT_S = 5.0
-MAX_LOOP_ITERATIONS = 200_000  # chat templates loop over messages and tools: thousands at most
-MAX_CHARS = 8_000_000  # far above any prompt a context window holds
-MAX_POWER_BITS = 1 << 16  # `**` results wider than this many bits are refused
-
-
-class RenderLimitError(jinja2.TemplateError):
-    """A template ran past one of the rendering limits."""
-
-
-class _Budget:
-    """What one rendering may still spend: time, loop iterations, characters written."""
-
-    __slots__ = ("deadline", "iterations", "chars")
-
-    def __init__(self) -> None:
-        self.deadline = time.monotonic() + RENDER_TIMEOUT_S
-        self.iterations = 0
-        self.chars = 0
-
-    def tick(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise RenderLimitError(f"rendering took longer than {RENDER_TIMEOUT_S:g} s")
-
-    def loop_step(self) -> None:
-        self.iterations += 1
-        if self.iterations > MAX_LOOP_ITERATIONS:
-            raise RenderLimitError(f"more than {MAX_LOOP_ITERATIONS} loop iterations")
-        if self.iterations % 256 == 0:
-            self.tick()
-
-    def check_size(self, value: Any) -> Any:
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_CHARS:
-            raise RenderLimitError(f"a value of {len(value)} items is over the limit of {MAX_CHARS}")
-        return value
-
-    def write(self, value: Any) -> Any:
-        self.chars += len(str(value))
-        if self.chars > MAX_CHARS:
-            raise RenderLimitError(f"the output is over the limit of {MAX_CHARS} characters")
-        return value
-
-
-_budget: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")
-
-
-def _current_budget() -> _Budget:
-    # Outside render_chat each check gets a fresh budget: sizes are still checked, time and
-    # loop iterations are not counted.
-    budget = _budget.get(None)
-    return budget if budget is not None else _Budget()
-
-
-def _guard_loop(iterable: Iterable[Any]) -> Iterator[Any]:
-    """Every ``{% for %}`` iterates through this: counts iterations, checks the deadline."""
-    budget = _current_budget()
-    for item in iterable:
-        budget.loop_step()
-        yield item
-
-
-def _guard_output(value: Any) -> Any:
-    """Every value a template writes passes through this (captured ``{% set %}`` blocks too)."""
-    return _current_budget().write(value)
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-class _InsertGuards(NodeTransformer):
-    """Wraps each loop's iterable, each written value and each ``~`` concatenation in a call
-    to a guard; the guards are imported names, which a template cannot rebind."""
-
-    @staticmethod
-    def _wrap(guard: str, node: nodes.Expr) -> nodes.Call:
-        callee = nodes.ImportedName(f"{__name__}.{guard}")
-        return nodes.Call(callee, [node], [], None, None).set_lineno(node.lineno)
-
-    def visit_For(self, node: nodes.For) -> nodes.For:
-        self.generic_visit(node)
-        node.iter = self._wrap("_guard_loop", node.iter)
-        return node
-
-    def visit_Output(self, node: nodes.Output) -> nodes.Output:
-        self.generic_visit(node)
-        node.nodes = [self._wrap("_guard_output", n) for n in node.nodes]
-        return node
-
-    def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
-        self.generic_visit(node)
-        return self._wrap("_identity", node)  # the call hook checks the result's size
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox with the rendering limits checked in its call and operator hooks."""
-
-    intercepted_binops = frozenset(("*", "**", "+"))
-
-    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        budget = _current_budget()
-        budget.tick()
-        return budget.check_size(super().call(context, obj, *args, **kwargs))
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        budget = _current_budget()
-        budget.tick()
-        _check_binop_size(operator, left, right)
-        return budget.check_size(super().call_binop(context, operator, left, right))
-
-
-def _check_binop_size(operator: str, left: Any, right: Any) -> None:
-    """Refuse a repetition, concatenation or power whose result would be over the limits,
-    before it is computed."""
-    sized = (str, list, tuple)
-    if operator == "*":
-        seq, n = (left, right) if isinstance(left, sized) else (right, left)
-        if isinstance(seq, sized) and isinstance(n, int) and len(seq) * n > MAX_CHARS:
-            raise RenderLimitError(f"repeating {len(seq)} items {n} times is over the limit of {MAX_CHARS}")
-    elif operator == "+":
-        if isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > MAX_CHARS:
-            raise RenderLimitError(f"joining {len(left)} and {len(right)} items is over the limit of {MAX_CHARS}")
-    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-        if left.bit_length() * right > MAX_POWER_BITS:
-            raise RenderLimitError(f"a power of about {left.bit_length() * right} bits is over the limit of "
-                                   f"{MAX_POWER_BITS} bits")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _GenerationTag(Extension):
@@ -180,28 +48,37 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _strftime_now(fmt: str) -> str:
+    if len(fmt) > template_sandbox.MAX_CHARS // 64:  # a directive writes a few dozen characters at most
+        raise RenderLimitError(f"a strftime format of {len(fmt)} characters is over the limit")
     return datetime.now().strftime(fmt)
 
 
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
-                          extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                         extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(_InsertGuards().visit(env.parse(source)))
+    env.guard_filters()
+    return env.from_string(InsertGuards().visit(env.parse(source)))
 
 
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template, with the rendering guards built in (``render_chat`` sets the
-    limits of each rendering); a syntax error becomes a ValueError naming the template's
-    origin and the line."""
+    limits of each rendering). A syntax error, a template over ``MAX_TEMPLATE_CHARS`` or one
+    nested too deeply for the parser or for Python is a ValueError naming the template's origin."""
+    if len(source) > template_sandbox.MAX_TEMPLATE_CHARS:
+        raise ValueError(f"{template_origin(source)} is {len(source)} characters long, over the limit of "
+                         f"{template_sandbox.MAX_TEMPLATE_CHARS} for a chat template")
     try:
         return _compile(str(source))
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"{template_origin(source)} has a syntax error at line {exc.lineno}: "
                          f"{exc.message}") from exc
+    except (RecursionError, MemoryError, SyntaxError) as exc:  # the parser's stack, Python's nested blocks
+        raise ValueError(f"{template_origin(source)} cannot be compiled: it is nested too deeply "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def _content_text(content: list, where: str) -> str:
@@ -246,15 +123,18 @@ def render_chat(source: str, messages: Sequence[dict], add_generation_prompt: bo
     """Render ``messages`` (dicts with "role" and "content", see ``prepare_messages``) through
     template ``source`` (a str, or a ChatTemplate that knows its origin).
 
-    ``variables`` (bos_token, eos_token, tools, ...) are passed to the template as well. Any
-    error inside the template (``raise_exception``, a Python error, a rendering limit) gives a
-    ValueError naming the template's origin.
+    ``variables`` (bos_token, eos_token, tools, ...) are passed to the template as well;
+    ``tools`` and ``documents`` are None unless given, as transformers has them. Any error
+    inside the template (``raise_exception``, a Python error, a rendering limit) and a result
+    that is not valid Unicode (a lone surrogate) give a ValueError naming the template's origin.
     """
     prepared = prepare_messages(messages)
     template = compile_template(source)
-    token = _budget.set(_Budget())
+    variables.setdefault("tools", None)
+    variables.setdefault("documents", None)
+    token = template_sandbox.start_budget()
     try:
-        return template.render(messages=prepared, add_generation_prompt=add_generation_prompt, **variables)
+        text = template.render(messages=prepared, add_generation_prompt=add_generation_prompt, **variables)
     except RenderLimitError as exc:
         raise ValueError(f"{template_origin(source)} stopped: {exc}") from None
     except jinja2.TemplateError as exc:
@@ -262,4 +142,10 @@ def render_chat(source: str, messages: Sequence[dict], add_generation_prompt: bo
     except Exception as exc:  # the template's own Python errors: MemoryError and RecursionError included
         raise ValueError(f"{template_origin(source)} failed: {type(exc).__name__}: {exc}") from exc
     finally:
-        _budget.reset(token)
+        template_sandbox.end_budget(token)
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ValueError(f"{template_origin(source)} rendered a lone surrogate U+{ord(bad.group()):04X} at "
+                         f"character {bad.start()}, which is not valid Unicode text (from the template or "
+                         "the messages)")
+    return text

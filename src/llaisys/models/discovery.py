@@ -17,6 +17,12 @@ default being Q4_K_M, else the smallest file.
 ollama (``$OLLAMA_MODELS``, else ``~/.ollama/models``): ``manifests/{host}/{namespace}/{name}/{tag}``
 is a JSON manifest whose layer of media type ``application/vnd.ollama.image.model`` names the
 GGUF blob ``blobs/sha256-{hex}``.
+
+A name resolves inside its store or not at all: its parts, a revision, what a ref file holds
+and a manifest's digest are checked to be plain names (no ``..``, no absolute path), and the
+folders and files a name leads through (repository, ref, snapshot, manifest), links resolved,
+must lie inside the store; a snapshot's files are links into its blobs and are followed as
+``huggingface_hub`` follows them. A name has at most ``MAX_NAME_CHARS`` characters.
 """
 from __future__ import annotations
 
@@ -42,6 +48,9 @@ _QUANT_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q[1-8](?:_[A-Z0-9]+)*|BF16|F16|F32)
 _SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})$")  # model-00001-of-00003.gguf
 # What may be a model name rather than a path: a few slash-separated parts, @revision, :tag
 _NAME = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+){0,2}(?:@[\w./-]+)?(?::[\w.-]+)?")
+_PART = re.compile(r"[\w.-]+")  # one part of a name, a ref or a commit: never a path separator
+# A Hub repository id has at most 96 characters; a folder name (models--org--name) at most 255
+MAX_NAME_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,26 @@ def _missing_file(path: Path) -> str:
     return ""
 
 
+def _plain(part: str) -> bool:
+    """Whether ``part`` is one plain file name: letters, digits, ``_.-``, not ``.`` or ``..``."""
+    return _PART.fullmatch(part) is not None and part not in (".", "..")
+
+
+def _is_inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, links resolved, lies inside ``folder`` (links resolved too)."""
+    real, base = path.resolve(), folder.resolve()
+    return real == base or base in real.parents
+
+
+def _inside(path: Path, folder: Path, what: str) -> Path:
+    """``path``, once checked to lie inside ``folder`` with links resolved; ModelLoadError
+    naming ``what`` it is when it leads out."""
+    if not _is_inside(path, folder):
+        raise ModelLoadError(f"{path}: {what} leads outside {folder} (to {path.resolve()}); "
+                             "a name resolves inside its store only")
+    return path
+
+
 # ---- Hugging Face cache ----------------------------------------------------------------------
 def quant_tag(path: Path) -> str:
     """The quantization tag of a GGUF file's name, upper case (``Q4_K_M``), else its name
@@ -138,17 +167,36 @@ def _repo_id(folder: Path) -> str | None:
 
 
 def _ref(repo: Path, ref: str) -> str | None:
-    """The commit ``refs/{ref}`` names, or None."""
+    """The commit ``refs/{ref}`` names, or None when there is no such ref. ModelLoadError when
+    the ref file lies outside the repository's refs or holds anything but a commit's name."""
     file = repo / "refs" / ref
+    if not file.is_file():
+        return None
+    _inside(file, repo / "refs", "the ref file")
     try:
-        return file.read_text(encoding="utf-8").strip() if file.is_file() else None
+        commit = file.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
+    if not _plain(commit):
+        raise ModelLoadError(f"{file}: expected the name of a commit (as huggingface_hub writes it), "
+                             f"found {commit!r:.80}")
+    return commit
 
 
 def _snapshots(repo: Path) -> list[Path]:
+    """The snapshot folders of a repository (those that lie inside it), sorted."""
     folder = repo / "snapshots"
-    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _is_inside(p, folder))
+
+
+def _snapshot(repo: Path, commit: str) -> Path | None:
+    """The snapshot folder of ``commit``, or None; ModelLoadError when it leads outside the repository."""
+    folder = repo / "snapshots" / commit
+    if not _plain(commit) or not folder.is_dir():
+        return None
+    return _inside(folder, repo / "snapshots", "the snapshot folder")
 
 
 def _hf_snapshot(repo: Path, repo_id: str, revision: str | None) -> Path:
@@ -157,8 +205,9 @@ def _hf_snapshot(repo: Path, repo_id: str, revision: str | None) -> Path:
     snapshots = _snapshots(repo)
     if revision is None:
         commit = _ref(repo, "main")
-        if commit is not None and (repo / "snapshots" / commit).is_dir():
-            return repo / "snapshots" / commit
+        found = _snapshot(repo, commit) if commit is not None else None
+        if found is not None:
+            return found
         if len(snapshots) == 1:
             return snapshots[0]
         if not snapshots:
@@ -167,9 +216,12 @@ def _hf_snapshot(repo: Path, repo_id: str, revision: str | None) -> Path:
         revs = ", ".join(f"{repo_id}@{p.name[:12]}" for p in snapshots)
         raise ValueError(f"{repo_id}: the Hugging Face cache holds {len(snapshots)} snapshots and no refs/main; "
                          f"name one: {revs}")
-    commit = _ref(repo, revision) or revision
-    if (repo / "snapshots" / commit).is_dir():
-        return repo / "snapshots" / commit
+    if not all(map(_plain, revision.split("/"))):
+        raise ValueError(f"{repo_id}@{revision}: the revision must be a ref (main, refs/pr/1) or a commit: "
+                         "'/'-separated parts of letters, digits, '_', '.' and '-', none of them '.' or '..'")
+    found = _snapshot(repo, _ref(repo, revision) or revision)
+    if found is not None:
+        return found
     matches = [p for p in snapshots if len(revision) >= 4 and p.name.startswith(revision)]
     if len(matches) == 1:
         return matches[0]
@@ -212,7 +264,7 @@ def hf_models(root: Path | None = None) -> list[FoundModel]:
     found: list[FoundModel] = []
     for repo in sorted(root.iterdir()):
         repo_id = _repo_id(repo)
-        if repo_id is None:
+        if repo_id is None or not _is_inside(repo, root):
             continue
         try:
             found += _snapshot_models(repo_id, _hf_snapshot(repo, repo_id, None), repo_id)
@@ -240,6 +292,7 @@ def _find_hf(name: str, root: Path) -> Path | None:
         if not same:
             return None
         folder, repo_id = same[0], str(_repo_id(same[0]))
+    _inside(folder, root, "the repository folder")
     snapshot = _hf_snapshot(folder, repo_id, revision or None)
     models = _snapshot_models(repo_id, snapshot, repo_id)
     if tag:
@@ -308,7 +361,7 @@ def _manifests(root: Path) -> Iterator[tuple[str, Path]]:
     if not base.is_dir():
         return
     for manifest in sorted(base.glob("*/*/*/*")):
-        if manifest.is_file():
+        if manifest.is_file() and _is_inside(manifest, base):
             host, namespace, model, tag = manifest.relative_to(base).parts
             yield _ollama_name(host, namespace, model, tag), manifest
 
@@ -324,7 +377,7 @@ def _find_ollama(name: str, root: Path) -> Path | None:
     head, _, last = name.rpartition("/")
     model, _, tag = last.partition(":")
     parts = head.split("/") if head else []
-    if len(parts) > 2 or "@" in name or not model:
+    if len(parts) > 2 or "@" in name or not model or not all(map(_plain, [*parts, model, tag or OLLAMA_TAG])):
         return None
     host, namespace = {0: (OLLAMA_HOST, OLLAMA_NAMESPACE), 1: (OLLAMA_HOST, *parts), 2: tuple(parts)}[len(parts)]
     full = _ollama_name(host, namespace, model, tag or OLLAMA_TAG)
@@ -337,6 +390,7 @@ def _find_ollama(name: str, root: Path) -> Path | None:
         if not same:
             return None
         manifest = same[0]
+    _inside(manifest, root / "manifests", "the manifest")
     return _usable(_ollama_found(name, manifest, root))
 
 
@@ -362,12 +416,21 @@ def resolve_model(source: str) -> Path:
     that knows the name.
 
     Raises FileNotFoundError when nothing is found (naming the places looked) or a file of the
-    download is missing, ValueError when the name is ambiguous, ModelLoadError for a malformed
-    ollama manifest.
+    download is missing, ValueError when the name is ambiguous, too long or has a malformed
+    revision, ModelLoadError for a malformed ollama manifest or ref, or a store whose links lead
+    a name outside it.
     """
     path = Path(source)
-    if path.exists() or path.is_symlink() or not looks_like_name(source):
+    try:
+        present = path.exists() or path.is_symlink()
+    except OSError as exc:  # a part longer than the file system allows
+        raise ValueError(f"{source[:60]}... ({len(source)} characters): neither a path ({exc.strerror}) nor a "
+                         f"model name (at most {MAX_NAME_CHARS} characters)") from None
+    if present or not looks_like_name(source):
         return path
+    if len(source) > MAX_NAME_CHARS:
+        raise ValueError(f"{source[:60]}... ({len(source)} characters): a model name has at most "
+                         f"{MAX_NAME_CHARS} characters")
     if source == BUNDLED_NAME:
         from . import default_model_path
 

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # how a BYTE token is written: <0x0A>
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -100,6 +101,7 @@ def build(meta: Mapping[str, Any], source: str) -> GGUFTokenizer:
     types = _array(meta, "tokenizer.ggml.token_type", source, "integers", is_int) or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    _check_byte_tokens(tokens, types, source)
     spelled = tokens  # the vocabulary as the backend spells it
     if kind == "gpt2":
         backend = _byte_level_bpe(meta, tokens, source)
@@ -152,6 +154,17 @@ def _array(meta: Mapping[str, Any], key: str, source: str, what: str, ok: Callab
         raise ModelLoadError(f"{source}: {key} must be an array of {what}; found "
                              f"{_kind(next(v for v in value if type(v) in bad_types))}")
     return value
+
+
+def _check_byte_tokens(tokens: Sequence[str], types: Sequence[int], source: str) -> None:
+    """A BYTE token must be written ``<0xHH>``. llama.cpp reads the byte from its 4th and 5th
+    characters unchecked (``<0xZZ>`` gives 0, ``<0x100>`` 0x10) while transformers takes any
+    other text as an ordinary token: a file holding one is refused, naming it."""
+    for i in (i for i, kind in enumerate(types) if kind == BYTE):
+        if _BYTE_TEXT.fullmatch(tokens[i]) is None:
+            raise ModelLoadError(f"{source}: tokenizer.ggml.tokens[{i}] is {tokens[i]!r:.40}, typed BYTE ({BYTE}) in "
+                                 "tokenizer.ggml.token_type; a byte token is written <0xHH> (two hex digits, as "
+                                 "<0x0A>)")
 
 
 def _is_str(value: Any) -> bool:

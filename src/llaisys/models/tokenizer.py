@@ -4,6 +4,7 @@ chat template."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -17,6 +18,8 @@ from .gguf_tokenizer import byte_alphabet
 from .template_source import ChatTemplate
 
 __all__ = ["Tokenizer", "byte_alphabet"]
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: a str that is not valid Unicode text
 
 
 class Tokenizer:
@@ -57,6 +60,10 @@ class Tokenizer:
         self._require()
         if not isinstance(text, str):
             raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        bad = _SURROGATE.search(text)
+        if bad is not None:
+            raise ValueError(f"encode: text has a lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}; "
+                             "expected valid Unicode text")
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: "Sequence[int] | np.ndarray", skip_special_tokens: bool = True) -> str:
