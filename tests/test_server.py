@@ -442,6 +442,114 @@ def test_api_key(smollm2_model):
         assert get(f"{base}/metrics").status_code == 200
 
 
+def test_metrics_require_key(smollm2_model, monkeypatch):
+    options = ServerOptions(api_key="sekrit", kv_cache_tokens=256, metrics_require_key=True)
+    with running(create_app(options, model=smollm2_model)) as base:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = get(f"{base}/metrics", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = get(f"{base}/metrics", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and "vllm:num_requests_running" in r.text
+        assert get(f"{base}/health").status_code == 200
+    with pytest.raises(ValueError, match="metrics_require_key needs an api_key"):
+        ServerOptions(metrics_require_key=True)
+    from llaisys.cli.common import UsageError
+    from llaisys.cli.main import build_parser
+
+    monkeypatch.delenv("LLAISYS_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve", "--metrics-require-key"])
+    with pytest.raises(UsageError, match="--metrics-require-key needs an API key"):
+        args.func(args)
+
+
+def test_openapi_documents_the_bodies(url):
+    doc = get(f"{url}/openapi.json").json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    name = body["$ref"].rsplit("/", 1)[1]
+    schema = doc["components"]["schemas"][name]
+    assert "messages" in schema["required"] and "temperature" in schema["properties"]
+    assert doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]
+
+
+# ---- sampling defaults: the model's generation_config.json, else the CLI's fallback ----------
+class WithDefaults:
+    """The model with another generation_config.json (everything else shared)."""
+
+    def __init__(self, model, defaults: dict) -> None:
+        self._model = model
+        self.generation_defaults = defaults
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("defaults, expected", [
+    ({}, None),  # SmolLM2's GGUF says nothing about sampling: FALLBACK_SAMPLING, as the CLI and the page
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 3},
+     {"temperature": 0.6, "top_p": 0.95, "top_k": 20}),
+])
+def test_omitted_sampling_fields_take_the_models_defaults(smollm2_model, defaults, expected):
+    from llaisys.generation.defaults import FALLBACK_SAMPLING
+
+    expected = expected or FALLBACK_SAMPLING
+    with running(create_app(ServerOptions(kv_cache_tokens=512), model=WithDefaults(smollm2_model, defaults))) as base:
+        c = client_for(base)
+        name = c.models.list().data[0].id
+        story = [{"role": "user", "content": "Tell me a story."}]
+        kwargs = dict(model=name, messages=story, max_tokens=12, seed=11)
+        omitted = c.chat.completions.create(**kwargs).choices[0].message.content
+        given = dict(expected)
+        extra = {"top_k": given.pop("top_k")} if "top_k" in given else {}  # vLLM's field: not the client's
+        explicit = c.chat.completions.create(**kwargs, **given, extra_body=extra).choices[0].message.content
+        assert omitted == explicit
+        hot = [c.chat.completions.create(**{**kwargs, "seed": s}, temperature=1.5, top_p=1.0,
+                                         frequency_penalty=0).choices[0].message.content for s in (11, 12)]
+        cold = [c.chat.completions.create(**{**kwargs, "seed": s}).choices[0].message.content for s in (11, 12)]
+        assert hot != cold  # explicit values win over the defaults
+        text = c.completions.create(model=name, prompt="Once upon a time", max_tokens=8, seed=3).choices[0].text
+        assert text == c.completions.create(model=name, prompt="Once upon a time", max_tokens=8, seed=3, **given,
+                                            extra_body=extra).choices[0].text
+
+
+def test_omitted_temperature_is_greedy_when_the_model_says_so(smollm2_model):
+    with running(create_app(ServerOptions(kv_cache_tokens=512),
+                            model=WithDefaults(smollm2_model, {"do_sample": False}))) as base:
+        c = client_for(base)
+        name = c.models.list().data[0].id
+        greedy = c.chat.completions.create(model=name, messages=HELLO, max_tokens=10, temperature=0)
+        for seed in (1, 2):
+            r = c.chat.completions.create(model=name, messages=HELLO, max_tokens=10, seed=seed)
+            assert r.choices[0].message.content == greedy.choices[0].message.content
+        r = c.responses.create(model=name, input=HELLO[0]["content"], max_output_tokens=10)
+        assert r.output_text == greedy.choices[0].message.content
+
+
+def test_the_configs_the_service_builds(smollm2_model):
+    """Omitted fields: the model's defaults (FALLBACK_SAMPLING here) and, for chat, CHAT_MAX_TOKENS
+    (the CLI's chat and the page's); given ones win; top_k past the vocabulary is off."""
+    from llaisys.generation.defaults import CHAT_MAX_TOKENS, FALLBACK_SAMPLING
+    from llaisys.server.protocol import ChatCompletionRequest
+
+    app = create_app(ServerOptions(), model=smollm2_model)
+    with running(app):
+        service = app.state.service
+        context = service.max_model_len
+        assert service.completion_budget(30, None, "max_tokens", "messages") == CHAT_MAX_TOKENS
+        assert service.completion_budget(context - 100, None, "max_tokens", "messages") == 100
+        assert service.completion_budget(30, 2000, "max_tokens", "messages") == 2000
+
+        def config(**fields):
+            req = ChatCompletionRequest.model_validate({"messages": HELLO, **fields})
+            return service.generation_config(req, 16, None, 0)
+
+        cfg = config()
+        assert (cfg.temperature, cfg.top_p, cfg.frequency_penalty) == (
+            FALLBACK_SAMPLING["temperature"], FALLBACK_SAMPLING["top_p"], FALLBACK_SAMPLING["frequency_penalty"])
+        cfg = config(temperature=0.0, top_p=1.0, frequency_penalty=0.0, top_k=smollm2_model.config.vocab_size)
+        assert (cfg.temperature, cfg.top_p, cfg.frequency_penalty, cfg.top_k) == (0.0, 1.0, 0.0, 0)
+        assert config(top_k=2**70).top_k == 0 and config(top_k=5).top_k == 5 and config(top_k=-1).top_k == 0
+
+
 def test_engine_refusal_is_a_400(smollm2_model):
     with running(create_app(ServerOptions(kv_cache_tokens=64), model=smollm2_model)) as base:
         c = client_for(base)

@@ -1,12 +1,15 @@
 """``llaisys serve`` under hostile or careless clients, over real sockets: text that is not
-Unicode, deep JSON, huge bodies and prompts, stalled connections, foreign Host headers,
-requests asking for too many choices, and signals while requests run.
+Unicode, deep JSON, huge bodies and prompts, bodies that take seconds to parse (sent with and
+without the key), values no route may answer with a 500 (numbers that are not finite or not
+in range, fields of the wrong shape), stalled connections, foreign Host headers, requests
+asking for too many choices, and signals while requests run.
 
 Servers run on loopback in a thread (``running`` from test_server.py) with small timeouts;
 the shutdown and descriptor tests start ``python -m llaisys serve`` as a process.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -398,6 +401,135 @@ def test_prompts_times_n_is_capped(url, smollm2_model):
             with pytest.raises(openai.BadRequestError) as info:
                 call()
             assert info.value.code == "too_many_choices" and "at most 4" in info.value.message
+
+
+# ---- 8. bodies off the event loop, the key first --------------------------------------------
+EMPTY_LISTS = b"[" + b",".join([b"[]"] * 2_700_000) + b"]"  # 8 MB of `[],[],...`: 2.7 million lists
+
+
+@functools.cache
+def hostile_bodies() -> list[tuple[str, bytes, str]]:
+    """(route, body, what the 400 says): bodies that take seconds of Python to parse and check."""
+    prompts = json.dumps({"prompt": [[1]] * 1_000_000}).encode()
+    return [("/api/conversations", EMPTY_LISTS, "must be a JSON object"),
+            ("/v1/completions", prompts, "1000000 prompts"),
+            ("/v1/embeddings", json.dumps({"input": [[1]] * 1_000_000}).encode(), "1000000 prompts"),
+            # two million wrong items: one error, not two million (pydantic collecting them took 25 s)
+            ("/v1/chat/completions", json.dumps({"messages": [1] * 2_000_000}).encode(), "messages[0]")]
+
+
+def post_all(url: str, bodies: list[tuple[str, bytes, str]], headers: dict | None = None) -> tuple[threading.Thread,
+                                                                                                     dict]:
+    """A thread that POSTs every body at once (one thread each) and waits for them; its results,
+    by index: (status, error, seconds)."""
+    results: dict[int, tuple[int, dict, float]] = {}
+
+    def one(i: int, path: str, body: bytes) -> None:
+        start = time.monotonic()
+        r = post(f"{url}{path}", content=body, headers={"Content-Type": "application/json", **(headers or {})})
+        results[i] = (r.status_code, r.json()["error"], time.monotonic() - start)
+
+    def run() -> None:
+        senders = [threading.Thread(target=one, args=(i, path, body)) for i, (path, body, _) in enumerate(bodies)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+
+    return threading.Thread(target=run), results
+
+
+def test_health_answers_while_hostile_bodies_are_parsed(url):
+    """Five bodies of megabytes at once, each seconds of parsing and validation: /health is
+    answered meanwhile (they are parsed off the event loop), and each gets its 400."""
+    bodies = hostile_bodies()
+    sender, results = post_all(url, bodies)
+    sender.start()
+    gaps = health_gaps(url, sender)
+    sender.join()
+    for i, (path, _, says) in enumerate(bodies):
+        status, err, _ = results[i]
+        assert status == 400 and says in err["message"], (path, err)
+    assert len(gaps) >= 3 and max(gaps) < 1.0, gaps
+
+
+def test_api_key_is_checked_before_the_body(smollm2_model, tmp_path):
+    options = ServerOptions(api_key="sekrit", kv_cache_tokens=256, db_path=str(tmp_path / "ui.sqlite3"))
+    with running(create_app(options, model=smollm2_model)) as base:
+        bodies = hostile_bodies()
+        sender, results = post_all(base, bodies, {"Authorization": "Bearer wrong"})
+        sender.start()
+        sender.join()
+        for i, (path, _, _) in enumerate(bodies):
+            status, err, took = results[i]
+            assert status == 401 and err["code"] == "invalid_api_key", (path, err)
+            assert took < 1.0, (path, took)  # the body is never parsed (that took seconds)
+        for path in ("/v1/chat/completions", "/tokenize", "/api/conversations"):  # not a 400 for the JSON
+            r = post(f"{base}{path}", content=b"{not json", headers={"Content-Type": "application/json"})
+            assert r.status_code == 401, (path, r.body)
+
+
+# ---- 9. values no route may answer with a 500 ------------------------------------------------
+VOCAB = 49152  # SmolLM2's vocabulary (checked against the model below)
+HI = [{"role": "user", "content": "Hi"}]
+BAD_VALUES = [  # (route, body: a dict, or JSON text for what Python cannot write, the param named, words said)
+    ("/v1/chat/completions", {"messages": HI, "stop_token_ids": [2**63]}, "stop_token_ids[0]", "2147483648"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 9000}, "messages",
+     "your messages are 9000"),
+    ("/v1/chat/completions", {"messages": HI, "stop_token_ids": [1, VOCAB]}, "stop_token_ids[1]", "vocabulary"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than"),
+    ("/v1/completions", {"prompt": [[1], [2**64]]}, "prompt", "outside [0, 2147483648)"),
+    ("/v1/completions", {"prompt": "Hi", "top_k": 2**70, "max_tokens": 1, "n": 0}, "n", "greater than"),
+    ("/v1/embeddings", {"input": [2**63]}, "input", "outside [0, 2147483648)"),
+    ("/detokenize", {"tokens": [1, 2**63]}, "tokens[1]", "less than"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": "json_object"}}, "text.format", "got a string"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": 3}}, "text.format", "got a number"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": ["json_schema"]}}, "text.format", "got an array"),
+    ("/v1/responses", {"input": "Hi", "metadata": {"user": 7}}, "metadata", "must be strings"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text", "must be a string"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "tools", "at most 128"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+     "temperature", "NaN"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": '
+                             '{"x": [Infinity]}}', "chat_template_kwargs.x[0]", "Infinity"),
+    ("/v1/completions", '{"prompt": "Hi", "top_p": 1e999}', "top_p", "1e999"),
+    ("/v1/responses", '{"input": "Hi", "temperature": -Infinity}', "temperature", "-Infinity"),
+    ("/v1/embeddings", '{"input": "Hi", "dimensions": NaN}', "dimensions", "NaN"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": '
+                  '{"name": "f", "parameters": {"maximum": 1e400}}}]}', "tools[0].function.parameters.maximum",
+     "1e400"),
+    ("/api/conversations/import", '{"conversation": {"created": NaN}}', None, "conversation.created: NaN"),
+    ("/api/conversations/import", {"conversation": {"created": 10**400}}, None, "created must be in"),
+    ("/api/conversations/import", {"conversation": {"messages": [{"id": "a", "role": "user", "content": "x",
+                                                                   "created": "yesterday"}]}},
+     None, "messages[0].created must be a number"),
+    ("/api/conversations/import", {"conversation": {"settings": {"temperature": 10**400}}}, None, "out of range"),
+    ("/api/conversations/import", {"conversations": [], "version": 10**400}, None, "000... is not one"),
+    ("/api/conversations", '{"settings": {"top_p": Infinity}}', None, "settings.top_p: Infinity"),
+]
+
+
+@pytest.mark.parametrize("route, body, param, says", BAD_VALUES, ids=[f"{r}:{p or s}" for r, _, p, s in BAD_VALUES])
+def test_bad_values_are_400_naming_them(url, smollm2_model, route, body, param, says):
+    assert smollm2_model.config.vocab_size == VOCAB
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    status, err = error_of(post_raw(url, route, raw))
+    assert status == 400 and err["param"] == param and says in err["message"], err
+    if param is not None:
+        assert param in err["message"]
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(url):
+    """top_k of at least the vocabulary is no filter at all (as 0 is), however large."""
+    client = client_for(url)
+    kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                  seed=5)
+    off = client.completions.create(**kwargs, extra_body={"top_k": 0}).choices[0].text
+    for top_k in (VOCAB, 2**63, 10**30):
+        assert client.completions.create(**kwargs, extra_body={"top_k": top_k}).choices[0].text == off
 
 
 # ---- 6. signals ------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from ..generation.config import MAX_SPECULATIVE_TOKENS
-from .common import (add_model_options, following_rank, load_from_args, non_negative_float, non_negative_int,
-                     port_number, positive_int)
+from .common import (UsageError, add_model_options, following_rank, load_from_args, non_negative_float,
+                     non_negative_int, port_number, positive_int)
 
 API_KEY_VAR = "LLAISYS_API_KEY"
 
@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on the API routes (default: ${API_KEY_VAR}, else none)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require the API key on /metrics too (by default it answers without one, for scrapers, "
+                        "as vLLM's does)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins browsers may call the API from (CORS), e.g. http://localhost:3000 or '*' "
                         "(default: none, CORS off)")
@@ -71,6 +74,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time a request has to send its whole body before it gets 408 (default 60)")
     p.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
                    help="open connections at most (default: 3/4 of the descriptor limit, less 64)")
+    p.add_argument("--grammar-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
+                   help="time one grammar (structured output, forced tool call) may take to compile; slower ones "
+                        "get 400 (default 10)")
+    p.add_argument("--grammar-cache-bytes", type=positive_int, default=512 << 20, metavar="N",
+                   help="memory the compiled grammars kept for reuse may hold; a grammar that needs more gets 400 "
+                        "(default 512 MiB)")
+    p.add_argument("--max-grammar-bytes", type=positive_int, default=128 << 10, metavar="N",
+                   help="largest grammar, regular expression, JSON schema or set of choices, in bytes "
+                        "(default 128 KiB)")
+    p.add_argument("--max-grammar-choices", type=positive_int, default=4096, metavar="N",
+                   help="most strings a guided choice may list (default 4096)")
+    p.add_argument("--max-grammar-depth", type=positive_int, default=128, metavar="N",
+                   help="deepest a grammar may nest: a schema's levels plus the $refs it follows, a grammar's "
+                        "chain of rules (default 128)")
     add_model_options(p)
     p.set_defaults(func=run)
 
@@ -83,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
         load_from_args(args)
         return 0
 
+    api_key = args.api_key or os.environ.get(API_KEY_VAR) or None
+    if args.metrics_require_key and api_key is None:
+        raise UsageError(f"--metrics-require-key needs an API key: give --api-key or set ${API_KEY_VAR}")
     options = ServerOptions(model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
-                            api_key=args.api_key or os.environ.get(API_KEY_VAR) or None,
+                            api_key=api_key, metrics_require_key=args.metrics_require_key,
                             allowed_origins=tuple(args.allowed_origins), chat_template=args.chat_template,
                             served_model_name=args.served_model_name, max_seqs=args.max_seqs,
                             kv_cache_tokens=args.kv_cache_tokens, db_path=args.db,
@@ -92,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
                             max_choices=args.max_choices, header_timeout_s=args.header_timeout,
                             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                             max_body_bytes=args.max_body_bytes, speculative_tokens=args.speculative_tokens,
-                            speculative_max_seqs=args.speculative_max_seqs)
+                            speculative_max_seqs=args.speculative_max_seqs, grammar_timeout_s=args.grammar_timeout,
+                            grammar_cache_bytes=args.grammar_cache_bytes, max_grammar_bytes=args.max_grammar_bytes,
+                            max_grammar_choices=args.max_grammar_choices, max_grammar_depth=args.max_grammar_depth)
     app = create_app(options, loader=lambda: load_from_args(args))
     service = app.state.service
     url = base_url(args.host, args.port)

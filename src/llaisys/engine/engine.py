@@ -42,7 +42,7 @@ from ..generation.speculative import Drafter, verifies_exactly
 from ..models.paged_cache import TokenBatch
 from ..runtime.device import DeviceType
 from .blocks import KVBlockManager
-from .grammar import MaskBatch, grammar_of
+from .grammar import Grammar, MaskBatch, grammar_of
 from .pooling import pooling_of
 from .request import Request, RequestOutput
 from .scheduler import Chunk, Scheduler
@@ -158,7 +158,8 @@ class LLMEngine:
         returns its id (a new one when ``request_id`` is None). Raises ValueError for a bad or
         duplicate id, a prompt that fills the model's context, or one that could never fit in
         the KV pool, for stop strings on a model without a tokenizer, and for a grammar compiled
-        for a larger vocabulary than the model's."""
+        for another vocabulary size than the model's (TypeError for a grammar that is not a
+        ``Grammar``)."""
         config = config or GenerationConfig()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -177,9 +178,13 @@ class LLMEngine:
             raise ValueError("mean pooling needs every prompt token computed: use an engine without prefix "
                              "caching (LLMEngine(model, prefix_caching=False)), or last-token pooling")
         grammar = grammar_of(config)
-        if grammar is not None and grammar.vocab_size > int(self.model.config.vocab_size):
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise TypeError(f"the config's grammar must be a Grammar (GrammarCompiler.compile), got "
+                            f"{type(grammar).__name__}")
+        if grammar is not None and grammar.vocab_size != int(self.model.config.vocab_size):
             raise ValueError(f"the grammar was compiled for a vocabulary of {grammar.vocab_size} tokens; this model "
-                             f"has {self.model.config.vocab_size}")
+                             f"has {self.model.config.vocab_size} (compile it with GrammarCompiler(..., "
+                             "vocab_size=model.config.vocab_size))")
         max_tokens = min(config.max_new_tokens, self.context_length - len(ids) + 1)
         eos = set() if config.ignore_eos else {*config.eos_token_ids, *self._eos}
         request = Request(request_id, ids, config, max_tokens, self._tokenizer, eos)
@@ -399,7 +404,8 @@ class LLMEngine:
     def generate(self, prompts: "Iterable[str | Sequence[int]]",
                  config: "GenerationConfig | Sequence[GenerationConfig] | None" = None) -> list[GenerationResult]:
         """Run every prompt to the end, together; return their results in prompt order.
-        ``config`` is one for all, or one per prompt."""
+        ``config`` is one for all, or one per prompt. Raises ValueError, once all are done, when
+        a prompt's grammar could not be enforced (its text would not follow it)."""
         prompts = list(prompts)
         configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)
         if len(configs) != len(prompts):
@@ -417,6 +423,9 @@ class LLMEngine:
                     tokens[out.request_id] += out.token_ids
                     if out.finished:
                         done[out.request_id] = out
+        failed = [(k, done[i].error) for k, i in enumerate(ids) if done[i].error is not None]
+        if failed:
+            raise ValueError(f"prompt {failed[0][0]}: its grammar could not be enforced: {failed[0][1]}")
         results = []
         for i in ids:
             out = done[i]

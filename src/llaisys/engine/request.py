@@ -2,6 +2,7 @@
 and the outputs it hands back step by step."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,6 +16,8 @@ from ..generation.text_stream import TextStream
 from .grammar import GrammarMatcher, MaskBatch, grammar_of
 from .pooling import Pooler, pooling_of
 from .scheduler import Sequence
+
+log = logging.getLogger(__name__)
 
 EngineFinishReason = Literal["stop", "length", "abort"]
 
@@ -49,7 +52,9 @@ class RequestTimes:
 class RequestOutput:
     """What one step did for one request: the new tokens, the text they release (may be ""
     while a character or a possible stop string is held back), their logprobs when asked,
-    and on the last output the finish reason ("stop", "length" or "abort")."""
+    and on the last output the finish reason ("stop", "length" or "abort"). A request whose
+    grammar could not be enforced (the library gave up midway) ends with "abort" and ``error``
+    saying why: its text does not follow the grammar."""
 
     request_id: str
     text_delta: str
@@ -62,6 +67,7 @@ class RequestOutput:
     cached_tokens: int
     times: RequestTimes = field(default_factory=RequestTimes)
     embedding: np.ndarray | None = None  # (D,) float32: the pooled hidden states of an embedding request
+    error: str | None = None  # why the request failed (its grammar could not be enforced), on its last output
 
     def then(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by ``later`` of the same request and step (the tokens of an
@@ -69,14 +75,14 @@ class RequestOutput:
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return RequestOutput(self.request_id, self.text_delta + later.text_delta, self.token_ids + later.token_ids,
                              logprobs, later.finished, later.finish_reason, later.prompt_tokens,
-                             later.completion_tokens, later.cached_tokens, later.times, later.embedding)
+                             later.completion_tokens, later.cached_tokens, later.times, later.embedding, later.error)
 
 
 class Request:
     """Engine-side state of one request."""
 
     __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
-                 "pooler", "device_rng", "drafted", "accepted")
+                 "pooler", "device_rng", "drafted", "accepted", "error")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -95,6 +101,7 @@ class Request:
         self.device_rng = None  # its generator on the model's device, made at its first draw there
         self.drafted = 0  # speculative decoding: draft tokens run, and those that held
         self.accepted = 0
+        self.error: str | None = None  # why its grammar could not be enforced
 
     def device_pickable(self, allowed: np.ndarray | None) -> bool:
         """Whether this step's token may be picked on the model's device (``prepare`` done):
@@ -109,12 +116,11 @@ class Request:
 
     def allowed(self, mask: np.ndarray, vocab: int) -> np.ndarray:
         """The tokens (vocab,) bool this request may pick next, from its grammar's bitmask (W,):
-        its end-of-sequence ids only where the grammar is complete."""
+        its end-of-sequence ids only where the grammar is complete (none at all when the library
+        gave up: ``prepare`` then ends the request with an error)."""
         allowed = MaskBatch.allowed(mask, vocab).copy()  # (vocab,)
         eos = self.eos[self.eos < vocab]
         allowed[eos] = self.matcher is None or self.matcher.accepting
-        if not allowed.any():  # nothing fits (an error state): end rather than fail the step
-            allowed[eos] = True
         return allowed
 
     def take(self, logits, allowed: np.ndarray | None = None) -> RequestOutput:
@@ -130,11 +136,12 @@ class Request:
 
     def prepare(self, allowed: np.ndarray | None = None) -> RequestOutput | None:
         """Get ready to pick among ``allowed`` (V,) bool (a grammar's mask, or None): None when a
-        token is to be picked, else the request's last output (its grammar allows nothing)."""
-        if allowed is not None and not allowed.any():  # the grammar allows nothing, not even an end
-            self.finish_reason = self.text.finish_reason = "stop"
-            self.times.finished = time.perf_counter()
-            return self.output(self._end(), [], None)
+        token is to be picked, else the request's last output: an error when its grammar allows
+        nothing, not even an end (the library gave up on it)."""
+        if allowed is not None and not allowed.any():
+            failure = self.matcher.failure if self.matcher is not None else None
+            self._fail(failure or "the grammar allows no next token")
+            return self.output("", [], None)
         if allowed is not None and len(self.seq.output_ids) < self.config.min_tokens:
             eos = self.eos[self.eos < allowed.shape[0]]
             if np.count_nonzero(allowed) == np.count_nonzero(allowed[eos]):
@@ -147,17 +154,24 @@ class Request:
         seq = self.seq
         seq.output_ids.append(picked.token_id)
         delta = self.text.push(picked.token_id)
+        failure = None
         if self.matcher is not None and self.text.finish_reason is None:
             assert self.matcher.consumed == len(seq.output_ids) - 1, "the matcher lost track of the sequence"
             self.matcher.consume(picked.token_id)
-            if self.matcher.done:  # the grammar is complete and takes nothing more
-                delta += self._end()
+            failure = self.matcher.failure
+            if failure is None and self.matcher.done:  # the grammar takes nothing more
+                if self.matcher.accepting:
+                    delta += self._end()
+                else:
+                    failure = "the grammar library stopped before the output was complete"
         now = time.perf_counter()
         if not self.times.first_token:
             self.times.first_token = now
         self.times.last_token = now
         self.finish_reason = self.text.finish_reason
-        if self.finish_reason is not None:
+        if failure is not None:
+            self._fail(failure)
+        elif self.finish_reason is not None:
             self.times.finished = now
         return self.output(delta, [picked.token_id], [picked] if self.config.logprobs is not None else None)
 
@@ -180,6 +194,14 @@ class Request:
         text.text += delta
         return delta
 
+    def _fail(self, why: str) -> None:
+        """Finish with reason "abort" and ``error``: the grammar could not be enforced."""
+        self.error = why
+        self.finish_reason = "abort"
+        self.times.finished = time.perf_counter()
+        digest = self.matcher.digest if self.matcher is not None else ""
+        log.warning("request %s: its grammar %s could not be enforced: %s", self.request_id, digest, why)
+
     def abort(self) -> RequestOutput:
         """Finish now with reason "abort"."""
         self.finish_reason = "abort"
@@ -190,4 +212,4 @@ class Request:
         seq = self.seq
         return RequestOutput(self.request_id, delta, tokens, logprobs, self.finish_reason is not None,
                              self.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached,
-                             self.times)
+                             self.times, error=self.error)

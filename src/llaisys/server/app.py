@@ -11,7 +11,9 @@ mounted on the app, such as the chat UI.
 Every request passes, outermost first: CORS (when asked for), ``HostCheck`` (421 for a Host
 header naming another site: DNS rebinding) and ``BodyGuard`` (the whole body read before the
 app runs: 413 above ``max_body_bytes``, 408 after ``body_timeout_s``, 503 when the server ends
-requests at shutdown). The API routes parse their JSON with ``protocol.load_json_body``.
+requests at shutdown). An API route checks the key first, then parses its JSON body with
+``protocol.load_json_body`` and validates it, off the event loop when it is large
+(``bodies.off_loop``). ``/metrics`` wants the key only with ``options.metrics_require_key``.
 """
 from __future__ import annotations
 
@@ -19,30 +21,32 @@ import asyncio
 import ipaddress
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from . import completions, embeddings, responses, ui
+from .bodies import off_loop, parse_model, render_json
 from .errors import APIError, install_error_handlers, shutting_down
 from .options import ServerOptions
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
-                       load_json_body)
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from .service import Loader, ModelService
 
 log = logging.getLogger(__name__)
 
-LARGE_BODY = 256 << 10  # bodies above this are parsed in a worker thread
 ALL_INTERFACES = ("0.0.0.0", "::", "")
+M = TypeVar("M", bound=BaseModel)
+BODY_SCHEMAS: dict[str, Any] = {}  # the request bodies' JSON schemas, for /openapi.json
 
 
 def service_of(request: Request) -> ModelService:
@@ -62,52 +66,67 @@ def check_api_key(request: Request) -> None:
                        code="invalid_api_key")
 
 
-class JSONRoute(APIRoute):
-    """An API route whose JSON body is parsed by ``load_json_body`` (a lone surrogate or deep
-    nesting is a 400 naming the field) before FastAPI validates it."""
+def json_body(model: type[M]) -> Any:
+    """A route parameter: the request's body as ``model``, parsed and validated by
+    ``bodies.parse_model`` (off the event loop when large). The route's other dependencies,
+    the API key first, are checked before it."""
+    async def parse(request: Request) -> M:
+        raw = await request.body()
+        content_type = request.headers.get("content-type")
+        return await off_loop(len(raw), lambda: parse_model(raw, content_type, model))
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def parse_then_handle(request: Request) -> Response:
-            raw = await request.body()
-            if raw:
-                try:
-                    parsed = await asyncio.to_thread(load_json_body, raw) if len(raw) > LARGE_BODY \
-                        else load_json_body(raw)
-                except ValueError:  # malformed JSON: FastAPI's own parse reports it
-                    pass
-                else:
-                    request._json = parsed  # where Starlette keeps the parsed body, which FastAPI reads
-            return await handler(request)
-
-        return parse_then_handle
+    return Depends(parse)
 
 
-api = APIRouter(dependencies=[Depends(check_api_key)], route_class=JSONRoute)
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The ``openapi_extra`` of a route taking ``model`` as its JSON body (its schema is added to
+    /openapi.json's components by ``openapi_with_bodies``)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    BODY_SCHEMAS.update(schema.pop("$defs", {}))
+    BODY_SCHEMAS[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """``app.openapi``: FastAPI's document, with the schemas of the bodies ``json_body`` parses."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(BODY_SCHEMAS)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    return openapi
+
+
+api = APIRouter(dependencies=[Depends(check_api_key)])
 public = APIRouter()
 
 
-@api.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+@api.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+async def chat_completions(request: Request,
+                           body: ChatCompletionRequest = json_body(ChatCompletionRequest)) -> Response:
     """OpenAI's chat completions, streamed or not."""
     return await completions.chat_completion(service_of(request), body, request)
 
 
-@api.post("/v1/completions")
-async def text_completions(body: CompletionRequest, request: Request) -> Response:
+@api.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
+async def text_completions(request: Request, body: CompletionRequest = json_body(CompletionRequest)) -> Response:
     """OpenAI's (legacy) text completions, streamed or not."""
     return await completions.completion(service_of(request), body, request)
 
 
-@api.post("/v1/responses")
-async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+@api.post("/v1/responses", openapi_extra=body_doc(responses.ResponsesRequest))
+async def create_response(request: Request,
+                          body: responses.ResponsesRequest = json_body(responses.ResponsesRequest)) -> Response:
     """OpenAI's Responses API, stateless: text or items in, output items out, streamed or not."""
-    return await responses.create_response(service_of(request), body, request)
+    chat = await off_loop(len(await request.body()), lambda: responses.chat_request(body))
+    return await responses.create_response(service_of(request), body, chat, request)
 
 
-@api.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+@api.post("/v1/embeddings", openapi_extra=body_doc(EmbeddingRequest))
+async def create_embeddings(request: Request, body: EmbeddingRequest = json_body(EmbeddingRequest)) -> Response:
     """OpenAI's embeddings: pooled, normalized final hidden states of each input."""
     return await embeddings.create_embeddings(service_of(request), body, request)
 
@@ -123,28 +142,29 @@ async def models(request: Request) -> dict[str, Any]:
         "max_model_len": service.max_model_len, "capabilities": service.capabilities()}]}
 
 
-@api.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+@api.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
+async def tokenize(request: Request, body: TokenizeRequest = json_body(TokenizeRequest)) -> Response:
     """vLLM's /tokenize: token ids of a prompt, or of chat messages rendered with the template
     (in a worker thread: a long text does not hold up other requests)."""
     service = service_of(request)
     service.require_ready()
     service.check_model(body.model)
 
-    def work() -> dict[str, Any]:
+    def work() -> bytes:  # the answer rendered here too: millions of ids take a while to write
         if body.messages is not None:
             text = service.chat_text(body.messages, body.add_generation_prompt, tools=body.tools)
             ids = service.encode(text, bool(body.add_special_tokens), "messages")
         else:
             ids = service.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")
         strs = [service.token_text(i) for i in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids, "token_strs": strs}
+        return render_json({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids,
+                            "token_strs": strs})
 
-    return JSONResponse(await service.in_worker(work))
+    return Response(await service.in_worker(work), media_type="application/json")
 
 
-@api.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+@api.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
+async def detokenize(request: Request, body: DetokenizeRequest = json_body(DetokenizeRequest)) -> dict[str, Any]:
     """vLLM's /detokenize: the text of token ids."""
     service = service_of(request)
     service.require_ready()
@@ -176,8 +196,10 @@ async def version() -> dict[str, str]:
 
 @public.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus metrics (vLLM's names)."""
+    """Prometheus metrics (vLLM's names); with ``options.metrics_require_key``, behind the API key."""
     service = service_of(request)
+    if service.options.metrics_require_key:
+        check_api_key(request)
     await service.stats()
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -360,6 +382,7 @@ def create_app(options: ServerOptions | None = None, model: Any = None, loader: 
     app = FastAPI(title="llaisys", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible API over the llaisys serving engine.")
     app.state.service = service
+    app.openapi = openapi_with_bodies(app)
     install_error_handlers(app)
     app.include_router(api)
     app.include_router(public)

@@ -7,6 +7,13 @@ a forced tool call); a chat reply is read for reasoning and tool calls (``reason
 A client that goes away ends its requests: a stream's response watches for the disconnect
 while it sends, and a whole response races the generation against it; either way the
 engine requests are aborted (``ModelService.release``) and their blocks freed within a step.
+One that goes away while its prompt is prepared and its grammar compiled stops the compile.
+
+A grammar is checked against the server's limits with the prompt (in a worker thread) and
+compiled by ``service.grammars`` (``grammars.py``: tried in a separate process, compiled in a
+thread of its own), so neither blocks the event loop nor the threads plain requests need. A
+request whose grammar the library gives up on midway ends with an error (400 naming the
+constraint's field, or an error event in a stream), never with text that breaks it.
 """
 from __future__ import annotations
 
@@ -25,8 +32,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine import AsyncRequestStream, EngineStopped, RequestOutput
+from ..engine.grammar import GuidedConfig
 from ..generation import GenerationConfig, SampledToken
 from .errors import APIError, bad_request, shutting_down
+from .grammars import PendingGrammar
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .reasoning import ReasoningParser, ReplyDeltas, ReplyReader, template_reasons
 from .service import ModelService
@@ -40,11 +49,13 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON 
 
 @dataclass(slots=True)
 class Job:
-    """One choice to generate: its index in the response, its prompt and its config."""
+    """One choice to generate: its index in the response, its prompt and its config (and the
+    request field its grammar came from, if any)."""
 
     index: int
     prompt_ids: list[int]
     config: GenerationConfig
+    grammar_param: str | None = None
 
 
 @dataclass(slots=True)
@@ -154,13 +165,17 @@ class CompletionFormat(ChatFormat):
 # ---- entry points ---------------------------------------------------------------------------
 async def chat_completion(service: ModelService, req: ChatCompletionRequest, request: Request) -> Response:
     """Answer POST /v1/chat/completions."""
-    fmt, jobs = await chat_jobs(service, req)
+    prepared = await until_disconnected(request.receive, chat_jobs(service, req))
+    if prepared is None:  # the client left while its prompt and grammar were prepared
+        return Response(status_code=499)
+    fmt, jobs = prepared
     return await _respond(service, fmt, req, jobs, request)
 
 
 async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[ChatFormat, list[Job]]:
     """The checked chat request's format (tool calls, reasoning) and its jobs (one per choice):
-    messages rendered and tokenized, the grammar compiled (in a worker thread)."""
+    messages rendered and tokenized and the grammar checked (in a worker thread), then the
+    grammar compiled (``service.grammars``)."""
     service.require_ready()
     service.check_model(req.model)
     service.check_choices(1, req.n)
@@ -168,24 +183,39 @@ async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[
     mode = req.tool_mode
     template = service.template_source()
     tool_fmt = tool_format(template) if mode is not None else None
-    if mode is not None and mode != "auto":  # a call is forced: the grammar of one
-        if spec is not None:
-            raise bad_request(f"tool_choice: a forced tool call cannot be combined with {spec.param}",
-                              param="tool_choice")
-        spec = GrammarSpec("lark", forced_call_grammar(req.tools or (), mode, req.parallel_tool_calls, tool_fmt),
-                           "tools")
+    forced = mode is not None and mode != "auto"  # a call is forced: the grammar of one
+    if forced and spec is not None:
+        raise bad_request(f"tool_choice: a forced tool call cannot be combined with {spec.param}",
+                          param="tool_choice")
 
-    def prepare() -> list[Job]:  # worker thread: renders and tokenizes, compiles the grammar
+    def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: renders, tokenizes, checks
         ids = service.chat_ids(req.messages, req.tools if mode is not None else None, req.chat_template_kwargs)
         requested, field_name = req.token_limit
         max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
-        grammar = service.compile_grammar(spec.kind, spec.value, spec.param) if spec else None
-        return [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i, grammar))
-                for i in range(req.n)]
+        jobs = [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
+        constraint = spec
+        if forced:
+            constraint = GrammarSpec("lark", forced_call_grammar(req.tools or (), mode, req.parallel_tool_calls,
+                                                                 tool_fmt), "tools")
+        return jobs, _pending(service, constraint)
 
     fmt = ChatFormat(service, tool_fmt, reasoning=template_reasons(template),
                      parallel_tool_calls=req.parallel_tool_calls)
-    return fmt, await service.in_worker(prepare)
+    jobs, pending = await service.in_worker(prepare)
+    return fmt, await with_grammar(service, jobs, pending)
+
+
+def _pending(service: ModelService, spec: GrammarSpec | None) -> PendingGrammar | None:
+    """``spec`` checked against the server's limits (worker thread); 400 naming its field."""
+    return service.grammars.prepare(spec.kind, spec.value, spec.param) if spec is not None else None
+
+
+async def with_grammar(service: ModelService, jobs: list[Job], pending: PendingGrammar | None) -> list[Job]:
+    """``jobs`` with the compiled grammar of ``pending`` in their configs (unchanged without one)."""
+    if pending is None:
+        return jobs
+    grammar = await service.grammars.compile(pending)
+    return [Job(j.index, j.prompt_ids, GuidedConfig.of(j.config, grammar), pending.param) for j in jobs]
 
 
 async def completion(service: ModelService, req: CompletionRequest, request: Request) -> Response:
@@ -196,8 +226,8 @@ async def completion(service: ModelService, req: CompletionRequest, request: Req
     service.check_choices(len(prompts), req.n)
     spec = requested_constraint(req)
 
-    def prepare() -> list[Job]:  # worker thread: tokenizes, in the prompts' order
-        grammar = service.compile_grammar(spec.kind, spec.value, spec.param) if spec else None
+    def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: tokenizes, in the prompts' order
+        pending = _pending(service, spec)
         jobs = []
         for p, prompt in enumerate(prompts):
             requested, field_name = req.token_limit
@@ -205,11 +235,17 @@ async def completion(service: ModelService, req: CompletionRequest, request: Req
                 service.completion_budget(len(prompt), requested, field_name, "prompt")
             ids = service.prompt_ids(prompt)
             max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
-            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i,
-                                                                       grammar)) for i in range(req.n)]
-        return jobs
+            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
+                     for i in range(req.n)]
+        return jobs, pending
 
-    return await _respond(service, CompletionFormat(service), req, await service.in_worker(prepare), request)
+    async def jobs_of() -> list[Job]:
+        return await with_grammar(service, *await service.in_worker(prepare))
+
+    jobs = await until_disconnected(request.receive, jobs_of())
+    if jobs is None:  # the client left while its prompts and grammar were prepared
+        return Response(status_code=499)
+    return await _respond(service, CompletionFormat(service), req, jobs, request)
 
 
 async def submit_jobs(service: ModelService, jobs: list[Job], response_id: str) -> list[AsyncRequestStream]:
@@ -272,6 +308,8 @@ class Run:
         when the server ends the requests (shutdown) or the engine fails."""
         try:
             async for i, out in self._merged:
+                if out.error is not None:
+                    raise not_enforced(self.jobs[i].grammar_param, out)
                 if out.finish_reason == "abort":
                     raise shutting_down()
                 self.states[i].last = out
@@ -360,6 +398,13 @@ class Run:
         if self.want_logprobs:
             lp, state.pending = self.fmt.logprobs(state.pending, state), []
         return self._event([self.fmt.delta(self.jobs[i].index, text, lp, reason, parts)])
+
+
+def not_enforced(param: str | None, out: RequestOutput) -> APIError:
+    """The 400 of a request whose grammar the library gave up on after ``out``'s tokens."""
+    return bad_request(f"{param or 'the constraint'}: the output could not be kept to this constraint (the grammar "
+                       f"library gave up after {out.completion_tokens} tokens: {out.error}); no answer is returned",
+                       param=param, code="grammar_not_enforced")
 
 
 class Merge:

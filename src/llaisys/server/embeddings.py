@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..engine import AsyncRequestStream, EngineStopped
 from ..engine.pooling import PoolingConfig
+from .bodies import render_json
 from .completions import until_disconnected
 from .errors import APIError, bad_request, shutting_down
 from .protocol import EmbeddingRequest
@@ -80,8 +81,13 @@ async def create_embeddings(service: ModelService, req: EmbeddingRequest, reques
         service.release_embeddings(streams)
     if results is None:  # the client left
         return Response(status_code=499)
-    tokens = sum(n for _, n in results)
-    data: list[dict[str, Any]] = [{"object": "embedding", "index": i, "embedding": encode(vec, req.encoding_format)}
-                                  for i, (vec, _) in enumerate(results)]
-    return JSONResponse({"object": "list", "data": data, "model": service.model_name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def render() -> bytes:  # worker thread: many long vectors take a while to write as JSON
+        tokens = sum(n for _, n in results)
+        data: list[dict[str, Any]] = [{"object": "embedding", "index": i,
+                                       "embedding": encode(vec, req.encoding_format)}
+                                      for i, (vec, _) in enumerate(results)]
+        return render_json({"object": "list", "data": data, "model": service.model_name,
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    return Response(await service.in_worker(render), media_type="application/json")

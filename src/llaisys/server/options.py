@@ -7,6 +7,7 @@ from ..generation.config import MAX_SPECULATIVE_TOKENS
 from .protocol import MAX_N
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: 128 prompts of 8k token ids as JSON fit; a 10 MB upload does not
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 @dataclass(slots=True)
@@ -32,6 +33,13 @@ class ServerOptions:
     to send a request's headers (then it is closed). body_timeout_s: time a request has to
     send its whole body (408 after). max_connections: open connections at most (more are
     refused with 503 at once; None: 7/8 of the process's descriptor limit).
+    grammar_timeout_s: how long one grammar (structured output, forced tool call) may take to
+    compile. grammar_cache_bytes: memory the compiled grammars kept for reuse may hold (a grammar
+    that needs more is refused). max_grammar_bytes / max_grammar_choices / max_grammar_depth: a
+    grammar's text size, its choices, and the depth of its nesting and references (see
+    docs/server.md, "Structured outputs").
+    metrics_require_key: /metrics wants the API key too (by default it answers without one, as
+    vLLM's does, for scrapers); needs ``api_key``.
     """
 
     model: str | None = None
@@ -56,12 +64,19 @@ class ServerOptions:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int | None = None
+    grammar_timeout_s: float = 10.0
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    max_grammar_bytes: int = 128 << 10
+    max_grammar_choices: int = 4096
+    max_grammar_depth: int = 128
+    metrics_require_key: bool = False
 
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_hosts"):
             value = getattr(self, name)
             setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
-        for name in ("max_seqs", "max_batched_tokens", "max_body_bytes"):
+        for name in ("max_seqs", "max_batched_tokens", "max_body_bytes", "grammar_cache_bytes", "max_grammar_bytes",
+                     "max_grammar_choices", "max_grammar_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerOptions.{name} must be a positive integer, got {value!r}")
@@ -77,9 +92,11 @@ class ServerOptions:
             raise ValueError(f"ServerOptions.port must be in [0, 65535], got {self.port}")
         if self.api_key == "":
             raise ValueError("ServerOptions.api_key must not be empty (None: no key)")
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError("ServerOptions.metrics_require_key needs an api_key (--api-key or $LLAISYS_API_KEY)")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"ServerOptions.shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "grammar_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerOptions.{name} must be > 0, got {getattr(self, name)}")
 

@@ -5,39 +5,61 @@ boolean) and fields the server does not know are ignored. Ranges are OpenAI's (v
 the fields it adds: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids; ours: speculative_tokens). Responses are plain dicts built in ``llaisys.server.completions``.
 
-Bodies are parsed by ``load_json_body``, which also refuses what JSON allows but nothing
-downstream can take: strings with a lone UTF-16 surrogate (``"\\ud800"``, which cannot be
-encoded as UTF-8) and nesting deeper than ``MAX_JSON_DEPTH``.
+Bodies are parsed by ``load_json_body``, which also refuses what strict JSON does not allow
+or nothing downstream can take: ``NaN``, ``Infinity`` and numbers too large for a double (every
+float is finite), strings with a lone UTF-16 surrogate (``"\\ud800"``, which cannot be encoded
+as UTF-8) and nesting deeper than ``MAX_JSON_DEPTH``.
+
+Every list fails fast (``FastList``: its first bad item is the error, not one error per item,
+which for a list of millions would take pydantic seconds to collect, all holding the GIL),
+and no field is a dict of typed values, for the same reason; prompts are checked by
+``_check_prompt`` alone.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, field_validator, model_validator
 
 from ..generation.config import MAX_LOGPROBS  # top tokens per step: 20, as OpenAI
 from ..generation.config import MAX_SPECULATIVE_TOKENS  # draft tokens per step: 64
 from .errors import APIError, bad_request
 
 MAX_N = 128  # choices per request, as OpenAI
+MAX_TOOLS = 128  # functions per request, as OpenAI
 MAX_JSON_DEPTH = 64  # nesting of a request body; OpenAI's bodies need fewer than 10 levels
+MAX_TOKEN_ID = 2**31  # token ids are below this whatever the vocabulary (the server checks the model's)
 
+T = TypeVar("T")
+FastList = Annotated[list[T], Field(fail_fast=True)]  # a list whose first bad item is its error
 PositiveInt = Annotated[int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+class NonFinite(str):
+    """A number literal the parser met that is not a finite double (``NaN``, ``-Infinity``,
+    ``1e999``): kept as its text until ``_check_json`` reports where it is."""
+
+
+def _parse_float(text: str) -> float | NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else NonFinite(text)
+
+
 def load_json_body(raw: bytes | str) -> Any:
-    """The JSON value of a request body. Raises json.JSONDecodeError for malformed JSON, and a
-    400 APIError for nesting deeper than MAX_JSON_DEPTH or a string (or key) with a lone
-    surrogate, naming where (``messages[0].content``)."""
+    """The JSON value of a request body. Raises ValueError (json.JSONDecodeError, or
+    UnicodeDecodeError for bytes that are not UTF-8) for malformed JSON, and a 400 APIError for
+    nesting deeper than MAX_JSON_DEPTH, a number that is not a finite double, or a string (or
+    key) with a lone surrogate, naming where (``messages[0].content``)."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=NonFinite, parse_float=_parse_float)
     except RecursionError:  # nested deeper than the interpreter's stack allows
         raise bad_request(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                           code="json_too_deep") from None
@@ -50,6 +72,10 @@ def _check_json(value: Any) -> None:
     stack: list[tuple[Any, str, int]] = [(value, "", 1)]
     while stack:
         node, path, depth = stack.pop()
+        if isinstance(node, NonFinite):
+            where = path or "the body"
+            raise bad_request(f"{where}: {node} is not a number JSON allows; numbers must be finite and fit a "
+                              "double (about 1.8e308)", param=path or None, code="invalid_number")
         if isinstance(node, str):
             if _SURROGATE.search(node):
                 raise _surrogate_error(path)
@@ -143,9 +169,9 @@ class ChatMessage(Strict):
     message may carry the ``tool_calls`` it made."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | FastList[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: FastList[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -210,12 +236,12 @@ class NamedToolChoice(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
-    function: dict[str, str]
+    function: dict[str, Any]
 
     @field_validator("function")
     @classmethod
-    def _name(cls, value: dict[str, str]) -> dict[str, str]:
-        if not value.get("name"):
+    def _name(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value.get("name") or not isinstance(value["name"], str):
             raise ValueError("must be {'name': ...} naming one of the tools")
         return value
 
@@ -240,14 +266,14 @@ class SamplingRequest(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
-    logit_bias: dict[str, float] | None = None
+    stop_token_ids: FastList[TokenId] | None = None
+    logit_bias: dict[str, Any] | None = None  # refused when not empty
     # structured outputs (checked and compiled in llaisys.server.structured): OpenAI's, vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: FastList[str] | None = None
     guided_grammar: str | None = None
     # ours: speculative decoding's draft tokens per step (None: the server's --speculative-tokens)
     speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
@@ -281,11 +307,11 @@ class SamplingRequest(Strict):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[FastList[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[FastList[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -329,13 +355,31 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 def _check_prompt(value: Any) -> Any:
-    """A prompt: text, token ids, or a list of either (several prompts)."""
-    def is_ids(v: Any) -> bool:
-        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    """A prompt: text, token ids, or a non-empty list of either (several prompts); each id in
+    [0, MAX_TOKEN_ID) (the model's vocabulary is checked when the prompt is encoded)."""
+    def ids_error(v: Any) -> str | None:  # why ``v`` is not a list of token ids (None: it is one)
+        if not isinstance(v, list) or not v:
+            return "not a non-empty list"
+        for i, t in enumerate(v):
+            if not isinstance(t, int) or isinstance(t, bool):
+                return f"item {i} is {type(t).__name__} {t!r:.40}, not a token id"
+            if not 0 <= t < MAX_TOKEN_ID:
+                return f"token id {t} at {i} is outside [0, {MAX_TOKEN_ID})"
+        return None
 
-    if isinstance(value, str) or is_ids(value):
+    if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(p, str) or is_ids(p) for p in value):
+    if isinstance(value, list) and value and not isinstance(value[0], (str, list)):  # one prompt of ids
+        why = ids_error(value)
+        if why is None:
+            return value
+        raise ValueError(f"must be a string, a list of token ids, or a non-empty list of strings or of token id "
+                         f"lists: {why}")
+    if isinstance(value, list) and value:
+        for p, item in enumerate(value):
+            why = None if isinstance(item, str) else ids_error(item)
+            if why is not None:
+                raise ValueError(f"prompt {p} must be a string or a non-empty list of token ids: {why}")
         return value
     raise ValueError("must be a string, a list of token ids, or a non-empty list of strings or of token id lists")
 
@@ -343,7 +387,7 @@ def _check_prompt(value: Any) -> Any:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], SkipValidation]  # _check_prompt's
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -386,7 +430,7 @@ class EmbeddingRequest(Strict):
     """POST /v1/embeddings: OpenAI's, with vLLM-style extensions ``pooling`` and ``normalize``."""
 
     model: str | None = None
-    input: str | list[int] | list[str] | list[list[int]]
+    input: Annotated[str | list[int] | list[str] | list[list[int]], SkipValidation]  # _check_prompt's
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
     user: str | None = None
@@ -412,8 +456,8 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None
+    messages: FastList[ChatMessage] | None = None
+    tools: Annotated[FastList[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -429,4 +473,4 @@ class DetokenizeRequest(Strict):
     """POST /detokenize (vLLM's)."""
 
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: FastList[TokenId]

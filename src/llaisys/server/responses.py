@@ -21,11 +21,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from .completions import ChatFormat, Job, Run, answer, chat_jobs, submit_jobs
+from .bodies import json_kind
+from .completions import ChatFormat, Job, Run, answer, chat_jobs, submit_jobs, until_disconnected
 from .errors import APIError, bad_request, validation_error
-from .protocol import ChatCompletionRequest, Strict
+from .protocol import MAX_TOOLS, ChatCompletionRequest, FastList, Strict
 from .reasoning import ReplyDeltas
 from .service import ModelService
 
@@ -34,13 +35,13 @@ class ResponsesRequest(Strict):
     """POST /v1/responses (unknown fields ignored, as elsewhere)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | FastList[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None  # an extension, as vLLM's
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[FastList[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
@@ -49,18 +50,27 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None
     user: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, v in (value or {}).items():
+            if not isinstance(v, str):
+                raise ValueError(f"metadata.{key}: values must be strings, got {json_kind(v)}")
+        return value
 
 
 # ---- request: to a chat completion request -----------------------------------------------------
 def _part_text(part: Any, where: str) -> str:
-    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
-            and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise bad_request(f"{where}: a {kind!r} part is not supported; this model takes text only (input_text)",
-                      param=where)
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text"):
+        if isinstance(part.get("text"), str):
+            return part["text"]
+        raise bad_request(f"{where}.text: must be a string, got {json_kind(part.get('text'))}", param=f"{where}.text")
+    what = f"{kind!r} part" if kind is not None else json_kind(part)
+    raise bad_request(f"{where}: {what} is not supported; this model takes text only (input_text)", param=where)
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -120,10 +130,17 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """The chat ``response_format`` of ``text.format`` (None: plain text)."""
     fmt = (req.text or {}).get("format")
-    if fmt is None or fmt.get("type", "text") == "text":
+    if fmt is None:
         return None
-    if fmt.get("type") == "json_schema":
+    if not isinstance(fmt, dict):
+        raise bad_request(f"text.format: must be an object such as {{'type': 'json_schema', 'name': ..., 'schema': "
+                          f"...}}, got {json_kind(fmt)}", param="text.format")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return fmt
 
@@ -321,10 +338,13 @@ class ResponseRun:
             yield self.event("error", code=err.code, message=err.message, param=err.param)
 
 
-async def create_response(service: ModelService, req: ResponsesRequest, request: Request) -> Response:
-    """Answer POST /v1/responses."""
-    chat = chat_request(req)
-    fmt, jobs = await chat_jobs(service, chat)
+async def create_response(service: ModelService, req: ResponsesRequest, chat: ChatCompletionRequest,
+                          request: Request) -> Response:
+    """Answer POST /v1/responses, given ``chat``: ``chat_request(req)`` (made off the event loop)."""
+    prepared = await until_disconnected(request.receive, chat_jobs(service, chat))
+    if prepared is None:  # the client left while its prompt and grammar were prepared
+        return Response(status_code=499)
+    fmt, jobs = prepared
     response_id = _id("resp")
     streams = await submit_jobs(service, jobs, response_id)
     run = ResponseRun(service, req, chat, fmt, jobs[0], Run(service, fmt, chat, jobs, streams, response_id))

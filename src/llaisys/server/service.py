@@ -9,7 +9,6 @@ at shutdown) and the metrics. Rendering and tokenizing prompts run in worker thr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -21,10 +20,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..engine import AsyncRequestStream, EngineThread, LLMEngine
-from ..engine.grammar import Grammar, GrammarCompiler, GuidedConfig
+from ..engine.grammar import Grammar, GuidedConfig
 from ..generation import GenerationConfig, encode_prompt
+from ..generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
 from ..models.chat_template import ChatTemplate, compile_template, render_chat
 from .errors import APIError, bad_request, shutting_down
+from .grammars import GrammarService
 from .metrics import Metrics
 from .options import ServerOptions
 from .protocol import ChatMessage, SamplingRequest, Tool
@@ -38,9 +39,6 @@ T = TypeVar("T")
 PROMPT_THREADS = min(4, os.cpu_count() or 1)  # threads rendering and tokenizing prompts
 # GenerationConfig field -> the API field that sets it
 API_FIELDS = {"max_new_tokens": "max_tokens", "eos_token_ids": "stop_token_ids"}
-# OpenAI's default sampling, under the model's generation_config.json (as vLLM does)
-OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
-GRAMMAR_CACHE = 64  # compiled grammars kept (requests often repeat a schema)
 
 
 def default_model_name(options: ServerOptions, model: Any = None) -> str:
@@ -91,9 +89,7 @@ class ModelService:
         self._token_text: dict[int, str] = {}
         self._longest_token: int | None = None
         self._workers = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="llaisys-prompt")
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._grammars: dict[tuple[str, str], Grammar] = {}  # (kind, value as JSON) -> compiled, LRU order
-        self._grammar_lock = threading.Lock()
+        self.grammars = GrammarService(options, lambda: self.model)  # structured outputs, forced tool calls
         self._embedder: EngineThread | None = None  # a second engine, for embeddings (started on first use)
         self._embedding_inflight: set[str] = set()
         self._embedder_lock = threading.Lock()
@@ -142,6 +138,7 @@ class ModelService:
             self.engine.stop(timeout)
         if self._embedder is not None:
             self._embedder.stop(timeout)
+        self.grammars.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -210,6 +207,12 @@ class ModelService:
         """Tokens the engine's KV pool holds."""
         assert self.engine is not None
         return self.engine.engine.blocks.capacity_tokens
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the model's embedding: token ids are below it (None: the model does not say)."""
+        size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return int(size) if isinstance(size, int) and not isinstance(size, bool) else None
 
     @property
     def longest_token(self) -> int:
@@ -289,7 +292,12 @@ class ModelService:
     def chat_ids(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids of ``messages`` (and ``tools``, see ``chat_text``); the template writes any
-        BOS, so none is added (worker thread)."""
+        BOS, so none is added (worker thread). More messages than the context has tokens are
+        refused before rendering (each message renders at least its role's marker)."""
+        if len(messages) > self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"messages are {len(messages)}, and each takes at least one token. Please reduce the "
+                              f"number of messages.", param="messages", code="context_length_exceeded")
         text = self.chat_text(messages, tools=tools, template_kwargs=template_kwargs)
         self.refuse_overlong(text, "messages")
         ids = self.encode(text, False, "messages")
@@ -309,15 +317,16 @@ class ModelService:
 
     def completion_budget(self, prompt_len: int, requested: int | None, field: str, what: str) -> int:
         """Tokens the completion may have. Refuses (400) a prompt that fills the context and a
-        prompt plus ``requested`` above it; without a request: the rest of the context (less if
-        the KV pool is smaller; the engine refuses what cannot fit)."""
+        prompt plus ``requested`` above it; without a request (chat): CHAT_MAX_TOKENS, as the
+        CLI's chat and the chat page use, less where the rest of the context (or of the KV pool;
+        the engine refuses what cannot fit) is shorter."""
         context = self.max_model_len
         if prompt_len >= context:
             raise bad_request(f"This model's maximum context length is {context} tokens. However, your {what} "
                               f"resulted in {prompt_len} tokens, leaving no room for the completion. Please reduce "
                               f"the length of the {what}.", param=what, code="context_length_exceeded")
         if requested is None:
-            return max(1, min(context - prompt_len, self.kv_capacity + 1 - prompt_len))
+            return max(1, min(CHAT_MAX_TOKENS, context - prompt_len, self.kv_capacity + 1 - prompt_len))
         if prompt_len + requested > context:
             raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
                               f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
@@ -328,11 +337,19 @@ class ModelService:
     def generation_config(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                           choice: int, grammar: Grammar | None = None) -> GenerationConfig:
         """The GenerationConfig of choice ``choice`` of ``req``: the request's values over the
-        model's generation_config.json over OpenAI's defaults; seed + choice when seeded;
+        defaults the CLI and the chat page use (``sampling_defaults``: the sampling keys of the
+        model's generation_config.json, else FALLBACK_SAMPLING); seed + choice when seeded;
         ``speculative_tokens`` the request's, else the server's. With a ``grammar``, a
-        GuidedConfig: the output follows it."""
-        defaults = {**OPENAI_DEFAULTS, **(getattr(self.model, "generation_defaults", None) or {})}
-        top_k = 0 if req.top_k == -1 else req.top_k
+        GuidedConfig: the output follows it. 400 for a stop token id outside the vocabulary."""
+        defaults = sampling_defaults(getattr(self.model, "generation_defaults", None))
+        vocab = self.vocab_size
+        for i, token in enumerate(req.stop_token_ids or ()):
+            if vocab is not None and token >= vocab:
+                raise bad_request(f"stop_token_ids[{i}]: token id {token} is outside the vocabulary [0, {vocab})",
+                                  param=f"stop_token_ids[{i}]")
+        top_k = req.top_k
+        if top_k == -1 or (top_k is not None and vocab is not None and top_k >= vocab):
+            top_k = 0  # off: keeping the top `vocab` tokens keeps them all
         guided = {"grammar": grammar} if grammar is not None else {}
         cls = GuidedConfig if grammar is not None else GenerationConfig
         try:
@@ -366,33 +383,6 @@ class ModelService:
         return {"chat": bool(template), "structured_outputs": has_tokenizer, "tool_calls": tools,
                 "reasoning": bool(template) and template_reasons(template), "embeddings": True,
                 "responses": bool(template)}
-
-    # ---- structured outputs ------------------------------------------------------------
-    def compile_grammar(self, kind: str, value: Any, param: str) -> Grammar:
-        """The compiled grammar of ``value`` given as ``kind`` (cached; worker thread); 400 naming
-        ``param`` when it is of the wrong shape or does not compile."""
-        key = (kind, json.dumps(value, sort_keys=True))
-        with self._grammar_lock:
-            grammar = self._grammars.pop(key, None)
-            if grammar is not None:
-                self._grammars[key] = grammar  # most recently used last
-                return grammar
-            if self._grammar_compiler is None:
-                try:
-                    self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.eos_token_ids,
-                                                             int(self.model.config.vocab_size))
-                except ValueError as exc:
-                    raise bad_request(f"{param}: {exc}", param=param) from exc
-            compiler = self._grammar_compiler
-        try:
-            grammar = compiler.compile(kind, value)
-        except ValueError as exc:
-            raise bad_request(f"{param}: {exc}", param=param, code="invalid_grammar") from exc
-        with self._grammar_lock:
-            self._grammars[key] = grammar
-            while len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.pop(next(iter(self._grammars)))
-        return grammar
 
     # ---- engine requests ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> AsyncRequestStream:
@@ -467,6 +457,7 @@ class ModelService:
         """End every request in flight with reason "abort" (their streams see it), and the waits
         for request bodies (event loop)."""
         self.ending.set()
+        self.grammars.close()  # a grammar compiling ends now too (its request gets the 503)
         if self.engine is None:
             return
         ids = list(self._inflight)

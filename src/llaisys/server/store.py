@@ -111,14 +111,36 @@ def check_settings(value: Any) -> dict[str, Any]:
         if v is None:
             continue
         kind, low, high, low_inclusive = SETTINGS[key]
-        ok_type = isinstance(v, int) if kind is int else isinstance(v, (int, float))
-        if isinstance(v, bool) or not ok_type or (kind is float and not math.isfinite(v)):
-            raise TypeError(f"setting {key} must be {'an integer' if kind is int else 'a number'} or null, got {v!r}")
-        if not (low <= v <= high) or (v == low and not low_inclusive):
+        ok_type = isinstance(v, int) if kind is int else _is_finite(v)
+        if isinstance(v, bool) or not ok_type:
+            raise TypeError(f"setting {key} must be {'an integer' if kind is int else 'a number'} or null, got "
+                            f"{_short(v)}")
+        if not (low <= v <= high) or (v == low and not low_inclusive):  # exact for ints of any size
             bracket = "[" if low_inclusive else "("
-            raise ValueError(f"setting {key}={v!r} is out of range {bracket}{low}, {high}]")
+            raise ValueError(f"setting {key}={_short(v)} is out of range {bracket}{low}, {high}]")
         out[key] = float(v) if kind is float else int(v)
     return out
+
+
+def clean_settings(value: Any) -> dict[str, Any]:
+    """``value`` with the settings check_settings would refuse dropped ({} for a value that is no
+    object): how stored settings are read."""
+    if not isinstance(value, Mapping):
+        return {}
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        try:
+            out.update(check_settings({key: v}))
+        except (TypeError, ValueError):
+            logger.debug("dropped setting %s = %r", key, v)
+    return out
+
+
+def _is_finite(v: Any) -> bool:
+    """Whether ``v`` is a JSON number that is finite (an int of any size, or a finite float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
 
 
 def _is_count(v: Any) -> bool:
@@ -126,12 +148,20 @@ def _is_count(v: Any) -> bool:
 
 
 def _is_amount(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return _is_finite(v) and v >= 0
 
 
 def _is_sampling(v: Any) -> bool:
-    return isinstance(v, Mapping) and all(isinstance(k, str) and (x is None or (
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))) for k, x in v.items())
+    return isinstance(v, Mapping) and all(isinstance(k, str) and (x is None or _is_finite(x)) for k, x in v.items())
+
+
+def _is_plain_json(v: Any) -> bool:
+    """Whether ``v`` can be written as strict JSON (no NaN or Infinity anywhere in it)."""
+    try:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 # The meta keys the page writes and reads: name -> (test, what is expected). None is allowed for
@@ -195,19 +225,45 @@ def check_meta(value: Any, name: str = "meta") -> dict[str, Any]:
 
 
 def clean_meta(value: Any) -> dict[str, Any]:
-    """``value`` with the keys of META_FIELDS that hold something else dropped ({} for a value
-    that is no object): how a stored meta is read, so rows written before these checks (or by
-    hand) never reach the page with a wrong type."""
+    """``value`` with the keys of META_FIELDS that hold something else, and the other keys whose
+    value is not plain JSON (a NaN), dropped ({} for a value that is no object): how a stored
+    meta is read, so rows written before these checks (or by hand) never reach the page with a
+    wrong type, nor make the conversation unreadable."""
     if not isinstance(value, Mapping):
         return {}
     out = {}
     for key, v in value.items():
         test = META_FIELDS.get(key, (None, ""))[0]
-        if v is None or test is None or test(v):
+        if v is None or (test(v) if test is not None else _is_plain_json(v)):
             out[key] = v
         else:
-            logger.debug("dropped meta.%s = %r: not %s", key, v, META_FIELDS[key][1])
+            logger.debug("dropped meta.%s = %r: not %s", key, v, META_FIELDS[key][1] if test else "plain JSON")
     return out
+
+
+def read_json(text: Any, what: str) -> Any:
+    """The JSON value stored in a column (None when it is not JSON: written by hand, or damaged)."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        logger.debug("%s is not JSON (%.60r): read as empty", what, text)
+        return None
+
+
+def check_seconds(name: str, value: Any, default: float) -> float:
+    """A time in seconds since the epoch: a finite number (``default`` for None)."""
+    if value is None:
+        return default
+    if not _is_finite(value):
+        raise TypeError(f"{name} must be a number of seconds since the epoch, got {_short(value)}")
+    if not 0 <= value < 1e11:  # before the year 5138: a float keeps its milliseconds
+        raise ValueError(f"{name} must be in [0, 1e11) seconds since the epoch, got {_short(value)}")
+    return float(value)
+
+
+def _read_seconds(value: Any) -> float | None:
+    """A stored time as the API shows it (None for one JSON cannot carry: written by hand)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def check_role(value: Any) -> str:
@@ -315,12 +371,13 @@ class ConversationStore:
     @staticmethod
     def _message(row: sqlite3.Row) -> dict[str, Any]:
         return {"id": row["id"], "conversation_id": row["conversation_id"], "parent_id": row["parent_id"],
-                "role": row["role"], "content": row["content"], "created": row["created"],
-                "meta": clean_meta(json.loads(row["meta"]))}
+                "role": row["role"], "content": row["content"], "created": _read_seconds(row["created"]),
+                "meta": clean_meta(read_json(row["meta"], f"the meta of message {row['id']}"))}
 
     @staticmethod
     def _summary(row: sqlite3.Row) -> dict[str, Any]:
-        return {"id": row["id"], "title": row["title"], "created": row["created"], "updated": row["updated"]}
+        return {"id": row["id"], "title": row["title"], "created": _read_seconds(row["created"]),
+                "updated": _read_seconds(row["updated"])}
 
     def _conversation_row(self, db: sqlite3.Connection, cid: str) -> sqlite3.Row:
         row = db.execute("SELECT * FROM conversations WHERE id = ?", (cid,)).fetchone()
@@ -346,7 +403,8 @@ class ConversationStore:
             node = parent[node]
         path.reverse()
         return {**self._summary(row), "system_prompt": row["system_prompt"],
-                "settings": json.loads(row["settings"]), "active_leaf": row["active_leaf"],
+                "settings": clean_settings(read_json(row["settings"], f"the settings of conversation {cid}")),
+                "active_leaf": row["active_leaf"],
                 "messages": messages, "path": path}
 
     # ---- conversations ----
@@ -451,7 +509,7 @@ class ConversationStore:
         patch = check_meta(changes["meta"]) if "meta" in changes else {}
         with self._transaction() as db:
             row = self._message_row(db, cid, mid)
-            meta = clean_meta(json.loads(row["meta"]))
+            meta = clean_meta(read_json(row["meta"], f"the meta of message {mid}"))
             meta.update(patch)
             meta = check_meta({k: v for k, v in meta.items() if v is not None})
             db.execute("UPDATE messages SET content = ?, meta = ? WHERE id = ?",
@@ -477,7 +535,7 @@ class ConversationStore:
         if document.get("format", EXPORT_FORMAT) != EXPORT_FORMAT:
             raise ValueError(f"format must be {EXPORT_FORMAT!r}, got {document.get('format')!r}")
         if not isinstance(document.get("version", 1), int) or document.get("version", 1) > SCHEMA_VERSION:
-            raise ValueError(f"version {document.get('version')!r} is not one this llaisys reads "
+            raise ValueError(f"version {_short(document.get('version'))} is not one this llaisys reads "
                              f"(at most {SCHEMA_VERSION})")
         if "conversation" in document:
             items = [document["conversation"]]
@@ -494,11 +552,10 @@ class ConversationStore:
                 db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?)",
                            (cid, conv["title"], conv["system_prompt"], json.dumps(conv["settings"]),
                             new_id.get(leaf), conv["created"], now))
-                for m in messages:
-                    db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
+                db.executemany("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
                                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                               (new_id[m["id"]], cid, new_id.get(m["parent_id"]), m["role"], m["content"],
-                                m["created"], json.dumps(m["meta"])))
+                               [(new_id[m["id"]], cid, new_id.get(m["parent_id"]), m["role"], m["content"],
+                                 m["created"], json.dumps(m["meta"])) for m in messages])
                 ids.append(cid)
             return [self._summary(self._conversation_row(db, cid)) for cid in ids]
 
@@ -510,12 +567,10 @@ class ConversationStore:
             if not isinstance(item, Mapping):
                 raise TypeError(f"must be an object, got {type(item).__name__}")
             now = time.time()
-            created = item.get("created", now)
             conv = {"title": check_title(item.get("title", "")),
                     "system_prompt": check_system_prompt(item.get("system_prompt", "")),
                     "settings": check_settings(item.get("settings") or {}),
-                    "created": float(created) if isinstance(created, (int, float)) and not isinstance(created, bool)
-                    else now}
+                    "created": check_seconds("created", item.get("created"), now)}
             raw = item.get("messages", [])
             if not isinstance(raw, list):
                 raise TypeError(f"messages must be a list, got {type(raw).__name__}")
@@ -523,24 +578,23 @@ class ConversationStore:
             for j, m in enumerate(raw):
                 if not isinstance(m, Mapping):
                     raise TypeError(f"messages[{j}] must be an object, got {type(m).__name__}")
-                mcreated = m.get("created", now)
                 msg = {"id": check_id(f"messages[{j}].id", m.get("id"), nullable=False),
                        "parent_id": check_id(f"messages[{j}].parent_id", m.get("parent_id")),
                        "role": check_role(m.get("role")), "content": check_content(m.get("content")),
                        "meta": check_meta(m.get("meta") or {}, f"messages[{j}].meta"),
-                       "created": float(mcreated) if isinstance(mcreated, (int, float))
-                       and not isinstance(mcreated, bool) else now}
+                       "created": check_seconds(f"messages[{j}].created", m.get("created"), now)}
                 if msg["id"] in depth:
                     raise ValueError(f"message id {msg['id']!r} appears twice")
                 depth[msg["id"]] = None
                 messages.append(msg)
             parent = {m["id"]: m["parent_id"] for m in messages}
             for m in messages:  # depth of each message; a parent outside the list or a cycle is an error
-                chain, node = [], m["id"]
+                chain, on_chain, node = [], set(), m["id"]  # each message joins one chain: linear in all
                 while node is not None and depth[node] is None:
-                    if node in chain:
+                    if node in on_chain:
                         raise ValueError(f"messages form a cycle through {node!r}")
                     chain.append(node)
+                    on_chain.add(node)
                     node = parent[node]
                     if node is not None and node not in parent:
                         raise ValueError(f"message {chain[-1]!r} names a parent {node!r} that is not in the list")

@@ -2,7 +2,8 @@
 vLLM's ``structured_outputs`` and ``guided_*`` fields, checked and named for errors.
 
     spec = requested_constraint(req)   # None, or a GrammarSpec naming the field it came from
-    grammar = service.compile_grammar(spec)   # 400 naming spec.param when it does not compile
+    pending = service.grammars.prepare(spec.kind, spec.value, spec.param)   # limits: 400 naming spec.param
+    grammar = await service.grammars.compile(pending)   # 400 naming spec.param when it does not compile
 """
 from __future__ import annotations
 

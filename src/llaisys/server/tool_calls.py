@@ -105,26 +105,32 @@ def template_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool] | N
 
 
 # ---- the grammar of a forced call ------------------------------------------------------------
-def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
+def _call_rule(i: int, tool: Tool, args_key: str) -> str:
+    """Lark rules of one call of ``tool``: the call object written out up to its arguments,
+    which follow the function's ``parameters`` as a schema of their own (so its local
+    ``$defs``/``$ref`` resolve against it, as pydantic writes them)."""
     params = tool.function.parameters or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
+    head = f'{{"name": {json.dumps(tool.function.name, ensure_ascii=False)}, "{args_key}": '
+    schema = json.dumps({**params, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    return f"call{i}: {json.dumps(head)} args{i} \"}}\"\nargs{i}: %json {schema}"
 
 
 def forced_call_grammar(tools: Sequence[Tool], mode: str, parallel: bool, fmt: str) -> str:
     """A Lark grammar (llguidance's, with ``%json``) of the output when a call is forced:
     ``mode`` "required" (any of ``tools``, several when ``parallel``) or "function:NAME" (that
-    one, once). Each call's arguments follow the function's ``parameters`` schema."""
+    one, once). Each call's arguments follow the function's ``parameters`` schema. Several calls
+    are written back to back: after a whole call the model chooses between the next call and
+    the end, and a newline there (what a model that means to go on in prose writes) would
+    commit it to another call."""
     named = mode.removeprefix("function:") if mode.startswith("function:") else None
     chosen = [t for t in tools if named is None or t.function.name == named]
     args_key = "parameters" if fmt == LLAMA3_JSON else "arguments"
-    schemas = [_call_schema(t, args_key) for t in chosen]
-    schema = {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": JSON_OPTIONS}
-    body = json.dumps(schema, ensure_ascii=False)
+    rules = "\n".join(_call_rule(i, t, args_key) for i, t in enumerate(chosen))
+    obj = "obj: " + " | ".join(f"call{i}" for i in range(len(chosen)))
     if fmt == LLAMA3_JSON:
-        return f"start: obj\nobj: %json {body}"
-    repeat = ' ("\\n" call)*' if parallel and named is None else ""
-    return f'start: call{repeat}\ncall: "{CALL_OPEN}\\n" obj "\\n{CALL_CLOSE}"\nobj: %json {body}'
+        return f"start: obj\n{obj}\n{rules}"
+    calls = "call+" if parallel and named is None else "call"
+    return f'start: {calls}\ncall: "{CALL_OPEN}\\n" obj "\\n{CALL_CLOSE}"\n{obj}\n{rules}'
 
 
 # ---- parsing ---------------------------------------------------------------------------------

@@ -11,19 +11,22 @@ API behind them.
 The page itself talks to the server's ``/v1/chat/completions`` (streamed) and saves what it
 sends and receives through the API. With ``options.api_key`` set, every ``/api`` call needs
 ``Authorization: Bearer <key>`` (the page asks for the key once); the page and its files do not.
-Errors are the server's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON (or
-JSON nested deeper than MAX_JSON_DEPTH) or field, 401 missing or wrong key, 404 unknown id, 415 a
-body that is not sent as JSON, 503 no model (yet) for ``/api/settings``.
+Errors are the server's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON (as
+``protocol.load_json_body`` refuses it: nested deeper than MAX_JSON_DEPTH, NaN or Infinity, a lone
+surrogate) or field, 401 missing or wrong key, 404 unknown id, 415 a body that is not sent as
+JSON, 503 no model (yet) for ``/api/settings``.
+
+The key is checked before the body is read; a large body is parsed, and every answer built and
+written as JSON, off the event loop (``bodies.off_loop``, the store's calls in the thread pool):
+a conversation of thousands of messages takes a while to read or write.
 """
 from __future__ import annotations
 
 import functools
 import hmac
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from ..generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
+from .bodies import is_json_type, json_kind, media_type, off_loop, render_json
+from .errors import APIError
+from .protocol import load_json_body
 from .store import ConversationStore, NotFoundError
 
 logger = logging.getLogger(__name__)
@@ -43,9 +49,6 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'se
                            "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 
 Handler = Callable[..., Awaitable[Any]]
-# Nesting a request body may have (the export format needs 4 levels plus a message's meta): the
-# JSON parser recurses once per level, so a body nested 100000 deep would end in a RecursionError.
-MAX_JSON_DEPTH = 64
 
 
 class _HTTPError(Exception):
@@ -66,24 +69,14 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
-
-
-def json_depth(raw: bytes) -> int:
-    """How deeply the arrays and objects of the JSON text ``raw`` nest (0: a scalar), counted
-    without recursion: brackets inside strings are skipped, the others summed as +1/-1."""
-    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw))
-    return max(accumulate(1 if c in b"[{" else -1 for c in brackets), default=0)
-
-
 def _key_matches(request: Request, key: str) -> bool:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 async def _json_body(request: Request, empty: Any = None) -> dict[str, Any]:
-    """The request's JSON object (``empty`` when there is no body); 400 for anything else.
+    """The request's JSON object (``empty`` when there is no body), parsed by ``load_json_body``
+    (off the event loop when large); 400 for anything else.
 
     The body must be sent as application/json: a page of another site cannot send that without
     the browser asking the server first (CORS), so it cannot write here behind the user's back.
@@ -93,22 +86,26 @@ async def _json_body(request: Request, empty: Any = None) -> dict[str, Any]:
         if empty is None:
             raise _HTTPError(400, "the request needs a JSON object body")
         return empty
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
+    media = media_type(request.headers.get("content-type"))
+    if not is_json_type(media):
         raise _HTTPError(415, f"send the body as Content-Type: application/json, not {media or 'no type'!r}")
-    # a body with few brackets cannot nest deeply: only count levels when there are many
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(raw)) > MAX_JSON_DEPTH:
-        raise _HTTPError(400, f"the JSON body nests {depth} levels deep; "
-                              f"at most {MAX_JSON_DEPTH} levels are allowed")
+    return await off_loop(len(raw), lambda: _parse_object(raw))
+
+
+def _parse_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = load_json_body(raw)
+    except ValueError as exc:  # malformed JSON, or bytes that are not UTF-8
         raise _HTTPError(400, f"the body is not valid JSON: {exc}") from None
-    except RecursionError:  # malformed JSON that the count above misread
-        raise _HTTPError(400, f"the JSON body nests too deeply; at most {MAX_JSON_DEPTH} levels are allowed") from None
     if not isinstance(body, dict):
-        raise _HTTPError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        raise _HTTPError(400, f"the body must be a JSON object, got {json_kind(body)}")
     return body
+
+
+async def _answer(work: Callable[[], Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """``work()`` (a store call) and its result written as JSON, in the thread pool."""
+    body = await run_in_threadpool(lambda: render_json(work()))
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def _fields(body: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -168,13 +165,14 @@ def mount(app: Any, options: Any) -> None:
                 return await handler(request, *args, **kwargs)
             except _HTTPError as exc:
                 return _error(exc.status, str(exc), exc.code)
+            except APIError as exc:  # a body load_json_body refused
+                return _error(exc.status, exc.message, exc.code)
             except NotFoundError as exc:
                 return _error(404, exc.args[0] if exc.args else "not found")
             except (ValueError, TypeError) as exc:
                 return _error(400, str(exc))
         return wrapped
 
-    call = run_in_threadpool  # sqlite calls block: keep them off the event loop
     router = APIRouter(prefix="/api/conversations", tags=["chat UI"])
 
     @router.get("", response_model=None)
@@ -187,37 +185,36 @@ def mount(app: Any, options: Any) -> None:
             raise _HTTPError(400, f"limit must be an integer, got {request.query_params.get('limit')!r}") from None
         if not 1 <= limit <= 5000:
             raise _HTTPError(400, f"limit must be in [1, 5000], got {limit}")
-        return {"data": await call(store.list_conversations, q, limit)}
+        return await _answer(lambda: {"data": store.list_conversations(q, limit)})
 
     @router.post("", status_code=201, response_model=None)
     @endpoint
     async def create_conversation(request: Request) -> Any:
         body = _fields(await _json_body(request, empty={}), ("title", "system_prompt", "settings"))
-        conv = await call(store.create_conversation, body.get("title", ""), body.get("system_prompt", ""),
-                          body.get("settings"))
-        return JSONResponse(conv, status_code=201)
+        return await _answer(lambda: store.create_conversation(body.get("title", ""), body.get("system_prompt", ""),
+                                                               body.get("settings")), 201)
 
     @router.post("/import", status_code=201, response_model=None)
     @endpoint
     async def import_conversations(request: Request) -> Any:
         body = await _json_body(request)
-        return JSONResponse({"data": await call(store.import_conversations, body)}, status_code=201)
+        return await _answer(lambda: {"data": store.import_conversations(body)}, 201)
 
     @router.get("/{cid}", response_model=None)
     @endpoint
     async def get_conversation(request: Request, cid: str) -> Any:
-        return await call(store.get_conversation, cid)
+        return await _answer(lambda: store.get_conversation(cid))
 
     @router.patch("/{cid}", response_model=None)
     @endpoint
     async def update_conversation(request: Request, cid: str) -> Any:
         body = _fields(await _json_body(request), ("title", "system_prompt", "settings", "active_leaf"))
-        return await call(store.update_conversation, cid, body)
+        return await _answer(lambda: store.update_conversation(cid, body))
 
     @router.delete("/{cid}", status_code=204, response_model=None)
     @endpoint
     async def delete_conversation(request: Request, cid: str) -> Any:
-        await call(store.delete_conversation, cid)
+        await run_in_threadpool(store.delete_conversation, cid)
         return Response(status_code=204)
 
     @router.post("/{cid}/messages", status_code=201, response_model=None)
@@ -225,22 +222,21 @@ def mount(app: Any, options: Any) -> None:
     async def add_message(request: Request, cid: str) -> Any:
         body = _fields(await _json_body(request), ("role", "content", "parent_id", "meta", "activate"),
                        required=("role", "content"))
-        message = await call(store.add_message, cid, body["role"], body["content"], body.get("parent_id"),
-                             body.get("meta"), body.get("activate", True))
-        return JSONResponse(message, status_code=201)
+        return await _answer(lambda: store.add_message(cid, body["role"], body["content"], body.get("parent_id"),
+                                                       body.get("meta"), body.get("activate", True)), 201)
 
     @router.patch("/{cid}/messages/{mid}", response_model=None)
     @endpoint
     async def update_message(request: Request, cid: str, mid: str) -> Any:
         body = _fields(await _json_body(request), ("content", "meta"))
-        return await call(store.update_message, cid, mid, body)
+        return await _answer(lambda: store.update_message(cid, mid, body))
 
     @router.get("/{cid}/export", response_model=None)
     @endpoint
     async def export_conversation(request: Request, cid: str) -> Any:
-        document = await call(store.export_conversation, cid)
+        document = await run_in_threadpool(store.export_conversation, cid)
         name = _attachment_name(document["conversation"]["title"])
-        return JSONResponse(document, headers={"Content-Disposition": f'attachment; filename="{name}"'})
+        return await _answer(lambda: document, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     app.include_router(router)
 
