@@ -477,3 +477,11 @@ def test_an_ollama_name_cannot_lead_out_of_the_store(stores, smollm2_path, outsi
 def test_an_overlong_name_is_a_clear_error(stores, name):
     with pytest.raises(ValueError, match=f"{name[:20]}.*\\({len(name)} characters\\).*at most 200 characters"):
         resolve_model(name)
+
+
+def test_an_overlong_path_object_is_a_clear_error(tmp_path):
+    from llaisys.models import load_model
+
+    path = tmp_path / ("m" * 5000)
+    with pytest.raises(ValueError, match=r"\(\d+ characters\): not a usable path \(File name too long\)"):
+        load_model(path)

@@ -109,9 +109,14 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     want = _as_dtype(dtype)
     dev = as_device(device)
     start = time.perf_counter()
-    if path.is_dir():
+    try:
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else None
+    except OSError as exc:  # a part longer than the file system allows, a loop of links
+        raise ValueError(f"{str(path):.60}... ({len(str(path))} characters): not a usable path "
+                         f"({exc.strerror or exc})") from None
+    if kind == "folder":
         model = _load_folder(path, want, dev, progress, half_weights, comm)
-    elif path.is_file():
+    elif kind == "file":
         if path.suffix.lower() != ".gguf" and not _starts_gguf(path):  # ollama's blobs have no suffix
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
         model = _load_gguf(path, want, dev, progress, comm)
