@@ -35,7 +35,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from . import completions, embeddings, responses, ui
+from . import anthropic, completions, embeddings, responses, ui
 from .bodies import off_loop, parse_model, render_json
 from .errors import APIError, install_error_handlers, shutting_down
 from .options import ServerOptions
@@ -55,14 +55,17 @@ def service_of(request: Request) -> ModelService:
 
 
 def check_api_key(request: Request) -> None:
-    """401 unless the request carries the server's key (when it has one) as a Bearer token."""
+    """401 unless the request carries the server's key (when it has one) as a Bearer token, or
+    in an ``x-api-key`` header as Anthropic's clients send it."""
     key = service_of(request).options.api_key
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-        what = "no API key was given" if not token else "the API key is not valid"
-        raise APIError(401, f"{what}; send the server's key as 'Authorization: Bearer <key>'",
+    given = [token.strip()] if scheme.lower() == "bearer" else []
+    given += request.headers.getlist("x-api-key")
+    if not any(secrets.compare_digest(k.encode(), key.encode()) for k in given):
+        what = "no API key was given" if not (token or given) else "the API key is not valid"
+        raise APIError(401, f"{what}; send the server's key as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                        code="invalid_api_key")
 
 
@@ -123,6 +126,22 @@ async def create_response(request: Request,
     """OpenAI's Responses API, stateless: text or items in, output items out, streamed or not."""
     chat = await off_loop(len(await request.body()), lambda: responses.chat_request(body))
     return await responses.create_response(service_of(request), body, chat, request)
+
+
+@api.post("/v1/messages", openapi_extra=body_doc(anthropic.AnthropicMessagesRequest))
+async def create_message(request: Request, body: anthropic.AnthropicMessagesRequest =
+                         json_body(anthropic.AnthropicMessagesRequest)) -> Response:
+    """Anthropic's Messages API: content blocks in and out, streamed or not."""
+    chat = await off_loop(len(await request.body()), lambda: anthropic.chat_request(body))
+    return await anthropic.create_message(service_of(request), body, chat, request)
+
+
+@api.post("/v1/messages/count_tokens", openapi_extra=body_doc(anthropic.AnthropicCountTokensRequest))
+async def count_message_tokens(request: Request, body: anthropic.AnthropicCountTokensRequest =
+                               json_body(anthropic.AnthropicCountTokensRequest)) -> dict[str, int]:
+    """Anthropic's token counting: the prompt tokens of a Messages request."""
+    chat = await off_loop(len(await request.body()), lambda: anthropic.chat_request(body))
+    return await anthropic.count_tokens(service_of(request), chat)
 
 
 @api.post("/v1/embeddings", openapi_extra=body_doc(EmbeddingRequest))
@@ -389,6 +408,7 @@ def create_app(options: ServerOptions | None = None, model: Any = None, loader: 
     ui.mount(app, options)
     app.add_middleware(BodyGuard, service=service)
     app.add_middleware(HostCheck, listen_host=options.host, allowed=options.allowed_hosts)
+    app.add_middleware(anthropic.AnthropicErrors)  # the Messages API's errors, all of them, in Anthropic's shape
     if options.allowed_origins:  # outermost: its headers go on every answer, the refusals included
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in options.allowed_origins)

@@ -189,7 +189,7 @@ async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[
                           param="tool_choice")
 
     def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: renders, tokenizes, checks
-        ids = service.chat_ids(req.messages, req.tools if mode is not None else None, req.chat_template_kwargs)
+        ids = chat_prompt_ids(service, req)
         requested, field_name = req.token_limit
         max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
         jobs = [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
@@ -203,6 +203,12 @@ async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[
                      parallel_tool_calls=req.parallel_tool_calls)
     jobs, pending = await service.in_worker(prepare)
     return fmt, await with_grammar(service, jobs, pending)
+
+
+def chat_prompt_ids(service: ModelService, req: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a checked chat request: its messages rendered with its tools when it
+    uses them (not with tool_choice "none") and its template kwargs (worker thread)."""
+    return service.chat_ids(req.messages, req.tools if req.tool_mode is not None else None, req.chat_template_kwargs)
 
 
 def _pending(service: ModelService, spec: GrammarSpec | None) -> PendingGrammar | None:
