@@ -12,6 +12,11 @@ each engine, each in its own subprocess so that peak memory is per engine:
 Decoding is greedy with end-of-sequence ignored, so every engine makes the same number of
 tokens. Figures are medians over --repeats runs after one warm-up run.
 
+``--model`` takes a GGUF file or the name of a random-weight model of a downloaded size,
+written on first use (``qwen2.5-1.5b-q4km``: benchmarks/synthetic_model.py). Below the table:
+the weight bytes a decoded token reads (from the file's tensor sizes), the memory read
+bandwidth at each thread count, and the share of it each engine's decode reaches.
+
 ``--threads 1,2`` runs every engine at each thread count and keeps each figure's best (the
 thread count that gave it is listed): on paired vCPUs a two-thread decode can be slower than
 one.
@@ -23,6 +28,7 @@ round beside it.
 
     python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2 [--rounds 5]
     python benchmarks/peers.py --engines llaisys,llama-server --threads 1,2
+    python benchmarks/peers.py --model qwen2.5-1.5b-q4km --engines llaisys,llama-server --threads 1,2 --rounds 3
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (llama-server's binary, ports, start and stop)
+import synthetic_model  # noqa: E402  (named random-weight models of downloaded sizes)
 
 ENGINES = ("llaisys", "transformers", "llama.cpp", "llama-server")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -262,9 +269,49 @@ def default_model() -> Path:
     return default_model_path()
 
 
+def gguf_weight_bytes_per_token(path: Path) -> int:
+    """Bytes of weights one decoded token reads, from the GGUF file's own tensor sizes (as every
+    engine here runs them, quantized): every tensor but the embedding table, one row of that table,
+    and the whole table again as the output head when the file has no output.weight (tied)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    embed = tensors.pop("token_embd.weight")
+    head = 0 if "output.weight" in tensors else int(embed.n_bytes)
+    return sum(int(t.n_bytes) for t in tensors.values()) + int(embed.n_bytes) // int(embed.shape[-1]) + head
+
+
+def bandwidth_report(model: Path, rounds: list[dict[str, dict[str, Any] | str]], thread_counts: list[int]) -> str:
+    """The weight bytes a decoded token reads, the memory read bandwidth at each thread count
+    (llaisys's probe: the threads summing 1 GiB, best of 3) and the share of it each engine's
+    decode reaches: bytes per token x decode tok/s / the bandwidth at the thread count that
+    decoded (the median over the rounds)."""
+    from llaisys.kernels.quant import native
+
+    per_token = gguf_weight_bytes_per_token(model)
+    bandwidth = {}
+    for t in thread_counts:
+        native.set_threads(t)
+        bandwidth[t] = native.read_bandwidth()
+    lines = [f"decode reads {per_token / 1e6:.1f} MB of weights a token; memory read "
+             + ", ".join(f"{bandwidth[t] / 1e9:.1f} GB/s at {t} thread{'s' if t > 1 else ''}" for t in thread_counts)]
+    for engine in rounds[0]:
+        if not all(isinstance(r[engine], dict) for r in rounds):
+            continue
+        shares = []
+        for r in rounds:
+            t = r[engine].get("threads", {}).get("decode_tok_s", thread_counts[0])
+            shares.append(per_token * r[engine]["decode_tok_s"] / bandwidth[t])
+        lines.append(f"{engine} decode: {statistics.median(shares):.1%} of the read bandwidth"
+                     + (f" (rounds: {', '.join(f'{x:.1%}' for x in shares)})" if len(shares) > 1 else ""))
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="a .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help=f"a .gguf file, or a random-weight model made on first use: {', '.join(synthetic_model.NAMED)} "
+                        "(benchmarks/synthetic_model.py; default: the bundled SmolLM2-135M)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--threads", default=str(os.cpu_count() or 1),
@@ -288,9 +335,10 @@ def main() -> int:
         figures = WORKERS[args.worker](args)
         print(json.dumps({"peak_rss_mb": peak_rss_mb(), **figures}))  # a server's worker gives its server's
         return 0
-    args.model = (args.model or default_model()).resolve()
+    args.model = (synthetic_model.resolve(args.model) or default_model()).resolve()
     if args.model.suffix != ".gguf" or not args.model.is_file():
-        p.error(f"--model must be an existing .gguf file, got {args.model}")
+        p.error(f"--model must be an existing .gguf file or one of {', '.join(synthetic_model.NAMED)}, "
+                f"got {args.model}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
@@ -298,7 +346,11 @@ def main() -> int:
     rounds = [run_round(engines, args, f"round {i + 1}/{args.rounds}") for i in range(args.rounds)]
     print(f"{args.model.name}: {args.prompt_tokens} prompt tokens, {args.gen_tokens} generated, "
           f"{args.threads} threads, median of {args.repeats}" + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
-    print(json.dumps(rounds if args.rounds > 1 else rounds[0], indent=2) if args.json else format_table(rounds))
+    if args.json:
+        print(json.dumps(rounds if args.rounds > 1 else rounds[0], indent=2))
+    else:
+        print(format_table(rounds))
+        print(bandwidth_report(args.model, rounds, args.thread_counts))
     return 0
 
 

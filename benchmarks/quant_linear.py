@@ -1,28 +1,39 @@
-"""Quantized linear (native kernels) on the SmolLM2-135M shapes, next to the machine's FMA peak.
+"""Quantized linear (native kernels) on the SmolLM2-135M shapes, next to the machine's peaks.
 
 Shapes (N x K): 960 x 576 (q/k/v fused), 576 x 576 (attention output), 3072 x 576 (gate and up
 fused), 576 x 1536 (down) in Q4_1, and the 49152 x 576 output head in Q8_0, as the model's GGUF
 file stores them (``--shapes`` takes others, e.g. ``Q4_K:1536:512,Q6_K:1536:512``); M = 1
 (decoding one sequence), 2 ... 64 (batched decoding: the serving engine runs 16 rows) and 512
-(prefill). For each: the median time per call, the multiply-adds per second (G MAC/s) and
-their share of
+(prefill). First the peaks table, one column per thread count, each peak the best of several
+runs of independent accumulator chains in registers on the pool's threads (what no kernel on
+that unit can exceed):
 
-- the FMA peak: independent float32 FMA chains in registers at the SIMD level in use, on the
-  same threads (``native.fma_peak``), what no kernel can exceed;
-- beside it, the rate of NumPy's float32 BLAS on a hot 1536^3 product (its own kernels, which
-  need not use the widest vectors: on a machine with AVX-512 it can sit well below the peak);
-- M/M1: what a batch of M rows costs against one row.
+- the float32 FMA peak at the SIMD level in use (``native.fma_peak``);
+- the int8 dot-product peak of each integer unit the processor has (``native.int8_peak``):
+  AVX512-VNNI (vpdpbusd on zmm, 64 int8 multiply-adds an instruction), AVX-VNNI (vpdpbusd on
+  ymm, 32) and AMX int8 (tdpbssd, 16 x 16 x 64; "absent" unless cpuid has amx_int8 and the
+  kernel grants the tile state), in int8 multiply-adds per second;
+- NumPy's float32 BLAS on a hot 1536^3 product (its own kernels, which need not use the widest
+  vectors: on a machine with AVX-512 it can sit well below the FMA peak);
+- the memory read bandwidth: the pool's threads summing a 1 GiB buffer (``native.read_bandwidth``).
+
+Then for each shape and M: the median time per call, the multiply-adds per second (G MAC/s),
+their share of the FMA peak and of the best int8 peak (the kernels compute in float32; the
+int8 share says what is left to gain on the integer units) and M/M1, what a batch of M rows
+costs against one row.
 
 ``--baseline LIB`` also times another build of the library (its ``_kernels*.so``, e.g. copied
 from before a change), interleaved call batch by call batch with this one: the ``old`` columns
 and the speed-up new/old. Timings are medians; the machine may be shared, so compare columns of
-one run (the FMA peak is the best of several runs, taken when the cores were free).
+one run (the peaks are the best of several runs, taken when the cores were free).
 
     python3 benchmarks/quant_linear.py [--threads 1,2] [--repeat 15] [--ms 1,2,4,16] [--baseline OLD.so]
+    python3 benchmarks/quant_linear.py --peaks [--threads 1,2]      # the peaks table alone
     python3 benchmarks/quant_linear.py --model [--baseline OLD.so]  # every linear of a SmolLM2 step
 
 ``--model`` runs all 211 projections of the real SmolLM2-135M GGUF (Q4_1, head Q8_0) one after
-the other, as a decode step does, at M = 1 and 16: 80 MB of weights stream from memory.
+the other, as a decode step does, at M = 1 and 16: 96 MB of weights stream from memory, at a
+rate shown beside the read bandwidth.
 """
 from __future__ import annotations
 
@@ -113,6 +124,51 @@ class OldBuild:
         return call
 
 
+# (key, label) of the peaks table's rows; the int8 units' keys are native.INT8_UNITS
+PEAK_ROWS = (("fma", "f32 FMA ({level})"), ("avx512_vnni", "int8 avx512_vnni (vpdpbusd zmm)"),
+             ("avx_vnni", "int8 avx_vnni (vpdpbusd ymm)"), ("amx_int8", "int8 amx_int8 (tdpbssd)"),
+             ("blas", "NumPy BLAS sgemm (f32)"), ("read", "memory read, GB/s"))
+
+
+def measure_peaks(threads: list[int]) -> dict[int, dict[str, float | None]]:
+    """For each thread count: the FMA peak, each int8 unit's peak (None: absent), NumPy's BLAS
+    rate (multiply-adds/s) and the read bandwidth (bytes/s)."""
+    from threadpoolctl import threadpool_limits
+
+    from llaisys.kernels.quant import native
+
+    peaks: dict[int, dict[str, float | None]] = {}
+    for t in threads:
+        native.set_threads(t)
+        with threadpool_limits(limits=t):
+            row: dict[str, float | None] = {"fma": native.fma_peak()}
+            row.update({unit: native.int8_peak(unit) for unit in native.INT8_UNITS})
+            row["blas"], row["read"] = blas_rate(), native.read_bandwidth()
+        peaks[t] = row
+    return peaks
+
+
+def best_int8(row: dict[str, float | None]) -> tuple[str, float] | None:
+    """The int8 unit with the highest peak in ``row`` and that peak, or None without one."""
+    from llaisys.kernels.quant import native
+
+    present = [(unit, row[unit]) for unit in native.INT8_UNITS if row.get(unit)]
+    return max(present, key=lambda p: p[1]) if present else None
+
+
+def format_peaks(peaks: dict[int, dict[str, float | None]], level: str) -> str:
+    """The peaks table: a row per unit (G multiply-adds/s; the read bandwidth in GB/s), a
+    column per thread count."""
+    threads = list(peaks)
+    lines = ["peaks: G multiply-adds/s (int8 units: int8 multiply-adds), best of several runs"]
+    lines.append(f"{'unit':34}" + "".join(f"{f'{t} thread' + ('s' if t > 1 else ''):>12}" for t in threads))
+    for key, label in PEAK_ROWS:
+        cells = [peaks[t].get(key) for t in threads]
+        lines.append(f"{label.format(level=level):34}" + "".join(
+            f"{'absent' if v is None else f'{v / 1e9:.0f}':>12}" for v in cells))
+    return "\n".join(lines)
+
+
 def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms: tuple[int, ...]) -> None:
     from threadpoolctl import threadpool_limits
 
@@ -121,16 +177,19 @@ def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms
     rng = np.random.default_rng(0)
     old = OldBuild(baseline) if baseline else None
     print(f"SIMD level {native.simd_level()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    peaks = measure_peaks(threads)
+    print(format_peaks(peaks, native.simd_level()))
     weights = {(f, n, k): native.prepare(f, make_weights(f, n, k, rng)) for f, n, k in shapes}
     for t in threads:
         native.set_threads(t)
         if old:
             old.set_threads(t)
         with threadpool_limits(limits=t):
-            peak, blas = native.fma_peak(), blas_rate()
-            print(f"\n== {t} thread(s): FMA peak {peak / 1e9:.0f} G multiply-adds/s ({native.simd_level()} FMA "
-                  f"loop); NumPy BLAS sgemm {blas / 1e9:.0f} ({blas / peak:.0%} of peak) ==")
-            head = f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'of peak':>7} {'M/M1':>6}"
+            peak, int8 = peaks[t]["fma"], best_int8(peaks[t])
+            print(f"\n== {t} thread(s): FMA peak {peak / 1e9:.0f} G multiply-adds/s ({native.simd_level()} FMA loop)"
+                  + (f"; int8 peak {int8[1] / 1e9:.0f} ({int8[0]})" if int8 else "; no int8 unit") + " ==")
+            head = (f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'of FMA':>7} {'of int8':>7} "
+                    f"{'M/M1':>6}")
             head += f" {'old ms':>9} {'old GMAC/s':>10} {'new/old':>7}" if old else ""
             print(head)
             for f, n, k in shapes:
@@ -145,8 +204,9 @@ def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms
                     med = interleaved_medians(fns, repeat)
                     first = first or med
                     rate = m * n * k / med[0]
+                    of_int8 = f"{rate / int8[1]:7.0%}" if int8 else f"{'-':>7}"
                     line = (f"{f:6} {n:5} x {k:4} {m:4} {med[0] * 1e3:9.3f} {rate / 1e9:7.1f} {rate / peak:7.0%} "
-                            f"{med[0] / first[0]:6.2f}")
+                            f"{of_int8} {med[0] / first[0]:6.2f}")
                     if old:
                         line += f" {med[1] * 1e3:9.3f} {m * n * k / med[1] / 1e9:10.1f} {med[1] / med[0]:7.2f}"
                     print(line, flush=True)
@@ -177,6 +237,7 @@ def model_step(threads: list[int], repeat: int, baseline: str | None) -> None:
         if old:
             old.set_threads(t)
         with threadpool_limits(limits=t):
+            bandwidth = native.read_bandwidth()
             for m in (1, 16):
                 xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {w.k for w in weights}}
                 outs = [np.empty((m, w.n), np.float32) for w in weights]
@@ -187,7 +248,8 @@ def model_step(threads: list[int], repeat: int, baseline: str | None) -> None:
                     fns.append(lambda: [call() for call in old_calls])
                 med = interleaved_medians(fns, repeat)
                 line = (f"{t} thread(s) M={m:2}: {med[0] * 1e3:7.2f} ms per step, {med[0] / m * 1e3:6.2f} ms per "
-                        f"row; weights read at {qbytes / med[0] / 1e9:.1f} GB/s")
+                        f"row; weights read at {qbytes / med[0] / 1e9:.1f} GB/s ({qbytes / med[0] / bandwidth:.0%} of "
+                        f"the {bandwidth / 1e9:.1f} GB/s the threads read memory at)")
                 if old:
                     line += f"; old {med[1] * 1e3:7.2f} ms ({med[1] / med[0]:.2f}x)"
                 print(line, flush=True)
@@ -199,6 +261,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15, help="timed batches per case (median reported)")
     parser.add_argument("--baseline", metavar="LIB", help="another build's _kernels .so, timed alongside")
     parser.add_argument("--model", action="store_true", help="all linears of one SmolLM2-135M step (real weights)")
+    parser.add_argument("--peaks", action="store_true", help="print the peaks table alone")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated rows of X")
     parser.add_argument("--shapes", help="comma-separated FORMAT:N:K (default: the SmolLM2-135M shapes)")
     args = parser.parse_args()
@@ -206,7 +269,12 @@ def main() -> None:
     shapes = SHAPES
     if args.shapes:
         shapes = tuple((f, int(n), int(k)) for f, n, k in (spec.split(":") for spec in args.shapes.split(",")))
-    if args.model:
+    if args.peaks:
+        from llaisys.kernels.quant import native
+
+        print(f"SIMD level {native.simd_level()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(format_peaks(measure_peaks(threads), native.simd_level()))
+    elif args.model:
         model_step(threads, args.repeat, args.baseline)
     else:
         run(threads, args.repeat, args.baseline, shapes, tuple(int(m) for m in args.ms.split(",")))

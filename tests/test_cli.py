@@ -103,6 +103,37 @@ def test_bench_prints_the_figures() -> None:
     assert "16 prompt tokens, 4 generated" in out
 
 
+def gguf_bytes_per_token(path) -> int:
+    """The bytes one decoded token reads, counted from the GGUF file's own tensor sizes: every
+    tensor but the embedding table, one row of that table, and the whole table again as the head
+    when there is no output.weight (tied embeddings)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    embed = tensors.pop("token_embd.weight")
+    vocab = int(embed.shape[-1])  # GGUF lists the row length first
+    head = 0 if "output.weight" in tensors else int(embed.n_bytes)
+    return sum(int(t.n_bytes) for t in tensors.values()) + int(embed.n_bytes) // vocab + head
+
+
+def test_bench_reports_weight_bytes_per_token_and_the_bandwidth_share(model_path) -> None:
+    proc = llaisys("bench", "--prompt-tokens", "8", "--gen-tokens", "4", "--repeats", "1", "--warmup", "0",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout)
+    want = gguf_bytes_per_token(model_path)
+    assert figures["weight_bytes_per_step"] == figures["weight_bytes_per_token"] == want
+    bandwidth = figures["read_bandwidth_gb_s"] * 1e9
+    assert 1e8 < bandwidth < 1e13  # between 0.1 GB/s and 10 TB/s: a rate, in bytes per second
+    assert figures["decode_bandwidth_fraction"] == pytest.approx(want * figures["decode_tok_s"] / bandwidth)
+    text = llaisys("bench", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1", "--warmup", "0",
+                   "--concurrency", "2").stdout
+    assert re.search(rf"^weights/token\s+{want / 2e6:.1f} MB \({want / 1e6:.1f} MB a step of 2 sequences\)$", text,
+                     re.M), text
+    assert re.search(r"^memory read\s+[0-9.]+ GB/s", text, re.M) and re.search(r"^decode reads\s+[0-9.]+% of it$",
+                                                                              text, re.M), text
+
+
 def assert_one_error_line(proc: subprocess.CompletedProcess, command: str, status: int, *needles: str) -> None:
     """``proc`` failed with ``status`` and printed one line ``llaisys COMMAND: error: ...`` holding the needles."""
     assert proc.returncode == status, proc.stderr

@@ -1,8 +1,12 @@
-"""``llaisys bench``: load time, time to first token, prefill and decode speed, peak memory.
+"""``llaisys bench``: load time, time to first token, prefill and decode speed, peak memory,
+and how close decoding comes to the machine's memory bandwidth.
 
 The workload: a prompt of exactly ``--prompt-tokens`` tokens (a fixed English passage,
 repeated as needed), then ``--gen-tokens`` greedy tokens with end-of-sequence ignored, in a
 fresh KV cache each time. Figures are medians over ``--repeats`` runs after ``--warmup`` runs.
+Decoding one token reads every weight once (``weight_bytes_per_step``); on the CPU, the
+bytes per token times decode tokens/s over the rate the bench's threads read memory at
+(measured once, after the runs) is the share of the bandwidth a decode step reaches.
 """
 from __future__ import annotations
 
@@ -22,7 +26,11 @@ DESCRIPTION = """Measure load time, time to first token, prefill and decode spee
 
 The workload: a prompt of exactly --prompt-tokens tokens (a fixed English passage, repeated as
 needed), then --gen-tokens greedy tokens with end-of-sequence ignored, in a fresh KV cache each
-time. Figures are medians over --repeats runs after --warmup runs."""
+time. Figures are medians over --repeats runs after --warmup runs. Then the weight bytes a
+decoded token reads and, on the CPU, the share of the machine's read bandwidth (measured by the
+bench's threads summing 1 GiB, best of 3) that decoding reaches."""
+
+BANDWIDTH_BYTES = 1 << 30  # the read probe's buffer: far beyond any last-level cache
 
 PASSAGE = (
     "The sea was calm that morning, and the fishing boats left the harbour one by one. "
@@ -136,6 +144,44 @@ def weight_type(model: Any) -> str:
     return "/".join(name for name, _ in counts.most_common()) or model.dtype.name
 
 
+def weight_bytes_per_step(model: Any) -> int:
+    """Bytes of weights one decode step of one sequence reads, as the model holds them (quantized
+    matrices at their encoded size): every layer's matrices, biases and norms, a sparse layer's
+    router and k / E of each expert matrix (its top-k experts of E), the final norm, the output
+    head whole, and one row of the embedding table (besides the whole table when the head is tied)."""
+    p, c = model.params, model.config
+    total = p.norm.nbytes + p.lm_head.nbytes + p.embed.nbytes // p.embed.shape[0]
+    for lp in p.layers:
+        dense = (lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down, lp.q_norm,
+                 lp.k_norm, lp.post_attn_norm, lp.post_ffn_norm, lp.router, *lp.qkv_parts, *lp.gate_up_parts)
+        total += sum(t.nbytes for t in dense if t is not None)
+        experts = (lp.gate_exps, lp.up_exps, lp.down_exps)
+        total += sum(t.nbytes * c.num_experts_per_tok // c.num_experts for t in experts if t is not None)
+    return total
+
+
+def read_bandwidth(model: Any) -> float | None:
+    """Bytes per second the native pool's threads (the bench's count) read from memory, or None
+    off the CPU (the weights live in the device's memory) or without the native library."""
+    from ..kernels.quant import native
+
+    if not model.device.is_cpu or not native.available():
+        return None
+    return native.read_bandwidth(BANDWIDTH_BYTES)
+
+
+def bandwidth_figures(model: Any, decode_tok_s: float, concurrency: int) -> dict[str, Any]:
+    """Weight bytes per decode step and per decoded token (a step decodes a token of each of
+    ``concurrency`` sequences), the read bandwidth (GB/s) and the share of it decoding reaches:
+    bytes per token x decode tokens/s / bandwidth."""
+    step = weight_bytes_per_step(model)
+    per_token = step / concurrency
+    bandwidth = read_bandwidth(model)
+    return {"weight_bytes_per_step": step, "weight_bytes_per_token": per_token,
+            "read_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+            "decode_bandwidth_fraction": per_token * decode_tok_s / bandwidth if bandwidth else None}
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload the options describe; return the figures."""
     t0 = time.perf_counter()
@@ -163,8 +209,22 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(getattr(model.dtype, "name", model.dtype)),  # the activations' type
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),  # before the bandwidth probe's buffer
+        **bandwidth_figures(model, figures["decode_tok_s"], concurrency),
     }
+
+
+def format_bandwidth(figures: dict[str, Any]) -> list[str]:
+    """The weight bytes per token and bandwidth lines."""
+    step, n = figures["weight_bytes_per_step"], figures.get("concurrency", 1)
+    lines = [f"weights/token  {figures['weight_bytes_per_token'] / 1e6:.1f} MB"
+             + (f" ({step / 1e6:.1f} MB a step of {n} sequences)" if n > 1 else "")]
+    if figures["read_bandwidth_gb_s"] is None:
+        return lines + ["memory read    not measured (off the CPU, or no native library)"]
+    return lines + [
+        f"memory read    {figures['read_bandwidth_gb_s']:.1f} GB/s (best of 3 over 1 GiB)",
+        f"decode reads   {figures['decode_bandwidth_fraction']:.1%} of it",
+    ]
 
 
 def format_table(figures: dict[str, Any]) -> str:
@@ -181,6 +241,7 @@ def format_table(figures: dict[str, Any]) -> str:
         f"prefill        {figures['prefill_tok_s']:.1f} tok/s",
         f"decode         {figures['decode_tok_s']:.1f} tok/s",
         f"peak memory    {figures['peak_rss_mb']:.0f} MiB",
+        *format_bandwidth(figures),
     ])
 
 
