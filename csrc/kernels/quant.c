@@ -23,6 +23,8 @@
 
 #include "quant.h"
 
+enum { LQ_OK = 0, LQ_ERR_TYPE = -1, LQ_ERR_SHAPE = -2, LQ_ERR_MEMORY = -3 };
+
 /* ---- formats ----------------------------------------------------------------------------- */
 
 typedef struct {
@@ -261,6 +263,24 @@ static const lq_kernels *level_kernels(int level) {
 
 static _Atomic(const lq_kernels *) active; /* NULL until first use */
 
+/* The arithmetic of the block formats: ARITH_F32 (the level's float kernels) or ARITH_INT16
+ * (quant_int.c, where this CPU has the units), chosen at first use: LLAISYS_QUANT_MATH when it
+ * names one that runs here, else f32. */
+enum { ARITH_UNSET = -1, ARITH_F32 = 0, ARITH_INT16 = 1 };
+static const char *const ARITH_NAMES[] = {"f32", "int16"};
+static atomic_int arith = ARITH_UNSET;
+
+static int arithmetic(void) {
+    int a = atomic_load_explicit(&arith, memory_order_acquire);
+    if (a == ARITH_UNSET) {
+        const char *want = getenv("LLAISYS_QUANT_MATH");
+        a = ARITH_F32;
+        if (want && strcmp(want, "int16") == 0 && lq_int_available()) a = ARITH_INT16;
+        atomic_store_explicit(&arith, a, memory_order_release);
+    }
+    return a;
+}
+
 static const void *table_of(int level) { return level_kernels(level); }
 
 static const lq_kernels *initial_kernels(void) { return level_kernels(simd_initial_level(table_of)); }
@@ -369,9 +389,42 @@ static size_t chunk_rows(size_t n, size_t row_work, size_t align, size_t threads
     return rows ? rows : align;
 }
 
+typedef struct {
+    const linear_job *job;
+    const lq_xblock *xq; /* X quantized: m rows of k / QK blocks */
+    uint8_t *scratch;    /* lq_int_scratch_bytes(k) per pool thread */
+    size_t scratch_bytes;
+} int_job;
+
+static void linear_chunk_int(void *arg, size_t chunk, int thread) {
+    const int_job *ij = arg;
+    const linear_job *j = ij->job;
+    size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
+    if (n1 > j->n) n1 = j->n;
+    lq_int_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias,
+                ij->scratch + (size_t)thread * ij->scratch_bytes);
+}
+
+/* The int16 arithmetic for all M: X quantized once, then groups of 16 rows of W over it. */
+static int linear_int(linear_job *j, int threads) {
+    const size_t nb = j->k / QK, x_bytes = (j->m * nb * sizeof(lq_xblock) + 63) / 64 * 64;
+    int_job ij = {.job = j, .scratch_bytes = (lq_int_scratch_bytes(j->k) + 63) / 64 * 64};
+    const int slots = j->m == 1 && j->n * j->row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
+    j->rows_per_chunk = chunk_rows(j->n, j->k * j->m, 16, (size_t)slots);
+    const size_t n_chunks = (j->n + j->rows_per_chunk - 1) / j->rows_per_chunk;
+    const int used = n_chunks < (size_t)slots ? (int)n_chunks : slots;
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, x_bytes + (size_t)used * ij.scratch_bytes) != 0) return LQ_ERR_MEMORY;
+    ij.xq = mem;
+    ij.scratch = (uint8_t *)mem + x_bytes;
+    lq_int_quantize(j->x, j->ldx, j->m, j->k, (lq_xblock *)mem);
+    lq_pool_run(linear_chunk_int, &ij, n_chunks, used);
+    free(mem);
+    return 0;
+}
+
 /* ---- exported API ------------------------------------------------------------------------ */
 
-enum { LQ_OK = 0, LQ_ERR_TYPE = -1, LQ_ERR_SHAPE = -2, LQ_ERR_MEMORY = -3 };
 
 LQ_EXPORT int llaisys_quant_block_size(int type) {
     const format_t *f = find_format(type);
@@ -437,7 +490,9 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
         j.ldx = ldx_a;
     }
     int status = LQ_OK;
-    if (m == 1 && j.kern->dot[f->index]) {
+    if (arithmetic() == ARITH_INT16 && lq_int_supports(f->index)) {
+        status = linear_int(&j, threads);
+    } else if (m == 1 && j.kern->dot[f->index]) {
         const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
         j.rows_per_chunk = chunk_rows(j.n, j.k, (size_t)j.kern->dot_rows, (size_t)slots);
         lq_pool_run(linear_chunk_fused, &j, (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk, slots);
@@ -535,6 +590,22 @@ LQ_EXPORT const char *llaisys_quant_simd_level(void) { return kernels()->name; }
 
 /* Bit l set when SIMD level l (0 scalar, 1 avx2, 2 avx512) runs on this CPU. */
 LQ_EXPORT int llaisys_quant_simd_available(void) { return simd_available_mask(table_of); }
+
+/* The arithmetic of the block formats in use: "f32" or "int16". */
+LQ_EXPORT const char *llaisys_quant_math(void) { return ARITH_NAMES[arithmetic()]; }
+
+/* Use arithmetic `name` ("f32", "int16") from now on; -1 when it does not run on this CPU. */
+LQ_EXPORT int llaisys_quant_set_math(const char *name) {
+    if (name && strcmp(name, "f32") == 0) {
+        atomic_store_explicit(&arith, ARITH_F32, memory_order_release);
+        return LQ_OK;
+    }
+    if (name && strcmp(name, "int16") == 0 && lq_int_available()) {
+        atomic_store_explicit(&arith, ARITH_INT16, memory_order_release);
+        return LQ_OK;
+    }
+    return LQ_ERR_TYPE;
+}
 
 /* Use SIMD level `name` from now on; -1 when it does not run on this CPU. */
 LQ_EXPORT int llaisys_quant_set_simd_level(const char *name) {

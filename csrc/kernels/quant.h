@@ -222,6 +222,27 @@ void lq_decode_f32(const void *row, float *dst, size_t k); /* a copy: shared by 
 const lq_kernels *lq_kernels_avx2(void);   /* NULL unless this CPU (and build) has the level */
 const lq_kernels *lq_kernels_avx512(void);
 
+/* The int16 arithmetic (quant_int.c): activations as 16-bit integers per 32-element block, in
+ * two signed 8-bit parts, meeting the weights' integer codes on the integer dot-product units. */
+#define LQ_XQ_MAX 32639 /* largest |code| of an activation: 256 hi + lo with hi, lo in int8 */
+
+typedef struct {
+    int8_t hi[QK], lo[QK]; /* code q = 256 * hi + lo */
+    float s;               /* x ~= s * q */
+    float s_sum;           /* s * (float)sum */
+    int32_t sum, sum_lo;   /* sum of the block's codes; of its first 16 */
+} lq_xblock;
+
+int lq_int_available(void);   /* whether this CPU has the units (AVX512-VNNI) */
+int lq_int_supports(int index); /* whether format `index` (IX_*) has int16 kernels */
+/* Rows m of X (ldx floats apart, k a multiple of QK) as k / QK blocks each, back to back. */
+void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out);
+size_t lq_int_scratch_bytes(size_t k); /* one thread's scratch for lq_int_rows */
+/* y[r][j] = row j of W . x[r] (+ bias[j]) for r < m, n0 <= j < n1, from X quantized by
+ * lq_int_quantize; n0 a multiple of 16. */
+void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                 size_t m, float *y, size_t ldy, const float *bias, void *scratch);
+
 /* Thread pool (threadpool.c): runs task(ctx, i, thread) for i in [0, n_chunks), handing chunks
  * out one at a time to the calling thread (thread 0) and the workers (1, 2, ...); threads
  * numbered `slots` or more sit the job out, so a task may index per-thread scratch by `thread`.

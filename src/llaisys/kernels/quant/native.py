@@ -54,6 +54,7 @@ def _library() -> ctypes.CDLL:
                     "llaisys_quant_threads": [],
                     "llaisys_quant_simd_available": [],
                     "llaisys_quant_set_simd_level": [ctypes.c_char_p],
+                    "llaisys_quant_set_math": [ctypes.c_char_p],
                     "llaisys_quant_block_size": [cint],
                     "llaisys_quant_block_bytes": [cint],
                 }
@@ -61,6 +62,7 @@ def _library() -> ctypes.CDLL:
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = args, cint
                 lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
+                lib.llaisys_quant_math.argtypes, lib.llaisys_quant_math.restype = [], ctypes.c_char_p
                 lib.llaisys_quant_fma_loop.argtypes, lib.llaisys_quant_fma_loop.restype = [i64, i64], i64
                 wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
                 if wanted and wanted != level:
@@ -305,3 +307,73 @@ def set_simd_level(name: str) -> None:
     if name not in available_simd_levels():
         raise ValueError(f"SIMD level {name!r} is not available here; available: {', '.join(available_simd_levels())}")
     _check(_library().llaisys_quant_set_simd_level(name.encode()), "set_simd_level")
+
+
+ARITHMETICS = ("f32", "int16")
+
+
+def quant_math() -> str:
+    """The arithmetic of the block formats now: "f32" (weights decoded to float32, float32
+    multiply-adds) or "int16" (activations as 16-bit integers per 32-element block on the integer
+    dot-product units; reference_int16.py). ``LLAISYS_QUANT_MATH`` picks it at start (f32 by
+    default)."""
+    return _library().llaisys_quant_math().decode()
+
+
+def available_quant_maths() -> tuple[str, ...]:
+    """The arithmetics this CPU runs ("int16" needs AVX512-VNNI)."""
+    lib, now = _library(), quant_math()
+    runs = tuple(name for name in ARITHMETICS if lib.llaisys_quant_set_math(name.encode()) == 0)
+    lib.llaisys_quant_set_math(now.encode())
+    return runs
+
+
+def set_quant_math(name: str) -> None:
+    """Use arithmetic ``name`` for the block formats from now on; ValueError where this CPU
+    lacks it. A model's rows then have the bits of that arithmetic, alone or in any batch."""
+    if name not in ARITHMETICS:
+        raise ValueError(f"unknown arithmetic {name!r}; expected one of {', '.join(ARITHMETICS)}")
+    if _library().llaisys_quant_set_math(name.encode()) != 0:
+        raise ValueError(f"the {name} arithmetic does not run on this CPU (it needs AVX512-VNNI); "
+                         f"available: {', '.join(available_quant_maths())}")
+
+
+# ---- the machine's limits, for benchmarks (csrc/kernels/peak.c) ----------------------------
+
+INT8_UNITS = ("avx512_vnni", "avx_vnni", "amx_int8")  # peak.c's unit numbers, in order
+
+
+def _peak_library() -> ctypes.CDLL:
+    """The native library with the peak probes' signatures declared."""
+    lib, i64 = _library(), ctypes.c_int64
+    lib.llaisys_peak_int8_units.argtypes, lib.llaisys_peak_int8_units.restype = [], ctypes.c_int
+    lib.llaisys_peak_int8_loop.argtypes, lib.llaisys_peak_int8_loop.restype = [ctypes.c_int, i64, i64], i64
+    lib.llaisys_peak_read.argtypes, lib.llaisys_peak_read.restype = [ctypes.c_void_p, i64, i64], ctypes.c_uint64
+    return lib
+
+
+def int8_peak(unit: str, repeat: int = 7, rounds: int = 200_000) -> float | None:
+    """Int8 multiply-adds per second of ``unit`` (one of INT8_UNITS) on all the pool's threads, the
+    best of ``repeat`` timed runs of independent accumulator chains in registers; None when the CPU
+    lacks the unit (or, for AMX, the kernel refuses this process the tile state)."""
+    if unit not in INT8_UNITS:
+        raise ValueError(f"unknown int8 unit {unit!r}; expected one of {', '.join(INT8_UNITS)}")
+    lib, index, best = _peak_library(), INT8_UNITS.index(unit), 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        done = lib.llaisys_peak_int8_loop(index, rounds, 4 * threads())
+        if done < 0:
+            return None
+        best = max(best, done / (time.perf_counter() - start))
+    return best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """Bytes per second the pool's threads read from memory: the best of ``repeat`` timed sums of a
+    buffer of ``nbytes`` (rounded down to 8-byte words), which should dwarf the last-level cache."""
+    lib, buf, best = _peak_library(), np.ones(max(nbytes // 8, 1), np.uint64), 0.0  # written: every page mapped
+    for _ in range(repeat):
+        start = time.perf_counter()
+        lib.llaisys_peak_read(buf.ctypes.data, buf.nbytes, max(buf.nbytes >> 20, 1))  # 1 MiB pieces
+        best = max(best, buf.nbytes / (time.perf_counter() - start))
+    return best

@@ -1,0 +1,113 @@
+"""The int16 arithmetic of the quantized linear (csrc/kernels/quant_int.c): activations as
+16-bit integers per 32-element block on the integer dot-product units.
+
+- the NumPy reference (reference_int16.py) lies within the activation quantization's bound of
+  a float64 PyTorch product of gguf's dequantized weights;
+- the native kernels equal that reference bit for bit, for every block format, any M, odd N,
+  with a bias, into strided rows, on 1 and 2 threads;
+- a row has the same bits alone and in any batch;
+- the bundled SmolLM2 keeps transformers' greedy tokens with it.
+Needs AVX512-VNNI: skipped, saying so, on a CPU without it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llaisys.kernels.quant import native
+from llaisys.kernels.quant.reference_int16 import XQ_MAX, linear_int16, quantize_activations
+from test_quant_kernels import gguf_dequantize, make_weights
+
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture
+def int16():
+    """The int16 arithmetic for one test (the one in use before is restored)."""
+    if not native.available() or "int16" not in native.available_quant_maths():
+        pytest.skip("the int16 arithmetic needs a CPU with AVX512-VNNI; this one has none")
+    before = native.quant_math()
+    native.set_quant_math("int16")
+    yield
+    native.set_quant_math(before)
+
+
+def quantization_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(M, N): what rounding the activations to s * q can move x . w (|x - s q| <= s / 2 per
+    element), plus float32 rounding of the sums."""
+    _, s = quantize_activations(x)                       # (M, nb)
+    absw = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).sum(axis=2)  # (N, nb)
+    step = (s.astype(np.float64) / 2) @ absw.T            # (M, N)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    return 1.0001 * step + 1e-6 * scale + 1e-6
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_reference_is_within_the_quantization_bound_of_float64(name):
+    rng = np.random.default_rng(7)
+    k = 512
+    raw = make_weights(name, 21, k, rng)
+    w = gguf_dequantize(name, raw)
+    x = (rng.standard_normal((6, k)) * np.exp(rng.uniform(-3, 3, (6, k)))).astype(np.float32)  # wide magnitudes
+    x[2, :32] = 0.0  # an all-zero block
+    got = linear_int16(x, name, raw).astype(np.float64)
+    want = (torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64)).T).numpy()
+    excess = np.abs(got - want) - quantization_bound(x, w)
+    assert excess.max() <= 0, f"{name}: off by {excess.max():.3g} beyond the bound"
+    _, s = quantize_activations(x)
+    assert XQ_MAX == 32639 and s[2, 0] == 0
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+def test_native_equals_the_reference_bitwise(int16, name, m):
+    rng = np.random.default_rng(m)
+    n, k = 37, 512  # 37: two groups of 16 rows and a part
+    raw = make_weights(name, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    want = linear_int16(x, name, raw, bias)
+    before = native.threads()
+    try:
+        for threads in (1, 2):
+            native.set_threads(threads)
+            got = native.linear(x, name, raw, bias)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{name} M={m} on {threads} thread(s)"
+    finally:
+        native.set_threads(before)
+    out = np.full((m, n + 5), 7.0, np.float32)  # rows of Y wider than N
+    native.linear(x, name, raw, None, out=out[:, :n])
+    assert np.array_equal(out[:, :n], linear_int16(x, name, raw)) and np.all(out[:, n:] == 7.0)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_rows_are_batch_invariant(int16, name):
+    rng = np.random.default_rng(3)
+    raw = make_weights(name, 50, 768, rng)
+    x = rng.standard_normal((33, 768)).astype(np.float32)
+    batch = native.linear(x, name, raw)
+    for r in (0, 7, 32):
+        for rows in (x[r:r + 1], x[max(0, r - 3):r + 1]):
+            alone = native.linear(rows, name, raw)[-1]
+            assert np.array_equal(alone.view(np.uint32), batch[r].view(np.uint32)), f"{name} row {r}"
+
+
+def test_unknown_arithmetic_is_refused():
+    with pytest.raises(ValueError, match="unknown arithmetic 'int4'; expected one of f32, int16"):
+        native.set_quant_math("int4")
+
+
+def test_smollm2_keeps_transformers_greedy_tokens(int16, smollm2_path, hf_smollm2_model, hf_smollm2_tokenizer):
+    from llaisys.generation import GenerationConfig, generate
+    from llaisys.models import load_model
+
+    model = load_model(smollm2_path)
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = model.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        want = hf_smollm2_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    got = generate(model, ids, GenerationConfig(max_new_tokens=24, temperature=0.0)).token_ids
+    eos = set(model.eos_token_ids)
+    want = want[:next((i + 1 for i, t in enumerate(want) if t in eos), len(want))]
+    assert got[:len(want)] == want
