@@ -4,7 +4,8 @@
 - the NumPy reference (reference_int16.py) lies within the activation quantization's bound of
   a float64 PyTorch product of gguf's dequantized weights;
 - the native kernels equal that reference bit for bit, for every block format, any M, odd N,
-  with a bias, into strided rows, on 1 and 2 threads;
+  with a bias, into strided rows, on 1 and 2 threads, from the weights repacked at load and
+  from the weights as stored;
 - a row has the same bits alone and in any batch;
 - the bundled SmolLM2 keeps transformers' greedy tokens with it.
 Needs AVX512-VNNI: skipped, saying so, on a CPU without it.
@@ -60,11 +61,16 @@ def test_reference_is_within_the_quantization_bound_of_float64(name):
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 5, 17])
-def test_native_equals_the_reference_bitwise(int16, name, m):
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "as-stored"])
+def test_native_equals_the_reference_bitwise(int16, name, m, pack):
+    """Both the weights repacked at load (fused in registers up to 8 rows of X, through a
+    scratch above) and the weights read as stored."""
     rng = np.random.default_rng(m)
     n, k = 37, 512  # 37: two groups of 16 rows and a part
     raw = make_weights(name, n, k, rng)
+    weight = native.QuantWeight(name, raw, pack=pack)
+    assert (weight.packed is not None) == pack
     x = rng.standard_normal((m, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     want = linear_int16(x, name, raw, bias)
@@ -72,13 +78,24 @@ def test_native_equals_the_reference_bitwise(int16, name, m):
     try:
         for threads in (1, 2):
             native.set_threads(threads)
-            got = native.linear(x, name, raw, bias)
+            got = weight.linear(x, bias)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{name} M={m} on {threads} thread(s)"
     finally:
         native.set_threads(before)
     out = np.full((m, n + 5), 7.0, np.float32)  # rows of Y wider than N
-    native.linear(x, name, raw, None, out=out[:, :n])
+    weight.linear(x, None, out=out[:, :n])
     assert np.array_equal(out[:, :n], linear_int16(x, name, raw)) and np.all(out[:, n:] == 7.0)
+    bound = np.zeros((m, n), np.float32)
+    weight.bind(x, bias, bound)()  # the call a replayed decoding step makes
+    assert np.array_equal(bound.view(np.uint32), want.view(np.uint32))
+
+
+def test_weights_are_packed_only_for_the_int16_arithmetic(int16):
+    rng = np.random.default_rng(1)
+    raw = make_weights("Q4_K", 20, 256, rng)
+    assert native.QuantWeight("Q4_K", raw).packed is not None
+    native.set_quant_math("f32")
+    assert native.QuantWeight("Q4_K", raw).packed is None
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])

@@ -300,6 +300,7 @@ typedef struct {
     const lq_kernels *kern;
     const format_t *fmt;
     const uint8_t *w;              /* n encoded rows of row_bytes */
+    const uint8_t *packed;         /* W as lq_int_pack wrote it, or NULL */
     size_t row_bytes, n, k, rows_per_chunk, tile_rows;
     const float *x, *bias;         /* x (m, k) row stride ldx; bias (n) or NULL */
     size_t ldx, m, ldy;
@@ -401,8 +402,11 @@ static void linear_chunk_int(void *arg, size_t chunk, int thread) {
     const linear_job *j = ij->job;
     size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
     if (n1 > j->n) n1 = j->n;
-    lq_int_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias,
-                ij->scratch + (size_t)thread * ij->scratch_bytes);
+    void *scratch = ij->scratch + (size_t)thread * ij->scratch_bytes;
+    if (j->packed)
+        lq_int_rows_packed(j->fmt->index, j->packed, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch);
+    else
+        lq_int_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch);
 }
 
 /* The int16 arithmetic for all M: X quantized once, then groups of 16 rows of W over it. */
@@ -462,15 +466,17 @@ static float *take_floats(float *local, size_t *used, size_t n, float **heap) {
 }
 
 /* Y (m, n) = X (m, k) . W (n, k)^T + bias (n) or no bias when NULL. X rows are ldx floats
- * apart, Y rows ldy floats apart; W is n rows of encoded bytes, back to back. */
+ * apart, Y rows ldy floats apart; W is n rows of encoded bytes, back to back. `packed`: W as
+ * llaisys_quant_int_pack wrote it (read by the int16 arithmetic instead of W; same results),
+ * or NULL. */
 LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx,
-                                   int64_t m, float *y, int64_t ldy, const float *bias) {
+                                   int64_t m, float *y, int64_t ldy, const float *bias, const void *packed) {
     const format_t *f = find_format(type);
     if (!f) return LQ_ERR_TYPE;
     if (k <= 0 || n < 0 || m < 0 || k % f->block_elems || (m > 1 && ldx < k) || (m > 1 && ldy < n))
         return LQ_ERR_SHAPE;
     if (n == 0 || m == 0) return LQ_OK;
-    linear_job j = {.kern = kernels(), .fmt = f, .w = w, .n = (size_t)n, .k = (size_t)k, .x = x,
+    linear_job j = {.kern = kernels(), .fmt = f, .w = w, .packed = packed, .n = (size_t)n, .k = (size_t)k, .x = x,
                     .bias = bias, .ldx = (size_t)ldx, .m = (size_t)m, .ldy = (size_t)ldy, .y = y};
     j.row_bytes = (size_t)k / (size_t)f->block_elems * (size_t)f->block_bytes;
     const int threads = lq_pool_threads();
@@ -535,6 +541,49 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
     return status;
 }
 
+/* Bytes of W (n rows of k elements in format `type`) repacked for the int16 arithmetic, or 0
+ * where it has no packed kernels (format, or a CPU without the units); negative: bad type or
+ * shape. */
+LQ_EXPORT int64_t llaisys_quant_int_packed_bytes(int type, int64_t n, int64_t k) {
+    const format_t *f = find_format(type);
+    if (!f) return LQ_ERR_TYPE;
+    if (k <= 0 || n < 0 || k % f->block_elems) return LQ_ERR_SHAPE;
+    if (!lq_int_available()) return 0;
+    return (int64_t)lq_int_packed_bytes(f->index, (size_t)n, (size_t)k);
+}
+
+typedef struct {
+    int index;
+    const uint8_t *w;
+    size_t row_bytes, n, k, groups_per_chunk;
+    uint8_t *out;
+} pack_job;
+
+static void pack_chunk(void *arg, size_t chunk, int thread) {
+    (void)thread;
+    const pack_job *p = arg;
+    const size_t groups = (p->n + 15) / 16, g0 = chunk * p->groups_per_chunk;
+    const size_t g1 = g0 + p->groups_per_chunk < groups ? g0 + p->groups_per_chunk : groups;
+    lq_int_pack(p->index, p->w, p->row_bytes, p->n, p->k, g0, g1, p->out);
+}
+
+/* Write W (n rows in format `type`) into out (llaisys_quant_int_packed_bytes of it, 64-byte
+ * aligned) in the layout of the int16 arithmetic's packed kernels. */
+LQ_EXPORT int llaisys_quant_int_pack(int type, const void *w, int64_t n, int64_t k, void *out) {
+    const int64_t bytes = llaisys_quant_int_packed_bytes(type, n, k);
+    if (bytes < 0) return (int)bytes;
+    if (bytes == 0 || (uintptr_t)out % 64) return LQ_ERR_SHAPE;
+    const format_t *f = find_format(type);
+    pack_job p = {.index = f->index, .w = w, .n = (size_t)n, .k = (size_t)k, .out = out};
+    p.row_bytes = (size_t)k / (size_t)f->block_elems * (size_t)f->block_bytes;
+    const int threads = lq_pool_threads();
+    const size_t groups = (p.n + 15) / 16;
+    p.groups_per_chunk = (groups + 4 * (size_t)threads - 1) / (4 * (size_t)threads);
+    if (!p.groups_per_chunk) p.groups_per_chunk = 1;
+    lq_pool_run(pack_chunk, &p, (groups + p.groups_per_chunk - 1) / p.groups_per_chunk, threads);
+    return LQ_OK;
+}
+
 /* llaisys_quant_linear with its arguments in one block, for a replayed list of calls
  * (csrc/ops: llaisys_ops_run). */
 typedef struct {
@@ -546,11 +595,13 @@ typedef struct {
     float *y;
     int64_t ldy;
     const float *bias;
+    const void *packed;
 } lq_linear_call;
 
 LQ_EXPORT int llaisys_quant_linear_call(const void *block) {
     const lq_linear_call *c = block;
-    return llaisys_quant_linear((int)c->type, c->w, c->n, c->k, c->x, c->ldx, c->m, c->y, c->ldy, c->bias);
+    return llaisys_quant_linear((int)c->type, c->w, c->n, c->k, c->x, c->ldx, c->m, c->y, c->ldy, c->bias,
+                                c->packed);
 }
 
 LQ_EXPORT int llaisys_quant_set_threads(int n) { return lq_pool_set_threads(n); }

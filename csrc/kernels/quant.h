@@ -242,6 +242,14 @@ size_t lq_int_scratch_bytes(size_t k); /* one thread's scratch for lq_int_rows *
  * lq_int_quantize; n0 a multiple of 16. */
 void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
                  size_t m, float *y, size_t ldy, const float *bias, void *scratch);
+/* W repacked once for lq_int_rows_packed (the layout: quant_int.c): its bytes (0: format not
+ * supported), and groups g0 <= g < g1 of 16 rows written into out (n rows, row_bytes each). */
+size_t lq_int_packed_bytes(int index, size_t n, size_t k);
+void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                 uint8_t *out);
+/* lq_int_rows on W as lq_int_pack wrote it: the same bits. */
+void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch);
 
 /* Thread pool (threadpool.c): runs task(ctx, i, thread) for i in [0, n_chunks), handing chunks
  * out one at a time to the calling thread (thread 0) and the workers (1, 2, ...); threads
@@ -256,7 +264,7 @@ int lq_pool_threads(void);
 int llaisys_quant_block_size(int type);
 int llaisys_quant_block_bytes(int type);
 int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
-                         float *y, int64_t ldy, const float *bias);
+                         float *y, int64_t ldy, const float *bias, const void *packed);
 const char *llaisys_quant_simd_level(void);
 
 #endif

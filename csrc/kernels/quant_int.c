@@ -240,14 +240,23 @@ void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *
 
 typedef int32_t __attribute__((may_alias, aligned(1))) dword; /* 4 codes of X, read as one */
 
+/* One block's weight scales for 16 rows, in registers (the fields of w16_block). */
+typedef struct {
+    __m512 scale, scale2, min;
+} w16_scales;
+
+VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
+    for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)wb->codes[j]);
+    return (w16_scales){_mm512_loadu_ps(wb->scale), _mm512_loadu_ps(wb->scale2), _mm512_loadu_ps(wb->min)};
+}
+
 /* acc[r] (16 outputs of row r of X) += block b's terms, for MR_C rows of X from xb (nb apart):
  * the rows' dot products interleaved, so 2 MR_C independent chains fill the units. */
 #define BLOCK_ROWS(MR_C, KIND)                                                                               \
-    VNNI_INLINE void block_rows_##MR_C##_##KIND(const w16_block *wb, int offset, const lq_xblock *xb, size_t nb, \
-                                       __m512 *acc) {                                                         \
+    VNNI_INLINE void block_rows_##MR_C##_##KIND(const __m512i w[8], const w16_scales *ws, int offset,          \
+                                                const lq_xblock *xb, size_t nb, __m512 *acc) {                \
         const int_format f = {KIND, offset};                                                                  \
-        __m512i w[8], h[MR_C], l[MR_C], h2[KIND == KIND_Q6 ? MR_C : 1], l2[KIND == KIND_Q6 ? MR_C : 1];       \
-        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)wb->codes[j]);                   \
+        __m512i h[MR_C], l[MR_C], h2[KIND == KIND_Q6 ? MR_C : 1], l2[KIND == KIND_Q6 ? MR_C : 1];             \
         for (int r = 0; r < MR_C; r++) h[r] = l[r] = _mm512_setzero_si512();                                \
         for (int r = 0; r < (KIND == KIND_Q6 ? MR_C : 1); r++) h2[r] = l2[r] = _mm512_setzero_si512();     \
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                                 \
@@ -264,7 +273,7 @@ typedef int32_t __attribute__((may_alias, aligned(1))) dword; /* 4 codes of X, r
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
-        const __m512 scale = _mm512_loadu_ps(wb->scale);                                                      \
+        const __m512 scale = ws->scale;                                                                       \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR_C; r++) {                                              \
             const lq_xblock *x = xb + (size_t)r * nb;                                                         \
             const __m512 s = _mm512_set1_ps(x->s);                                                            \
@@ -275,13 +284,13 @@ typedef int32_t __attribute__((may_alias, aligned(1))) dword; /* 4 codes of X, r
                 i = _mm512_sub_epi32(i, _mm512_set1_epi32(32 * x->sum_lo));                                   \
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale, s))); \
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(ib),                          \
-                                                             _mm512_mul_ps(_mm512_loadu_ps(wb->scale2), s))); \
+                                                             _mm512_mul_ps(ws->scale2, s)));              \
                 continue;                                                                                     \
             }                                                                                                 \
             if (f.kind == KIND_OFFSET) i = _mm512_sub_epi32(i, _mm512_set1_epi32(f.offset * x->sum));       \
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale, s)));   \
             if (f.kind == KIND_MIN)                                                                           \
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(wb->min), _mm512_set1_ps(x->s_sum))); \
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(ws->min, _mm512_set1_ps(x->s_sum)));           \
         }                                                                                                     \
     }
 
@@ -303,13 +312,21 @@ BLOCK_ROWS(4, KIND_Q6)
         for (; m0 + MR <= m; m0 += MR) {                                                                      \
             __m512 acc[MR];                                                                                   \
             for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                       \
-            for (size_t bi = 0; bi < nb; bi++) block_rows_4_##KIND(wg + bi, offset, x + m0 * nb + bi, nb, acc); \
+            for (size_t bi = 0; bi < nb; bi++) {                                                              \
+                __m512i w[8];                                                                                 \
+                const w16_scales ws = load_block(wg + bi, w);                                                 \
+                block_rows_4_##KIND(w, &ws, offset, x + m0 * nb + bi, nb, acc);                               \
+            }                                                                                                 \
             for (int r = 0; r < MR; r++)                                                                      \
                 _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]); \
         }                                                                                                     \
         for (; m0 < m; m0++) {                                                                                \
             __m512 acc[1] = {_mm512_setzero_ps()};                                                            \
-            for (size_t bi = 0; bi < nb; bi++) block_rows_1_##KIND(wg + bi, offset, x + m0 * nb + bi, nb, acc); \
+            for (size_t bi = 0; bi < nb; bi++) {                                                              \
+                __m512i w[8];                                                                                 \
+                const w16_scales ws = load_block(wg + bi, w);                                                 \
+                block_rows_1_##KIND(w, &ws, offset, x + m0 * nb + bi, nb, acc);                               \
+            }                                                                                                 \
             _mm512_mask_storeu_ps(y + m0 * ldy, keep, bias ? _mm512_add_ps(acc[0], b) : acc[0]);             \
         }                                                                                                     \
     }
@@ -342,6 +359,218 @@ void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_
     }
 }
 
+/* ---- weights packed at load ------------------------------------------------------------------ */
+
+/* What unpack_rows computes on every call, done once: each group of 16 rows of W (zero rows past
+ * N) is a stream of units, one per 32-element block (per 256-element super-block for the K
+ * formats); a unit is a header (the K formats' super-block scales) and, per block, the codes of
+ * w16_block in 4 bits each (vector j < 4 in the low nibbles, j + 4 in the high), bit planes for
+ * the 5th and 6th bits (bit i of plane j: byte i of vector j) and the rows' scale fields as
+ * stored. About the bytes of the format itself, so a decoding step reads no more; the scales
+ * become float32 by the same operations as in unpack_rows, so results keep their bits. */
+typedef struct {
+    size_t unit_blocks, head_bytes, block_bytes; /* blocks per unit; bytes of a header, of a block */
+    size_t nib, planes, d, m;                    /* byte offsets in a block (d, m: the 16 rows' fields) */
+    size_t src_block;                            /* bytes of one block (super-block) of the format */
+} pk_layout;
+
+static pk_layout layout_of(int index) {
+    switch (index) {
+    case IX_Q4_0: return (pk_layout){1, 0, 288, 0, 0, 256, 0, sizeof(block_q4_0)};
+    case IX_Q4_1: return (pk_layout){1, 0, 320, 0, 0, 256, 288, sizeof(block_q4_1)};
+    case IX_Q5_0: return (pk_layout){1, 0, 352, 0, 256, 320, 0, sizeof(block_q5_0)};
+    case IX_Q5_1: return (pk_layout){1, 0, 384, 0, 256, 320, 352, sizeof(block_q5_1)};
+    case IX_Q8_0: return (pk_layout){1, 0, 544, 0, 0, 512, 0, sizeof(block_q8_0)};
+    case IX_Q4_K: return (pk_layout){8, 64, 288, 0, 0, 256, 272, sizeof(block_q4_K)};   /* d: sc, m: mn */
+    case IX_Q5_K: return (pk_layout){8, 64, 352, 0, 256, 320, 336, sizeof(block_q5_K)};
+    default: return (pk_layout){8, 32, 416, 0, 256, 384, 400, sizeof(block_q6_K)};      /* d: s1, m: s2 */
+    }
+}
+
+static size_t group_bytes(int index, size_t nb) {
+    const pk_layout L = layout_of(index);
+    return nb / L.unit_blocks * (L.head_bytes + L.unit_blocks * L.block_bytes);
+}
+
+/* Block `bi` of a group, from its unit's header and its own bytes, as block_rows reads it. */
+VNNI_INLINE w16_scales packed_block(const int index, const uint8_t *head, const uint8_t *b, __m512i w[8]) {
+    const pk_layout L = layout_of(index);
+    if (index == IX_Q8_0) {
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(b + 64 * j));
+    } else {
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * j));
+            w[j] = _mm512_and_si512(v, m4);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+    }
+    if (index == IX_Q5_0 || index == IX_Q5_1 || index == IX_Q5_K || index == IX_Q6_K) {
+        const uint64_t *plane = (const uint64_t *)(b + L.planes);
+        const __m512i b4 = _mm512_set1_epi8(0x10), b5 = _mm512_set1_epi8(0x20);
+        for (int j = 0; j < 8; j++) w[j] = _mm512_mask_add_epi8(w[j], (__mmask64)plane[j], w[j], b4); /* | 16 */
+        if (index == IX_Q6_K)
+            for (int j = 0; j < 8; j++) w[j] = _mm512_mask_add_epi8(w[j], (__mmask64)plane[8 + j], w[j], b5);
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    w16_scales s = {zero, zero, zero};
+#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define BYTES_U(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define BYTES_S(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+    switch (index) {
+    case IX_Q4_0: case IX_Q5_0: case IX_Q8_0: s.scale = HALVES(b + L.d); break;
+    case IX_Q4_1: case IX_Q5_1: s.scale = HALVES(b + L.d), s.min = HALVES(b + L.m); break;
+    case IX_Q4_K: case IX_Q5_K:
+        s.scale = _mm512_mul_ps(HALVES(head), BYTES_U(b + L.d));
+        s.min = _mm512_sub_ps(zero, _mm512_mul_ps(HALVES(head + 32), BYTES_U(b + L.m)));
+        break;
+    default: { /* Q6_K */
+        const __m512 d = HALVES(head);
+        s.scale = _mm512_mul_ps(d, BYTES_S(b + L.d)), s.scale2 = _mm512_mul_ps(d, BYTES_S(b + L.m));
+    }
+    }
+#undef HALVES
+#undef BYTES_U
+#undef BYTES_S
+    return s;
+}
+
+#define PACKED_FUSED_M 8 /* up to this many rows of X, blocks are unpacked in registers for each 4 rows */
+
+/* y = a group of 16 rows of W (packed) . the m rows of X, for format INDEX: the blocks unpacked
+ * in registers and met by 4 rows of X at a time; above PACKED_FUSED_M rows, unpacked once into
+ * the scratch and run as group_rows does. Either way block_rows's arithmetic. */
+#define PACKED_GROUP(INDEX, KIND, OFFSET)                                                                    \
+    VNNI static void packed_group_##INDEX(const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, \
+                                          float *y, size_t ldy, const float *bias, w16_block *scratch) {      \
+        const pk_layout L = layout_of(INDEX);                                                                 \
+        const size_t unit = L.head_bytes + L.unit_blocks * L.block_bytes;                                     \
+        if (m > PACKED_FUSED_M) {                                                                             \
+            for (size_t bi = 0; bi < nb; bi++) {                                                              \
+                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
+                __m512i w[8];                                                                                 \
+                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
+                for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)scratch[bi].codes[j], w[j]);          \
+                _mm512_storeu_ps(scratch[bi].scale, s.scale);                                                 \
+                _mm512_storeu_ps(scratch[bi].scale2, s.scale2);                                               \
+                _mm512_storeu_ps(scratch[bi].min, s.min);                                                     \
+            }                                                                                                 \
+            group_rows(scratch, (int_format){KIND, OFFSET}, x, nb, m, rows, y, ldy, bias);                    \
+            return;                                                                                           \
+        }                                                                                                     \
+        const __mmask16 keep = (__mmask16)((1u << rows) - 1);                                                 \
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();                     \
+        size_t m0 = 0;                                                                                        \
+        for (; m0 + MR <= m; m0 += MR) {                                                                      \
+            __m512 acc[MR];                                                                                   \
+            for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                       \
+            for (size_t bi = 0; bi < nb; bi++) {                                                              \
+                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
+                __m512i w[8];                                                                                 \
+                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
+                block_rows_4_##KIND(w, &s, OFFSET, x + m0 * nb + bi, nb, acc);                                \
+            }                                                                                                 \
+            for (int r = 0; r < MR; r++)                                                                      \
+                _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]); \
+        }                                                                                                     \
+        for (; m0 < m; m0++) {                                                                                \
+            __m512 acc[1] = {_mm512_setzero_ps()};                                                            \
+            for (size_t bi = 0; bi < nb; bi++) {                                                              \
+                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
+                __m512i w[8];                                                                                 \
+                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
+                block_rows_1_##KIND(w, &s, OFFSET, x + m0 * nb + bi, nb, acc);                                \
+            }                                                                                                 \
+            _mm512_mask_storeu_ps(y + m0 * ldy, keep, bias ? _mm512_add_ps(acc[0], b) : acc[0]);             \
+        }                                                                                                     \
+    }
+
+PACKED_GROUP(IX_Q4_0, KIND_OFFSET, 8)
+PACKED_GROUP(IX_Q4_1, KIND_MIN, 0)
+PACKED_GROUP(IX_Q5_0, KIND_OFFSET, 16)
+PACKED_GROUP(IX_Q5_1, KIND_MIN, 0)
+PACKED_GROUP(IX_Q8_0, KIND_OFFSET, 128)
+PACKED_GROUP(IX_Q4_K, KIND_MIN, 0)
+PACKED_GROUP(IX_Q5_K, KIND_MIN, 0)
+PACKED_GROUP(IX_Q6_K, KIND_Q6, 32)
+
+size_t lq_int_packed_bytes(int index, size_t n, size_t k) {
+    return lq_int_supports(index) ? (n + 15) / 16 * group_bytes(index, k / QK) : 0;
+}
+
+void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
+    const size_t nb = k / QK, gb = group_bytes(index, nb);
+    for (size_t g = n0; g < n1; g += 16) {
+        const size_t rows = n1 - g < 16 ? n1 - g : 16;
+        const uint8_t *wg = packed + g / 16 * gb;
+        float *yg = y + g;
+        const float *bg = bias ? bias + g : NULL;
+        switch (index) {
+        case IX_Q4_0: packed_group_IX_Q4_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q4_1: packed_group_IX_Q4_1(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q5_0: packed_group_IX_Q5_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q5_1: packed_group_IX_Q5_1(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q8_0: packed_group_IX_Q8_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q4_K: packed_group_IX_Q4_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        case IX_Q5_K: packed_group_IX_Q5_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        default: packed_group_IX_Q6_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        }
+    }
+}
+
+/* Pack the groups g0 <= g < g1 of W (n rows) into `out` (lq_int_packed_bytes, the layout above). */
+VNNI void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                      uint8_t *out) {
+    const pk_layout L = layout_of(index);
+    const size_t nb = k / QK, gb = group_bytes(index, nb), unit = L.head_bytes + L.unit_blocks * L.block_bytes;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    w16_block t;
+    for (size_t g = g0; g < g1; g++) {
+        const size_t rows = n - 16 * g < 16 ? n - 16 * g : 16;
+        const uint8_t *wg = w + 16 * g * row_bytes;
+        uint8_t *o = out + g * gb;
+        memset(o, 0, gb);
+        for (size_t bi = 0; bi < nb; bi++) {
+            const size_t sb = bi / L.unit_blocks;
+            uint8_t *head = o + sb * unit, *b = head + L.head_bytes + bi % L.unit_blocks * L.block_bytes;
+            unpack16(index, wg, row_bytes, rows, bi, &t);
+            __m512i c[8];
+            for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)t.codes[j]);
+            if (index == IX_Q8_0) {
+                for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)(b + 64 * j), c[j]);
+            } else {
+                for (int j = 0; j < 4; j++)
+                    _mm512_storeu_si512((void *)(b + 64 * j),
+                                        _mm512_or_si512(_mm512_and_si512(c[j], m4),
+                                                        _mm512_slli_epi16(_mm512_and_si512(c[j + 4], m4), 4)));
+            }
+            if (L.planes) {
+                uint64_t *plane = (uint64_t *)(b + L.planes);
+                for (int j = 0; j < 8; j++) plane[j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x10));
+                if (index == IX_Q6_K)
+                    for (int j = 0; j < 8; j++) plane[8 + j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x20));
+            }
+            for (size_t r = 0; r < rows; r++) {
+                const uint8_t *src = wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block;
+                switch (index) {
+                case IX_Q4_0: case IX_Q5_0: case IX_Q8_0: memcpy(b + L.d + 2 * r, src, 2); break;
+                case IX_Q4_1: case IX_Q5_1: memcpy(b + L.d + 2 * r, src, 2), memcpy(b + L.m + 2 * r, src + 2, 2); break;
+                case IX_Q4_K: case IX_Q5_K:
+                    if (bi % 8 == 0) memcpy(head + 2 * r, src, 2), memcpy(head + 32 + 2 * r, src + 2, 2);
+                    unpack_scales_k4(src + 4, (int)(bi % 8), b + L.d + r, b + L.m + r);
+                    break;
+                default: { /* Q6_K */
+                    const block_q6_K *q = (const block_q6_K *)src;
+                    if (bi % 8 == 0) memcpy(head + 2 * r, &q->d, 2);
+                    b[L.d + r] = (uint8_t)q->scales[2 * (bi % 8)], b[L.m + r] = (uint8_t)q->scales[2 * (bi % 8) + 1];
+                }
+                }
+            }
+        }
+    }
+}
+
 int lq_int_supports(int index) {
     switch (index) {
     case IX_Q4_0: case IX_Q4_1: case IX_Q5_0: case IX_Q5_1: case IX_Q8_0: case IX_Q4_K: case IX_Q5_K: case IX_Q6_K:
@@ -368,5 +597,15 @@ void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_
     (void)bias, (void)scratch;
 }
 int lq_int_supports(int index) { (void)index; return 0; }
+size_t lq_int_packed_bytes(int index, size_t n, size_t k) { (void)index, (void)n, (void)k; return 0; }
+void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
+    (void)index, (void)packed, (void)n0, (void)n1, (void)k, (void)x, (void)m, (void)y, (void)ldy, (void)bias;
+    (void)scratch;
+}
+void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                 uint8_t *out) {
+    (void)index, (void)w, (void)row_bytes, (void)n, (void)k, (void)g0, (void)g1, (void)out;
+}
 int lq_int_available(void) { return 0; }
 #endif

@@ -48,7 +48,8 @@ def _library() -> ctypes.CDLL:
                 ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
                 signatures = {
                     "llaisys_quant_dequantize": [cint, ptr, i64, i64, ptr],
-                    "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr],
+                    "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr],
+                    "llaisys_quant_int_pack": [cint, ptr, i64, i64, ptr],
                     "llaisys_quant_linear_call": [ptr],
                     "llaisys_quant_set_threads": [cint],
                     "llaisys_quant_threads": [],
@@ -64,6 +65,8 @@ def _library() -> ctypes.CDLL:
                 lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
                 lib.llaisys_quant_math.argtypes, lib.llaisys_quant_math.restype = [], ctypes.c_char_p
                 lib.llaisys_quant_fma_loop.argtypes, lib.llaisys_quant_fma_loop.restype = [i64, i64], i64
+                lib.llaisys_quant_int_packed_bytes.argtypes = [cint, i64, i64]
+                lib.llaisys_quant_int_packed_bytes.restype = i64
                 wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
                 if wanted and wanted != level:
                     mask = lib.llaisys_quant_simd_available()
@@ -122,15 +125,21 @@ class QuantWeight:
 
     ``raw``: uint8 (N, row_bytes), C-contiguous (F32/F16/BF16 weights may also be (N, K) of
     their own dtype). The array is referenced, not copied: keep it unchanged while in use.
+    ``pack``: while the int16 arithmetic is in use, also keep W repacked for its kernels
+    (``packed``: about the bytes of W, the codes of 16 rows interleaved as the dot-product
+    instructions read them), so that a call reads it as is instead of rearranging W's blocks;
+    the results are the same bits either way.
     """
 
-    __slots__ = ("fmt", "raw", "n", "k", "_ptr")
+    __slots__ = ("fmt", "raw", "n", "k", "packed", "_ptr", "_packed_ptr")
 
-    def __init__(self, qtype: int | str | QuantFormat, raw: np.ndarray):
+    def __init__(self, qtype: int | str | QuantFormat, raw: np.ndarray, pack: bool = True):
         self.fmt = get_format(qtype)
         self.raw, self.k = _weight_bytes(raw, self.fmt)  # (N, row_bytes) uint8, K
         self.n = self.raw.shape[0]
         self._ptr = self.raw.ctypes.data
+        self.packed = _pack(self.fmt, self.raw, self.n, self.k) if pack and quant_math() == "int16" else None
+        self._packed_ptr = None if self.packed is None else self.packed.ctypes.data
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.fmt.name}, N={self.n}, K={self.k})"
@@ -157,7 +166,7 @@ class QuantWeight:
             raise ValueError(f"row ids must be integers, got dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.n):
             raise ValueError(f"row ids must lie in [0, {self.n}), got {ids.min()} .. {ids.max()}")
-        picked = QuantWeight(self.fmt, self.raw[ids.reshape(-1)])  # (ids.size, row_bytes), a copy
+        picked = QuantWeight(self.fmt, self.raw[ids.reshape(-1)], pack=False)  # (ids.size, row_bytes), a copy
         return picked.dequantize().reshape(*ids.shape, self.k)
 
     def linear(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
@@ -199,7 +208,8 @@ class QuantWeight:
         """The arguments of ``llaisys_quant_linear`` for checked arrays (M >= 1, N >= 1)."""
         m, n = x.shape[0], self.n
         return (self.fmt.type_id, self._ptr, n, self.k, x.ctypes.data, x.strides[0] // 4 if m > 1 else self.k, m,
-                out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data)
+                out.ctypes.data, out.strides[0] // 4 if m > 1 else n, None if bias is None else bias.ctypes.data,
+                self._packed_ptr)
 
     def bind(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> "Callable[[], None]":
         """``linear(x, bias, out)`` checked once, as a function of no arguments that runs it
@@ -238,7 +248,20 @@ class LinearCall(ctypes.Structure):
 
     _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("m", ctypes.c_int64), ("y", ctypes.c_void_p),
-                ("ldy", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+                ("ldy", ctypes.c_int64), ("bias", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
+
+
+def _pack(fmt: QuantFormat, raw: np.ndarray, n: int, k: int) -> np.ndarray | None:
+    """W (N rows of K) repacked for the int16 arithmetic's kernels (uint8, 64-byte aligned), or
+    None where they do not take this format."""
+    lib = _library()
+    nbytes = lib.llaisys_quant_int_packed_bytes(fmt.type_id, n, k)
+    if nbytes <= 0 or n == 0:
+        return None
+    buf = np.empty(nbytes + 64, np.uint8)
+    packed = buf[(-buf.ctypes.data) % 64:][:nbytes]  # a view that starts on a cache line
+    _check(lib.llaisys_quant_int_pack(fmt.type_id, raw.ctypes.data, n, k, packed.ctypes.data), "int_pack")
+    return packed
 
 
 def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
