@@ -8,7 +8,8 @@
   from the weights as stored;
 - a row has the same bits alone and in any batch;
 - the bundled SmolLM2 keeps transformers' greedy tokens with it.
-Needs AVX512-VNNI: skipped, saying so, on a CPU without it.
+Needs AVX512-VNNI: skipped, saying so, on a CPU without it. On a CPU with AMX, batches of 16
+rows and more run on the tiles, so the same tests check them.
 """
 from __future__ import annotations
 
@@ -61,11 +62,12 @@ def test_reference_is_within_the_quantization_bound_of_float64(name):
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17, 40])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "as-stored"])
 def test_native_equals_the_reference_bitwise(int16, name, m, pack):
     """Both the weights repacked at load (fused in registers up to 8 rows of X, through a
-    scratch above) and the weights read as stored."""
+    scratch above) and the weights read as stored; where the CPU has AMX, 16 and 32 of the 17
+    and 40 rows run on its tiles, the rest on the VNNI kernels."""
     rng = np.random.default_rng(m)
     n, k = 37, 512  # 37: two groups of 16 rows and a part
     raw = make_weights(name, n, k, rng)

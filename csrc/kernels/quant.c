@@ -22,6 +22,7 @@
 #include "common/simd_level.h"
 
 #include "quant.h"
+#include "quant_int.h"
 
 enum { LQ_OK = 0, LQ_ERR_TYPE = -1, LQ_ERR_SHAPE = -2, LQ_ERR_MEMORY = -3 };
 
@@ -540,6 +541,10 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
     free(x_heap);
     return status;
 }
+
+/* 1 when the int16 arithmetic runs 16 rows of X at a time on the AMX tiles here (granted, not
+ * turned off with LLAISYS_AMX=0), else 0. */
+LQ_EXPORT int llaisys_quant_int_amx(void) { return lq_amx_available(); }
 
 /* Bytes of W (n rows of k elements in format `type`) repacked for the int16 arithmetic, or 0
  * where it has no packed kernels (format, or a CPU without the units); negative: bad type or

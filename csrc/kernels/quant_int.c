@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "quant.h"
+#include "quant_int.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -36,20 +37,6 @@
 #define VNNI __attribute__((target(TARGET)))
 #define VNNI_INLINE static inline __attribute__((always_inline, target(TARGET)))
 
-enum { KIND_OFFSET, KIND_MIN, KIND_Q6 };
-
-/* The weights of 16 rows of W over one 32-element block, laid out for vpdpbusd: vector j holds,
- * in lane c, the codes of elements 4j .. 4j+3 of row c. */
-typedef struct {
-    uint8_t codes[8][16][4];
-    float scale[16];  /* weight = scale * (code - offset), or scale * code + min */
-    float scale2[16]; /* Q6_K: the scale of elements 16 .. 31 (scale: of 0 .. 15) */
-    float min[16];    /* the min formats' added term (Q4_K, Q5_K: -dmin * m) */
-} w16_block;
-
-typedef struct {
-    int kind, offset;
-} int_format;
 
 /* ---- the weights of 16 rows, in registers --------------------------------------------------- */
 
@@ -337,6 +324,9 @@ GROUP_ROWS(KIND_Q6)
 
 static void group_rows(const w16_block *wg, int_format f, const lq_xblock *x, size_t nb, size_t m, size_t rows,
                        float *y, size_t ldy, const float *bias) {
+    const size_t done = lq_amx_group_rows(wg, f.kind, f.offset, x, nb, m, rows, y, ldy, bias); /* 16 rows at a time */
+    x += done * nb, m -= done, y += done * ldy;
+    if (m == 0) return;
     if (f.kind == KIND_Q6)
         group_rows_KIND_Q6(wg, f.offset, x, nb, m, rows, y, ldy, bias);
     else if (f.kind == KIND_MIN)

@@ -58,6 +58,7 @@ def _library() -> ctypes.CDLL:
                     "llaisys_quant_set_math": [ctypes.c_char_p],
                     "llaisys_quant_block_size": [cint],
                     "llaisys_quant_block_bytes": [cint],
+                    "llaisys_quant_int_amx": [],
                 }
                 for name, args in signatures.items():
                     fn = getattr(lib, name)
@@ -349,6 +350,13 @@ def available_quant_maths() -> tuple[str, ...]:
     runs = tuple(name for name in ARITHMETICS if lib.llaisys_quant_set_math(name.encode()) == 0)
     lib.llaisys_quant_set_math(now.encode())
     return runs
+
+
+def int16_uses_amx() -> bool:
+    """Whether the int16 arithmetic runs 16 rows of X at a time on the AMX tiles here (the CPU has
+    amx_int8, Linux granted this process the tile state, and ``LLAISYS_AMX=0`` did not turn them
+    off); its results are the same bits either way."""
+    return bool(_library().llaisys_quant_int_amx())
 
 
 def set_quant_math(name: str) -> None:
