@@ -29,6 +29,7 @@ round beside it.
     python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2 [--rounds 5]
     python benchmarks/peers.py --engines llaisys,llama-server --threads 1,2
     python benchmarks/peers.py --model qwen2.5-1.5b-q4km --engines llaisys,llama-server --threads 1,2 --rounds 3
+    python benchmarks/peers.py --engines llaisys,llaisys-int16,llama-server     # both arithmetics
 """
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (llama-server's binary, ports, start and stop)
 import synthetic_model  # noqa: E402  (named random-weight models of downloaded sizes)
 
-ENGINES = ("llaisys", "transformers", "llama.cpp", "llama-server")
+ENGINES = ("llaisys", "llaisys-int16", "transformers", "llama.cpp", "llama-server")
+# llaisys-int16: llaisys with its int16 arithmetic for the block formats (LLAISYS_QUANT_MATH=int16)
+ENGINE_ENV = {"llaisys-int16": {"LLAISYS_QUANT_MATH": "int16"}}
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # (key, label, unit, higher is better)
 FIGURES = (("decode_tok_s", "decode", "tok/s", True), ("prefill_tok_s", "prefill", "tok/s", True),
@@ -186,9 +189,10 @@ def work_llama_server(args: argparse.Namespace) -> dict[str, Any]:
         serve.stop(proc)
 
 
-WORKERS = {"llaisys": work_llaisys, "transformers": work_transformers, "llama.cpp": work_llama_cpp,
-           "llama-server": work_llama_server}
-REQUIRES = {"llaisys": "llaisys", "transformers": "transformers", "llama.cpp": "llama_cpp"}
+WORKERS = {"llaisys": work_llaisys, "llaisys-int16": work_llaisys, "transformers": work_transformers,
+           "llama.cpp": work_llama_cpp, "llama-server": work_llama_server}
+REQUIRES = {"llaisys": "llaisys", "llaisys-int16": "llaisys", "transformers": "transformers",
+            "llama.cpp": "llama_cpp"}
 
 
 def missing(engine: str) -> str | None:
@@ -203,7 +207,7 @@ def missing(engine: str) -> str | None:
 
 def run_engine(engine: str, args: argparse.Namespace, prompt_file: str, threads: int) -> dict[str, Any] | str:
     """Figures of one engine at ``threads`` from its own subprocess, or a string saying why there are none."""
-    env = {**os.environ, **{v: str(threads) for v in THREAD_VARS}}
+    env = {**os.environ, **{v: str(threads) for v in THREAD_VARS}, **ENGINE_ENV.get(engine, {})}
     cmd = [sys.executable, __file__, "--worker", engine, "--model", str(args.model), "--prompt-file", prompt_file,
            "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
            "--threads", str(threads), "--repeats", str(args.repeats)]

@@ -377,6 +377,34 @@ def test_host_view_is_a_frozen_tensor_over_bytes_it_does_not_copy():
     assert q.raw_shape == (2, 20) and q.frozen
 
 
+def _resident_bytes() -> int:
+    """This process's resident set, from the kernel's own count (/proc/self/statm, in pages)."""
+    import mmap
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_dropping_file_pages_frees_memory_and_keeps_the_bytes(tmp_path):
+    import mmap
+
+    data = np.random.default_rng(0).integers(0, 256, 64 << 20, np.uint8)  # 64 MiB
+    path = tmp_path / "weights.bin"
+    data.tofile(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mapped, np.uint8)
+    t = Tensor.host_view(view[100:], (view.size - 100,), DataType.U8)
+    assert int(t.host_array().sum(dtype=np.int64)) == int(data[100:].sum(dtype=np.int64))  # every page touched
+    before = _resident_bytes()
+    assert t.storage.drop_file_pages(0, t.storage.nbytes)
+    assert before - _resident_bytes() > 60 << 20  # the kernel took the pages back
+    np.testing.assert_array_equal(t.host_array(), data[100:])  # read from the file again
+    anonymous = Tensor.from_numpy(data[:1 << 20])
+    assert not anonymous.storage.drop_file_pages(0, 1 << 20)  # never memory that is not a file map
+    np.testing.assert_array_equal(anonymous.numpy(), data[:1 << 20])
+
+
 def test_only_frozen_storage_keeps_a_host_copy():
     t, _ = arange((4,))
     with pytest.raises(ValueError, match="not frozen"):

@@ -21,6 +21,7 @@ import numpy as np
 from ..runtime.device import Device
 from ..runtime.dtypes import DataType
 from ..tensor import Tensor
+from ..tensor.storage import drop_file_pages
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .rope import rope_frequencies
@@ -149,6 +150,9 @@ class _Builder:
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(src.read_raw_rows(start, stop))
+        if src.mapped is not None:  # copied: the file's pages of it need not stay in this process
+            data, offset = src.mapped
+            drop_file_pages(data[offset:offset + rows * row_bytes])
         self.progress.step()
 
     def _mapped(self, names: Sequence[str], dtype: DataType | None) -> Tensor | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import numpy as np
 
@@ -48,6 +49,16 @@ class Storage:
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
             raise ValueError(f"host_view takes contiguous uint8 bytes (n,), got {buffer.dtype} {buffer.shape}")
         return cls._over(buffer, frozen=True)
+
+    def drop_file_pages(self, offset: int, nbytes: int) -> bool:
+        """Let the OS take back this process's pages of bytes [offset, offset + nbytes) where
+        this storage is a read-only memory map of a file (``host_view``): a touched byte is read
+        from the file again, so nothing changes but the memory held (the whole pages inside the
+        range only). For a weight whose bytes a kernel keeps in another form. False, doing
+        nothing, for any other memory."""
+        if self._buffer is None or offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
+            return False
+        return drop_file_pages(self._buffer[offset:offset + nbytes])
 
     @classmethod
     def _over(cls, buffer: np.ndarray, frozen: bool) -> "Storage":
@@ -114,3 +125,30 @@ class Storage:
                 self.runtime.free(self.ptr)
         except Exception:  # interpreter shutdown: the allocator may be gone
             pass
+
+
+def drop_file_pages(view: np.ndarray) -> bool:
+    """Give the OS back this process's whole pages under ``view`` (contiguous bytes) when they
+    belong to a read-only memory map of a file: touched again, they are read from the file, so
+    only the memory held changes. False, doing nothing, for any other memory (where dropping
+    pages would lose their contents)."""
+    mapping = _read_only_file_map(view)
+    if mapping is None or not view.flags.c_contiguous or view.nbytes == 0:
+        return False
+    start = view.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data  # offset in the mapping
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+    return True
+
+
+def _read_only_file_map(buffer: "np.ndarray | None") -> "mmap.mmap | None":
+    """The memory map under ``buffer`` (through NumPy views and memoryviews) when it is read-only,
+    else None. madvise(MADV_DONTNEED) only drops such pages: on anonymous memory it would zero them."""
+    obj: object = buffer
+    while isinstance(obj, (np.ndarray, memoryview)):
+        obj = obj.base if isinstance(obj, np.ndarray) else obj.obj
+    if not isinstance(obj, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    return obj if memoryview(obj).readonly else None

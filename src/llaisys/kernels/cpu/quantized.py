@@ -82,7 +82,13 @@ def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight":
             log.warning("the native kernels (llaisys._native._kernels) are not built: quantized and 16-bit "
                         "weights run on the slow NumPy path; reinstall llaisys with a C compiler on PATH")
         return PortableWeight(_FORMAT[w_t.dtype], w)
-    return native.prepare(_FORMAT[w_t.dtype], w)
+    weight = native.prepare(_FORMAT[w_t.dtype], w)
+    if weight.packed is not None and w_t.is_contiguous():
+        # the kernels read the packed copy: where the stored bytes are the file's memory map, its
+        # pages need not stay in this process (an embedding lookup of a tied head reads its rows
+        # from the file again)
+        w_t.storage.drop_file_pages(w_t.offset, w.nbytes)
+    return weight
 
 
 def _no_calls(out_t: "Tensor") -> dict:
