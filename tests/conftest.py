@@ -382,6 +382,23 @@ def plugin_libraries(out: Path, builds: dict) -> Iterator[dict[str, Path]]:
 
 
 # ---- the nvidia backend: on the GPU where there is one, else simulated on the CPU ----------
+@pytest.fixture
+def f32_quant_math():
+    """The f32 arithmetic of the block formats for one test (weights decoded to float32, float32
+    multiply-adds; the int16 arithmetic is the default where the CPU has the units), the one in
+    use before restored. For tests of the float kernels themselves and of paths that must agree
+    with a float32 NumPy computation bit for bit."""
+    from llaisys.kernels.quant import native
+
+    if not native.available():
+        yield
+        return
+    before = native.quant_math()
+    native.set_quant_math("f32")
+    yield
+    native.set_quant_math(before)
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU with CUDA (skipped elsewhere, saying why)")
     # Triton reads TRITON_INTERPRET once, when first imported (transformers imports it when it builds

@@ -1,4 +1,6 @@
-"""Quantized linear kernels (llaisys.kernels.quant) against the gguf package and PyTorch.
+"""Quantized linear kernels (llaisys.kernels.quant) against the gguf package and PyTorch, in
+the f32 arithmetic (pinned here; the int16 arithmetic, the default where the CPU has the
+integer units, is tested in test_quant_int16.py).
 
 - formats: ids, names and block geometry agree with gguf's table and with the C library;
 - reference.dequantize (NumPy) is bit-exact with gguf.quants.dequantize;
@@ -38,6 +40,8 @@ N_ODD = 37  # 2 full tiles of 16 rows (3 of 8 for AVX2) and a partial one
 # blocks), two super-blocks for the K-quants, an odd length for the plain float formats.
 K_OF = {"F32": 77, "F16": 77, "BF16": 77, "Q4_K": 512, "Q5_K": 512, "Q6_K": 512}
 K_DEFAULT = 608
+
+pytestmark = pytest.mark.usefixtures("f32_quant_math")  # the float kernels (int16: test_quant_int16.py)
 RTOL_ABS = 1e-5  # of sum |x_k * w_k|, see the module docstring
 
 NOT_BUILT = "llaisys._native._kernels was not built: pip install -e . needs a C compiler"
@@ -406,7 +410,7 @@ def test_float_weights_in_their_own_dtype(weights):
 def test_simd_env_variable_forces_a_level():
     code = "from llaisys.kernels.quant import native; print(native.simd_level())"
     for want in ("scalar", "nonsense"):
-        env = dict(os.environ, LLAISYS_SIMD=want)
+        env = dict(os.environ, LLAISYS_SIMD=want, LLAISYS_QUANT_MATH="f32")
         got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         assert got.strip() == (want if want == "scalar" else native.available_simd_levels()[-1])
 

@@ -293,18 +293,18 @@ LQ_EXPORT int llaisys_moe_mlp(const lm_moe_args *a) {
     for (int64_t grp = 0; grp < groups && status == LM_OK; grp++) {
         const int64_t m = rows[grp], ex = expert[grp], *gs = slots + first[grp];
         float *gy = together ? y + first[grp] * ldd : y;
-        if (!together) { /* one group at a time through llaisys_quant_linear */
+        if (!together) { /* one group at a time through the f32 linear */
             for (int64_t r = 0; r < m; r++) memcpy(x + r * ldd, a->h + gs[r] / k * a->ldh, (size_t)d * sizeof(float));
             const uint8_t *gw = (const uint8_t *)a->gate + ex * inter * rb[0];
             const uint8_t *uw = (const uint8_t *)a->up + ex * inter * rb[1];
             const uint8_t *dw = (const uint8_t *)a->down + ex * d * rb[2];
-            status = llaisys_quant_linear((int)types[0], gw, inter, d, x, ldd, m, g, ldi, NULL, NULL);
+            status = lq_linear_f32((int)types[0], gw, inter, d, x, ldd, m, g, ldi, NULL);
             if (status == LM_OK)
-                status = llaisys_quant_linear((int)types[1], uw, inter, d, x, ldd, m, u, ldi, NULL, NULL);
+                status = lq_linear_f32((int)types[1], uw, inter, d, x, ldd, m, u, ldi, NULL);
             if (status != LM_OK) break;
             const lo_swiglu_args sa = {act, ldi, g, ldi, u, ldi, m, inter};
             if ((status = a->swiglu(&sa)) != LM_OK) break;
-            if ((status = llaisys_quant_linear((int)types[2], dw, d, inter, act, ldi, m, y, ldd, NULL, NULL)) != LM_OK) break;
+            if ((status = lq_linear_f32((int)types[2], dw, d, inter, act, ldi, m, y, ldd, NULL)) != LM_OK) break;
         }
         for (int64_t r = 0; r < m; r++) { /* each token adds its experts in ascending order */
             float *dst = total + gs[r] / k * d;

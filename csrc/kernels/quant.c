@@ -470,8 +470,21 @@ static float *take_floats(float *local, size_t *used, size_t n, float **heap) {
  * apart, Y rows ldy floats apart; W is n rows of encoded bytes, back to back. `packed`: W as
  * llaisys_quant_int_pack wrote it (read by the int16 arithmetic instead of W; same results),
  * or NULL. */
+static int quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
+                        float *y, int64_t ldy, const float *bias, const void *packed, int arith);
+
 LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx,
                                    int64_t m, float *y, int64_t ldy, const float *bias, const void *packed) {
+    return quant_linear(type, w, n, k, x, ldx, m, y, ldy, bias, packed, arithmetic());
+}
+
+int lq_linear_f32(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m, float *y,
+                  int64_t ldy, const float *bias) {
+    return quant_linear(type, w, n, k, x, ldx, m, y, ldy, bias, NULL, ARITH_F32);
+}
+
+static int quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
+                        float *y, int64_t ldy, const float *bias, const void *packed, int arith) {
     const format_t *f = find_format(type);
     if (!f) return LQ_ERR_TYPE;
     if (k <= 0 || n < 0 || m < 0 || k % f->block_elems || (m > 1 && ldx < k) || (m > 1 && ldy < n))
@@ -497,7 +510,7 @@ LQ_EXPORT int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k
         j.ldx = ldx_a;
     }
     int status = LQ_OK;
-    if (arithmetic() == ARITH_INT16 && lq_int_supports(f->index)) {
+    if (arith == ARITH_INT16 && lq_int_supports(f->index)) {
         status = linear_int(&j, threads);
     } else if (m == 1 && j.kern->dot[f->index]) {
         const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;

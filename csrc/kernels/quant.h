@@ -265,6 +265,10 @@ int llaisys_quant_block_size(int type);
 int llaisys_quant_block_bytes(int type);
 int llaisys_quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
                          float *y, int64_t ldy, const float *bias, const void *packed);
+/* llaisys_quant_linear in the f32 arithmetic whatever is in use (the MoE kernels' groups, which
+ * must agree with their other paths and with NumPy bit for bit). */
+int lq_linear_f32(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m, float *y,
+                  int64_t ldy, const float *bias);
 const char *llaisys_quant_simd_level(void);
 
 #endif
