@@ -640,9 +640,11 @@ def test_graceful_shutdown(smollm2_model):
         body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         results[name] = sse_events(f"{base}/v1/completions", body)
 
-    workers = [threading.Thread(target=stream, args=("short", 8)), threading.Thread(target=stream, args=("long", 4000))]
-    for w in workers:
-        w.start()
+    # the long request first, so the short one cannot finish before both are seen running
+    workers = [threading.Thread(target=stream, args=("long", 4000)), threading.Thread(target=stream, args=("short", 32))]
+    workers[0].start()
+    wait_for(lambda: metric(base, "vllm:num_requests_running") == 1, what="the long request to run")
+    workers[1].start()
     wait_for(lambda: metric(base, "vllm:num_requests_running") == 2, what="both requests to run")
     server.handle_exit(signal.SIGTERM, None)
     for w in workers:
