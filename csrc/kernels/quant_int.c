@@ -290,9 +290,10 @@ BLOCK_ROWS(4, KIND_Q6)
 
 #define MR 4 /* rows of X per pass over a group's blocks: their 16-output accumulators in registers */
 
-#define GROUP_ROWS(KIND)                                                                                     \
-    VNNI static void group_rows_##KIND(const w16_block *wg, int offset, const lq_xblock *x, size_t nb, size_t m, \
-                                       size_t rows, float *y, size_t ldy, const float *bias) {                 \
+/* The rows of X through a group's blocks, MR at a time and then one by one, into y (masked to
+ * `rows` columns, plus the bias): LOAD, an expression of bi and w, puts block bi's codes in w[8]
+ * and gives its w16_scales. */
+#define ROWS_THROUGH_BLOCKS(KIND, OFFSET, LOAD)                                                               \
         const __mmask16 keep = (__mmask16)((1u << rows) - 1);                                                 \
         const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();                     \
         size_t m0 = 0;                                                                                        \
@@ -301,8 +302,8 @@ BLOCK_ROWS(4, KIND_Q6)
             for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                       \
             for (size_t bi = 0; bi < nb; bi++) {                                                              \
                 __m512i w[8];                                                                                 \
-                const w16_scales ws = load_block(wg + bi, w);                                                 \
-                block_rows_4_##KIND(w, &ws, offset, x + m0 * nb + bi, nb, acc);                               \
+                const w16_scales ws = LOAD;                                                                   \
+                block_rows_4_##KIND(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
             }                                                                                                 \
             for (int r = 0; r < MR; r++)                                                                      \
                 _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]); \
@@ -311,11 +312,16 @@ BLOCK_ROWS(4, KIND_Q6)
             __m512 acc[1] = {_mm512_setzero_ps()};                                                            \
             for (size_t bi = 0; bi < nb; bi++) {                                                              \
                 __m512i w[8];                                                                                 \
-                const w16_scales ws = load_block(wg + bi, w);                                                 \
-                block_rows_1_##KIND(w, &ws, offset, x + m0 * nb + bi, nb, acc);                               \
+                const w16_scales ws = LOAD;                                                                   \
+                block_rows_1_##KIND(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
             }                                                                                                 \
             _mm512_mask_storeu_ps(y + m0 * ldy, keep, bias ? _mm512_add_ps(acc[0], b) : acc[0]);             \
-        }                                                                                                     \
+        }
+
+#define GROUP_ROWS(KIND)                                                                                     \
+    VNNI static void group_rows_##KIND(const w16_block *wg, int offset, const lq_xblock *x, size_t nb, size_t m, \
+                                       size_t rows, float *y, size_t ldy, const float *bias) {                 \
+        ROWS_THROUGH_BLOCKS(KIND, offset, load_block(wg + bi, w))                                             \
     }
 
 GROUP_ROWS(KIND_OFFSET)
@@ -448,31 +454,9 @@ VNNI_INLINE w16_scales packed_block(const int index, const uint8_t *head, const 
             group_rows(scratch, (int_format){KIND, OFFSET}, x, nb, m, rows, y, ldy, bias);                    \
             return;                                                                                           \
         }                                                                                                     \
-        const __mmask16 keep = (__mmask16)((1u << rows) - 1);                                                 \
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();                     \
-        size_t m0 = 0;                                                                                        \
-        for (; m0 + MR <= m; m0 += MR) {                                                                      \
-            __m512 acc[MR];                                                                                   \
-            for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                       \
-            for (size_t bi = 0; bi < nb; bi++) {                                                              \
-                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
-                __m512i w[8];                                                                                 \
-                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
-                block_rows_4_##KIND(w, &s, OFFSET, x + m0 * nb + bi, nb, acc);                                \
-            }                                                                                                 \
-            for (int r = 0; r < MR; r++)                                                                      \
-                _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]); \
-        }                                                                                                     \
-        for (; m0 < m; m0++) {                                                                                \
-            __m512 acc[1] = {_mm512_setzero_ps()};                                                            \
-            for (size_t bi = 0; bi < nb; bi++) {                                                              \
-                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
-                __m512i w[8];                                                                                 \
-                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
-                block_rows_1_##KIND(w, &s, OFFSET, x + m0 * nb + bi, nb, acc);                                \
-            }                                                                                                 \
-            _mm512_mask_storeu_ps(y + m0 * ldy, keep, bias ? _mm512_add_ps(acc[0], b) : acc[0]);             \
-        }                                                                                                     \
+        ROWS_THROUGH_BLOCKS(KIND, OFFSET, packed_block(INDEX, g + bi / L.unit_blocks * unit,                  \
+                                                       g + bi / L.unit_blocks * unit + L.head_bytes +         \
+                                                       bi % L.unit_blocks * L.block_bytes, w))                \
     }
 
 PACKED_GROUP(IX_Q4_0, KIND_OFFSET, 8)
