@@ -188,7 +188,7 @@ def test_linear(nvidia_device, rng, dtype):
 
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
-def test_linear_and_embedding_on_quantized_weights(nvidia_device, rng, dtype, name):
+def test_linear_and_embedding_on_quantized_weights(nvidia_device, rng, dtype, name, f32_quant_math):
     raw = quantized(name, 12, 64, rng)
     w_c = Tensor.from_raw(raw, DataType[name]).freeze()
     w_n = Tensor.from_raw(raw, DataType[name], nvidia_device).freeze()
@@ -211,7 +211,7 @@ def test_linear_and_embedding_on_quantized_weights(nvidia_device, rng, dtype, na
 
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-def test_quantized_gemm_on_the_stored_blocks(nvidia_device, rng, monkeypatch, dtype, name):
+def test_quantized_gemm_on_the_stored_blocks(nvidia_device, rng, monkeypatch, dtype, name, f32_quant_math):
     monkeypatch.setenv("LLAISYS_NVIDIA_QUANT_GEMM", "1")
     raw = quantized(name, 70, 64, rng)  # N = 70: a partial column tile
     w_c = Tensor.from_raw(raw, DataType[name]).freeze()

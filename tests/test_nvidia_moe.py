@@ -129,9 +129,10 @@ def test_bf16_within_tolerance_of_the_reference(nvidia_device, nv_moe, n, e, top
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "BF16"])
-def test_f32_activations_with_quantized_or_half_experts(nvidia_device, nv_moe, kind):
+def test_f32_activations_with_quantized_or_half_experts(nvidia_device, nv_moe, kind, f32_quant_math):
     """The weights a GGUF (block formats) or a BF16 folder loaded in F32 gives: dequantized once
-    on the device, then the F32 kernel; against the CPU kernels on the same stored weights."""
+    on the device, then the F32 kernel; against the CPU kernels on the same stored weights (in
+    the f32 arithmetic, which the device's dequantized weights follow)."""
     import gguf
 
     rng = np.random.default_rng(9)

@@ -19,7 +19,7 @@ import torch
 
 import gguf
 
-from conftest import TOLERANCE, hf_to_gguf_tensors, random_hf_model, write_gguf
+from conftest import TOLERANCE, hf_to_gguf_tensors, logits_atol, random_hf_model, write_gguf
 
 from llaisys import DataType, Tensor, ops
 from llaisys.models import load_model
@@ -331,7 +331,7 @@ def test_small_gguf_with_several_block_formats_matches_transformers(mixed_llama)
     ids = np.random.default_rng(13).integers(0, 256, 12).tolist()
     want = _hf_logits(mixed_llama, ids)
     got = model.forward(ids, model.new_cache(16), all_logits=True)
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max() + 1e-4, rtol=0)
+    np.testing.assert_allclose(got, want, atol=logits_atol(want, 1e-5 * np.abs(want).max() + 1e-4), rtol=0)
 
 
 def test_tied_quantized_embedding_serves_as_the_head(tmp_path):
@@ -346,7 +346,7 @@ def test_tied_quantized_embedding_serves_as_the_head(tmp_path):
     ids = [5, 17, 250, 3, 99, 42]
     want = _hf_logits(path, ids)
     got = model.forward(ids, model.new_cache(8), all_logits=True)
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max() + 1e-4, rtol=0)
+    np.testing.assert_allclose(got, want, atol=logits_atol(want, 1e-5 * np.abs(want).max() + 1e-4), rtol=0)
 
 
 def test_bf16_model_keeps_quantized_matrices(mixed_llama):

@@ -27,7 +27,7 @@ from llaisys.models.weights import WeightSource
 from llaisys.parallel.launch import STOP_GRACE_S, find_mpiexec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import random_hf_model  # noqa: E402
+from conftest import logits_atol, random_hf_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS_SCRIPT = Path(__file__).parent / "tp_ranks.py"
@@ -52,7 +52,9 @@ def split_and_compare(model: str, ranks: int, tmp_path: Path, *extra: str) -> No
     np.testing.assert_array_equal(split["loop"], one["loop"])
     np.testing.assert_array_equal(split["engine"], one["engine"])
     scale = max(1.0, float(np.abs(one["logits"]).max()))
-    np.testing.assert_allclose(split["logits"], one["logits"], rtol=0, atol=1e-5 * scale)
+    # in the int16 arithmetic a rank's partial sums, rounded differently, can move an activation
+    # across a rounding step of the next layer: then within that arithmetic's logits tolerance
+    np.testing.assert_allclose(split["logits"], one["logits"], rtol=0, atol=logits_atol(one["logits"], 1e-5 * scale))
 
 
 # ---- what each rank reads --------------------------------------------------------------------
