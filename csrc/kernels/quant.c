@@ -483,6 +483,13 @@ int lq_linear_f32(int type, const void *w, int64_t n, int64_t k, const float *x,
     return quant_linear(type, w, n, k, x, ldx, m, y, ldy, bias, NULL, ARITH_F32);
 }
 
+/* llaisys_quant_linear in the f32 arithmetic whichever is in use (what the MoE kernels' NumPy
+ * form calls, as their C form does). */
+LQ_EXPORT int llaisys_quant_linear_f32(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx,
+                                       int64_t m, float *y, int64_t ldy, const float *bias) {
+    return lq_linear_f32(type, w, n, k, x, ldx, m, y, ldy, bias);
+}
+
 static int quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
                         float *y, int64_t ldy, const float *bias, const void *packed, int arith) {
     const format_t *f = find_format(type);

@@ -86,10 +86,21 @@ def _experts(w: Tensor, experts: int) -> list[Tensor]:
 
 
 def _linear(weight_dtype: DataType) -> "Kernel":
-    """The CPU linear kernel for float32 activations and weights of ``weight_dtype``."""
+    """The CPU linear for float32 activations and weights of ``weight_dtype``: for block-format
+    and F16/BF16 weights the native kernels in the f32 arithmetic (the experts' arithmetic in
+    both forms of this kernel, whichever the dense layers use), else the registered kernel."""
+    if weight_dtype in _NATIVE_WEIGHTS and weight_dtype is not DataType.F32 and native.available():
+        return _f32_native_linear
     kernel = find_kernel("linear", "cpu", DataType.F32, weight_dtype=weight_dtype)
     assert kernel is not None, f"no CPU linear kernel for F32 activations with {weight_dtype.name} weights"
     return kernel
+
+
+def _f32_native_linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (M, N) = x (M, K) @ w (N, K)^T for the NumPy form's buffers (contiguous, no bias)."""
+    x_t, w_t, _ = inputs
+    weight = native.QuantWeight(_NATIVE_WEIGHTS[w_t.dtype], np.ascontiguousarray(w_t.host_array()), pack=False)
+    weight.linear_f32(x_t.host_array(), None, outputs[0].host_array())
 
 
 # ---- the native form ---------------------------------------------------------------------
@@ -127,7 +138,7 @@ def _library() -> "ctypes.CDLL | bool":
 def _native_weight(w_t: Tensor) -> "native.QuantWeight":
     """The stacked expert matrix checked once for the native kernels (a copy only where the
     tensor is not C-contiguous, kept with it)."""
-    return native.prepare(_NATIVE_WEIGHTS[w_t.dtype], np.ascontiguousarray(w_t.host_array()))
+    return native.QuantWeight(_NATIVE_WEIGHTS[w_t.dtype], np.ascontiguousarray(w_t.host_array()), pack=False)
 
 
 def _row_stride(t: Tensor) -> int | None:

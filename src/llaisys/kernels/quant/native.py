@@ -51,6 +51,7 @@ def _library() -> ctypes.CDLL:
                     "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr],
                     "llaisys_quant_int_pack": [cint, ptr, i64, i64, ptr],
                     "llaisys_quant_linear_call": [ptr],
+                    "llaisys_quant_linear_f32": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr],
                     "llaisys_quant_set_threads": [cint],
                     "llaisys_quant_threads": [],
                     "llaisys_quant_simd_available": [],
@@ -181,6 +182,14 @@ class QuantWeight:
         out = self._checked(x, bias, out)
         if x.shape[0] and self.n:
             _check(_library().llaisys_quant_linear(*self._arguments(x, bias, out)), "linear")
+        return out
+
+    def linear_f32(self, x: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """``linear`` in the f32 arithmetic whichever one is in use (the mixture-of-experts
+        kernels compute their experts in it, in their C and NumPy forms alike). Returns out."""
+        out = self._checked(x, bias, out)
+        if x.shape[0] and self.n:
+            _check(_library().llaisys_quant_linear_f32(*self._arguments(x, bias, out)[:-1]), "linear_f32")
         return out
 
     def _checked(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
