@@ -309,7 +309,7 @@ def test_kernel_under_a_layout_never_asked_for_is_refused(tmp_path, layout, refu
     unload_plugin(plugin.name)
 
 
-def test_native_fallback_equals_the_python_fallback(minimal):
+def test_native_fallback_equals_the_python_fallback(minimal, f32_quant_math):
     """On a device without kernels a recorded plan runs the CPU fallback from C (the plugin's
     copies around the CPU kernel's native call): the bundled model's decode step is one
     stretch, and its logits are those of the Python fallback bit for bit (and the CPU's, which

@@ -121,7 +121,7 @@ def test_plugin_that_memsets_its_table_loads_and_runs(libs, caplog):
     unload_plugin(plugin.name)
 
 
-def test_paddle_plugin_keeps_the_cpu_greedy_text(libs):
+def test_paddle_plugin_keeps_the_cpu_greedy_text(libs, f32_quant_math):
     """The bundled model on a PaddlePaddle-style plugin (no kernels: every op on the CPU
     fallback, replayed from C between the plugin's copies) decodes the CPU's greedy tokens,
     its logits equal to float32 rounding (a device without paged kernels attends with the

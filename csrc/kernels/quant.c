@@ -265,8 +265,8 @@ static const lq_kernels *level_kernels(int level) {
 static _Atomic(const lq_kernels *) active; /* NULL until first use */
 
 /* The arithmetic of the block formats: ARITH_F32 (the level's float kernels) or ARITH_INT16
- * (quant_int.c, where this CPU has the units), chosen at first use: LLAISYS_QUANT_MATH when it
- * names one that runs here, else f32. */
+ * (quant_int.c, where this CPU has the units), chosen at first use: int16 where it runs, unless
+ * LLAISYS_QUANT_MATH=f32 asks for the float kernels. */
 enum { ARITH_UNSET = -1, ARITH_F32 = 0, ARITH_INT16 = 1 };
 static const char *const ARITH_NAMES[] = {"f32", "int16"};
 static atomic_int arith = ARITH_UNSET;
@@ -275,8 +275,7 @@ static int arithmetic(void) {
     int a = atomic_load_explicit(&arith, memory_order_acquire);
     if (a == ARITH_UNSET) {
         const char *want = getenv("LLAISYS_QUANT_MATH");
-        a = ARITH_F32;
-        if (want && strcmp(want, "int16") == 0 && lq_int_available()) a = ARITH_INT16;
+        a = lq_int_available() && !(want && strcmp(want, "f32") == 0) ? ARITH_INT16 : ARITH_F32;
         atomic_store_explicit(&arith, a, memory_order_release);
     }
     return a;

@@ -1,5 +1,10 @@
 """NumPy front end of the native quantized kernels (``csrc/kernels``, loaded with ctypes).
 
+The block formats run in one of two arithmetics (``quant_math``): int16 where the CPU has
+AVX512-VNNI (activations as 16-bit integers per 32-element block on the integer dot-product
+units, the weights repacked once at load; ``reference_int16``), else f32. What follows is the
+f32 arithmetic, which F16/BF16 weights always use.
+
 ``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
 float32 (the weights are never widened in memory, the activations never quantized), for any
 number of rows M: M = 1 decodes the weights in registers (so do a few rows, M <= 4 at the
@@ -348,8 +353,8 @@ ARITHMETICS = ("f32", "int16")
 def quant_math() -> str:
     """The arithmetic of the block formats now: "f32" (weights decoded to float32, float32
     multiply-adds) or "int16" (activations as 16-bit integers per 32-element block on the integer
-    dot-product units; reference_int16.py). ``LLAISYS_QUANT_MATH`` picks it at start (f32 by
-    default)."""
+    dot-product units; reference_int16.py): int16 where the CPU has AVX512-VNNI, else f32;
+    ``LLAISYS_QUANT_MATH=f32`` keeps the float kernels."""
     return _library().llaisys_quant_math().decode()
 
 
