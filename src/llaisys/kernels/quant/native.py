@@ -287,7 +287,7 @@ def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
 def dequantize(qtype: int | str, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Weights (N, row_bytes) uint8 in format ``qtype`` -> float32 (N, K), bit-exact with
     ``reference.dequantize``; ``out`` (N, K) float32 C-contiguous receives it if given."""
-    return QuantWeight(qtype, raw).dequantize(out)
+    return QuantWeight(qtype, raw, pack=False).dequantize(out)  # once: a packed copy would go unread
 
 
 def linear(x: np.ndarray, qtype: int | str, raw: np.ndarray, bias: np.ndarray | None = None,
@@ -299,7 +299,7 @@ def linear(x: np.ndarray, qtype: int | str, raw: np.ndarray, bias: np.ndarray | 
     own dtype). bias: float32 (N,) or None. out: float32 (M, N) with contiguous rows, not
     overlapping x; a new array if None. Returns out. Repeated calls on one weight: ``prepare``.
     """
-    return QuantWeight(qtype, raw).linear(x, bias, out)
+    return QuantWeight(qtype, raw, pack=False).linear(x, bias, out)  # once: packing costs more than it saves
 
 
 def set_threads(n: int) -> int:
