@@ -414,7 +414,8 @@ static int linear_int(linear_job *j, int threads) {
     const size_t nb = j->k / QK, x_bytes = (j->m * nb * sizeof(lq_xblock) + 63) / 64 * 64;
     int_job ij = {.job = j, .scratch_bytes = (lq_int_scratch_bytes(j->k) + 63) / 64 * 64};
     const int slots = j->m == 1 && j->n * j->row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
-    j->rows_per_chunk = chunk_rows(j->n, j->k * j->m, 16, (size_t)slots);
+    /* whole groups of 16 rows; for a batch, whole pairs of groups (lq_int_rows_packed) */
+    j->rows_per_chunk = chunk_rows(j->n, j->k * j->m, j->m > 8 ? 32 : 16, (size_t)slots);
     const size_t n_chunks = (j->n + j->rows_per_chunk - 1) / j->rows_per_chunk;
     const int used = n_chunks < (size_t)slots ? (int)n_chunks : slots;
     void *mem = NULL;

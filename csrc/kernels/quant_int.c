@@ -341,7 +341,7 @@ static void group_rows(const w16_block *wg, int_format f, const lq_xblock *x, si
         group_rows_KIND_OFFSET(wg, f.offset, x, nb, m, rows, y, ldy, bias);
 }
 
-size_t lq_int_scratch_bytes(size_t k) { return (k / QK) * sizeof(w16_block); }
+size_t lq_int_scratch_bytes(size_t k) { return 2 * (k / QK) * sizeof(w16_block); } /* two groups */
 
 void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
                  size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
@@ -433,27 +433,27 @@ VNNI_INLINE w16_scales packed_block(const int index, const uint8_t *head, const 
 
 #define PACKED_FUSED_M 8 /* up to this many rows of X, blocks are unpacked in registers for each 4 rows */
 
-/* y = a group of 16 rows of W (packed) . the m rows of X, for format INDEX: the blocks unpacked
- * in registers and met by 4 rows of X at a time; above PACKED_FUSED_M rows, unpacked once into
- * the scratch and run as group_rows does. Either way block_rows's arithmetic. */
+/* A group of 16 rows of W (packed) unpacked into `out` (nb blocks) for format INDEX; and y =
+ * the group . the m rows of X with the blocks unpacked in registers for each 4 rows (m small). */
 #define PACKED_GROUP(INDEX, KIND, OFFSET)                                                                    \
-    VNNI static void packed_group_##INDEX(const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, \
-                                          float *y, size_t ldy, const float *bias, w16_block *scratch) {      \
+    VNNI static int_format packed_unpack_##INDEX(const uint8_t *g, size_t nb, w16_block *out) {               \
         const pk_layout L = layout_of(INDEX);                                                                 \
         const size_t unit = L.head_bytes + L.unit_blocks * L.block_bytes;                                     \
-        if (m > PACKED_FUSED_M) {                                                                             \
-            for (size_t bi = 0; bi < nb; bi++) {                                                              \
-                const uint8_t *head = g + bi / L.unit_blocks * unit;                                          \
-                __m512i w[8];                                                                                 \
-                const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
-                for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)scratch[bi].codes[j], w[j]);          \
-                _mm512_storeu_ps(scratch[bi].scale, s.scale);                                                 \
-                _mm512_storeu_ps(scratch[bi].scale2, s.scale2);                                               \
-                _mm512_storeu_ps(scratch[bi].min, s.min);                                                     \
-            }                                                                                                 \
-            group_rows(scratch, (int_format){KIND, OFFSET}, x, nb, m, rows, y, ldy, bias);                    \
-            return;                                                                                           \
+        for (size_t bi = 0; bi < nb; bi++) {                                                                  \
+            const uint8_t *head = g + bi / L.unit_blocks * unit;                                              \
+            __m512i w[8];                                                                                     \
+            const w16_scales s = packed_block(INDEX, head, head + L.head_bytes + bi % L.unit_blocks * L.block_bytes, w); \
+            for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)out[bi].codes[j], w[j]);                  \
+            _mm512_storeu_ps(out[bi].scale, s.scale);                                                         \
+            _mm512_storeu_ps(out[bi].scale2, s.scale2);                                                       \
+            _mm512_storeu_ps(out[bi].min, s.min);                                                             \
         }                                                                                                     \
+        return (int_format){KIND, OFFSET};                                                                    \
+    }                                                                                                         \
+    VNNI static void packed_fused_##INDEX(const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, \
+                                          float *y, size_t ldy, const float *bias) {                          \
+        const pk_layout L = layout_of(INDEX);                                                                 \
+        const size_t unit = L.head_bytes + L.unit_blocks * L.block_bytes;                                     \
         ROWS_THROUGH_BLOCKS(KIND, OFFSET, packed_block(INDEX, g + bi / L.unit_blocks * unit,                  \
                                                        g + bi / L.unit_blocks * unit + L.head_bytes +         \
                                                        bi % L.unit_blocks * L.block_bytes, w))                \
@@ -468,6 +468,133 @@ PACKED_GROUP(IX_Q4_K, KIND_MIN, 0)
 PACKED_GROUP(IX_Q5_K, KIND_MIN, 0)
 PACKED_GROUP(IX_Q6_K, KIND_Q6, 32)
 
+static int_format packed_unpack(int index, const uint8_t *g, size_t nb, w16_block *out) {
+    switch (index) {
+    case IX_Q4_0: return packed_unpack_IX_Q4_0(g, nb, out);
+    case IX_Q4_1: return packed_unpack_IX_Q4_1(g, nb, out);
+    case IX_Q5_0: return packed_unpack_IX_Q5_0(g, nb, out);
+    case IX_Q5_1: return packed_unpack_IX_Q5_1(g, nb, out);
+    case IX_Q8_0: return packed_unpack_IX_Q8_0(g, nb, out);
+    case IX_Q4_K: return packed_unpack_IX_Q4_K(g, nb, out);
+    case IX_Q5_K: return packed_unpack_IX_Q5_K(g, nb, out);
+    default: return packed_unpack_IX_Q6_K(g, nb, out);
+    }
+}
+
+static void packed_fused(int index, const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, float *y,
+                         size_t ldy, const float *bias) {
+    switch (index) {
+    case IX_Q4_0: packed_fused_IX_Q4_0(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q4_1: packed_fused_IX_Q4_1(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q5_0: packed_fused_IX_Q5_0(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q5_1: packed_fused_IX_Q5_1(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q8_0: packed_fused_IX_Q8_0(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q4_K: packed_fused_IX_Q4_K(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q5_K: packed_fused_IX_Q5_K(g, x, nb, m, rows, y, ldy, bias); break;
+    default: packed_fused_IX_Q6_K(g, x, nb, m, rows, y, ldy, bias); break;
+    }
+}
+
+/* ---- two groups at a time: a batch of rows of X ---------------------------------------------- */
+
+#define MR_P 4 /* rows of X per pass over a pair of groups */
+
+/* The exact integer sums of dwords j0 .. j1 - 1 of one block, for MR_P rows of X (nb blocks
+ * apart from x) against two groups of W: each broadcast of X feeds both groups, so a pair
+ * loads half as many activations per dot product as one group does. */
+VNNI_INLINE void pair_sums(const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb, int j0, int j1,
+                           __m512i sa[MR_P], __m512i sb[MR_P]) {
+    __m512i ha[MR_P], la[MR_P], hb[MR_P], lb[MR_P];
+    for (int r = 0; r < MR_P; r++) ha[r] = la[r] = hb[r] = lb[r] = _mm512_setzero_si512();
+    _Pragma("GCC unroll 8") for (int j = j0; j < j1; j++) {
+        const __m512i a = _mm512_loadu_si512((const void *)wa->codes[j]);
+        const __m512i b = _mm512_loadu_si512((const void *)wb->codes[j]);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR_P; r++) {
+            const lq_xblock *xr = x + (size_t)r * nb;
+            const __m512i xh = _mm512_set1_epi32(((const dword *)xr->hi)[j]);
+            const __m512i xl = _mm512_set1_epi32(((const dword *)xr->lo)[j]);
+            ha[r] = _mm512_dpbusd_epi32(ha[r], a, xh);
+            hb[r] = _mm512_dpbusd_epi32(hb[r], b, xh);
+            la[r] = _mm512_dpbusd_epi32(la[r], a, xl);
+            lb[r] = _mm512_dpbusd_epi32(lb[r], b, xl);
+        }
+    }
+    for (int r = 0; r < MR_P; r++) {
+        sa[r] = _mm512_add_epi32(_mm512_slli_epi32(ha[r], 8), la[r]);
+        sb[r] = _mm512_add_epi32(_mm512_slli_epi32(hb[r], 8), lb[r]);
+    }
+}
+
+/* acc += (float)(i - correction) * (scale * s): one term of step 3 for one row of X. */
+VNNI_INLINE __m512 add_term(__m512 acc, __m512i i, int correction, const float *scale, float s) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(i, _mm512_set1_epi32(correction)));
+    return _mm512_add_ps(acc, _mm512_mul_ps(f, _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(s))));
+}
+
+/* One block of two groups for MR_P rows of X, in block_rows's arithmetic. */
+VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *wa, const w16_block *wb,
+                            const lq_xblock *x, size_t nb, __m512 acc_a[MR_P], __m512 acc_b[MR_P]) {
+    __m512i sa[MR_P], sb[MR_P];
+    pair_sums(wa, wb, x, nb, 0, kind == KIND_Q6 ? 4 : 8, sa, sb);
+    for (int r = 0; r < MR_P; r++) {
+        const lq_xblock *xr = x + (size_t)r * nb;
+        const int c = kind == KIND_Q6 ? 32 * xr->sum_lo : kind == KIND_OFFSET ? offset * xr->sum : 0;
+        acc_a[r] = add_term(acc_a[r], sa[r], c, wa->scale, xr->s);
+        acc_b[r] = add_term(acc_b[r], sb[r], c, wb->scale, xr->s);
+        if (kind == KIND_MIN) {
+            const __m512 ss = _mm512_set1_ps(xr->s_sum);
+            acc_a[r] = _mm512_add_ps(acc_a[r], _mm512_mul_ps(_mm512_loadu_ps(wa->min), ss));
+            acc_b[r] = _mm512_add_ps(acc_b[r], _mm512_mul_ps(_mm512_loadu_ps(wb->min), ss));
+        }
+    }
+    if (kind != KIND_Q6) return;
+    pair_sums(wa, wb, x, nb, 4, 8, sa, sb);
+    for (int r = 0; r < MR_P; r++) {
+        const lq_xblock *xr = x + (size_t)r * nb;
+        const int c = 32 * (xr->sum - xr->sum_lo);
+        acc_a[r] = add_term(acc_a[r], sa[r], c, wa->scale2, xr->s);
+        acc_b[r] = add_term(acc_b[r], sb[r], c, wb->scale2, xr->s);
+    }
+}
+
+/* y = two groups of W (wa: 16 rows, wb: rows_b rows; nb blocks each, unpacked) . the m rows of X,
+ * plus the bias: MR_P rows of X at a time, the rest through group_rows's one-row kernel. */
+#define PAIR_ROWS(KIND)                                                                                      \
+    VNNI static void pair_rows_##KIND(const w16_block *wa, const w16_block *wb, int offset, const lq_xblock *x,  \
+                                      size_t nb, size_t m, size_t rows_b, float *y, size_t ldy, const float *bias) { \
+        const __mmask16 keep_b = (__mmask16)((1u << rows_b) - 1);                                             \
+        const __m512 bias_a = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                             \
+        const __m512 bias_b = bias ? _mm512_maskz_loadu_ps(keep_b, bias + 16) : _mm512_setzero_ps();          \
+        size_t m0 = 0;                                                                                        \
+        for (; m0 + MR_P <= m; m0 += MR_P) {                                                                  \
+            __m512 acc_a[MR_P], acc_b[MR_P];                                                                  \
+            for (int r = 0; r < MR_P; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();                        \
+            for (size_t bi = 0; bi < nb; bi++) pair_block(KIND, offset, wa + bi, wb + bi, x + m0 * nb + bi, nb, acc_a, acc_b); \
+            for (int r = 0; r < MR_P; r++) {                                                                  \
+                float *yr = y + (m0 + (size_t)r) * ldy;                                                       \
+                _mm512_storeu_ps(yr, bias ? _mm512_add_ps(acc_a[r], bias_a) : acc_a[r]);                      \
+                _mm512_mask_storeu_ps(yr + 16, keep_b, bias ? _mm512_add_ps(acc_b[r], bias_b) : acc_b[r]);    \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (m0 == m) return;                                                                                  \
+        group_rows_##KIND(wa, offset, x + m0 * nb, nb, m - m0, 16, y + m0 * ldy, ldy, bias);                  \
+        group_rows_##KIND(wb, offset, x + m0 * nb, nb, m - m0, rows_b, y + m0 * ldy + 16, ldy, bias ? bias + 16 : NULL); \
+    }
+
+PAIR_ROWS(KIND_OFFSET)
+PAIR_ROWS(KIND_MIN)
+PAIR_ROWS(KIND_Q6)
+
+static void pair_rows(int_format f, const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb, size_t m,
+                      size_t rows_b, float *y, size_t ldy, const float *bias) {
+    if (f.kind == KIND_Q6)
+        pair_rows_KIND_Q6(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
+    else if (f.kind == KIND_MIN)
+        pair_rows_KIND_MIN(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
+    else
+        pair_rows_KIND_OFFSET(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
+}
+
 size_t lq_int_packed_bytes(int index, size_t n, size_t k) {
     return lq_int_supports(index) ? (n + 15) / 16 * group_bytes(index, k / QK) : 0;
 }
@@ -475,21 +602,27 @@ size_t lq_int_packed_bytes(int index, size_t n, size_t k) {
 void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
                         size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
     const size_t nb = k / QK, gb = group_bytes(index, nb);
-    for (size_t g = n0; g < n1; g += 16) {
+    w16_block *wa = scratch, *wb = wa + nb;
+    /* many rows: two groups unpacked at a time, except where the AMX tiles take one at a time */
+    const int pairs = m > PACKED_FUSED_M && (index == IX_Q6_K || !lq_amx_available());
+    for (size_t g = n0; g < n1;) {
         const size_t rows = n1 - g < 16 ? n1 - g : 16;
         const uint8_t *wg = packed + g / 16 * gb;
         float *yg = y + g;
         const float *bg = bias ? bias + g : NULL;
-        switch (index) {
-        case IX_Q4_0: packed_group_IX_Q4_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q4_1: packed_group_IX_Q4_1(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q5_0: packed_group_IX_Q5_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q5_1: packed_group_IX_Q5_1(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q8_0: packed_group_IX_Q8_0(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q4_K: packed_group_IX_Q4_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        case IX_Q5_K: packed_group_IX_Q5_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
-        default: packed_group_IX_Q6_K(wg, x, nb, m, rows, yg, ldy, bg, scratch); break;
+        if (m <= PACKED_FUSED_M) {
+            packed_fused(index, wg, x, nb, m, rows, yg, ldy, bg);
+        } else if (pairs && n1 - g > 16) {
+            const size_t rows_b = n1 - g - 16 < 16 ? n1 - g - 16 : 16;
+            const int_format f = packed_unpack(index, wg, nb, wa);
+            packed_unpack(index, wg + gb, nb, wb);
+            pair_rows(f, wa, wb, x, nb, m, rows_b, yg, ldy, bg);
+            g += 32;
+            continue;
+        } else {
+            group_rows(wa, packed_unpack(index, wg, nb, wa), x, nb, m, rows, yg, ldy, bg);
         }
+        g += 16;
     }
 }
 
