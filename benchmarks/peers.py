@@ -29,7 +29,7 @@ round beside it.
     python benchmarks/peers.py --prompt-tokens 512 --gen-tokens 128 --threads 2 [--rounds 5]
     python benchmarks/peers.py --engines llaisys,llama-server --threads 1,2
     python benchmarks/peers.py --model qwen2.5-1.5b-q4km --engines llaisys,llama-server --threads 1,2 --rounds 3
-    python benchmarks/peers.py --engines llaisys-f32,llaisys-int16,llama-server     # both arithmetics
+    python benchmarks/peers.py --engines llaisys-f32,llaisys-int16,llaisys-int8,llama-server  # the arithmetics
 """
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (llama-server's binary, ports, start and stop)
 import synthetic_model  # noqa: E402  (named random-weight models of downloaded sizes)
 
-ENGINES = ("llaisys", "llaisys-f32", "llaisys-int16", "transformers", "llama.cpp", "llama-server")
+ENGINES = ("llaisys", "llaisys-f32", "llaisys-int16", "llaisys-int8", "transformers", "llama.cpp", "llama-server")
 # llaisys in one arithmetic of the block formats (plain llaisys: the default for this CPU)
-ENGINE_ENV = {"llaisys-f32": {"LLAISYS_QUANT_MATH": "f32"}, "llaisys-int16": {"LLAISYS_QUANT_MATH": "int16"}}
+ENGINE_ENV = {"llaisys-f32": {"LLAISYS_QUANT_MATH": "f32"}, "llaisys-int16": {"LLAISYS_QUANT_MATH": "int16"},
+              "llaisys-int8": {"LLAISYS_QUANT_MATH": "int8"}}
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # (key, label, unit, higher is better)
 FIGURES = (("decode_tok_s", "decode", "tok/s", True), ("prefill_tok_s", "prefill", "tok/s", True),
@@ -190,10 +191,10 @@ def work_llama_server(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"llaisys": work_llaisys, "llaisys-f32": work_llaisys, "llaisys-int16": work_llaisys,
-           "transformers": work_transformers,
-           "llama.cpp": work_llama_cpp, "llama-server": work_llama_server}
-REQUIRES = {"llaisys": "llaisys", "llaisys-f32": "llaisys", "llaisys-int16": "llaisys", "transformers": "transformers",
-            "llama.cpp": "llama_cpp"}
+           "llaisys-int8": work_llaisys, "transformers": work_transformers, "llama.cpp": work_llama_cpp,
+           "llama-server": work_llama_server}
+REQUIRES = {"llaisys": "llaisys", "llaisys-f32": "llaisys", "llaisys-int16": "llaisys", "llaisys-int8": "llaisys",
+            "transformers": "transformers", "llama.cpp": "llama_cpp"}
 
 
 def missing(engine: str) -> str | None:

@@ -418,7 +418,31 @@ def test_bench_names_the_weights_type_and_the_activations_type(model_path) -> No
     proc = llaisys("bench", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1", "--warmup", "0")
     assert proc.returncode == 0, proc.stderr
     label = re.search(r"^model\s+.* \((.*)\)$", proc.stdout, re.M).group(1)
-    assert label == f"{matrices.pop()} weights, F32 activations"
+    from llaisys.kernels.quant import native
+
+    assert label == f"{matrices.pop()} weights, F32 activations; {native.quant_math()} arithmetic"
+
+
+@pytest.mark.parametrize("arithmetic", ["f32", "int16", "int8"])
+def test_quant_math_picks_the_arithmetic_or_says_this_cpu_lacks_it(arithmetic) -> None:
+    from llaisys.kernels.quant import native
+
+    proc = llaisys("bench", "--quant-math", arithmetic, "--prompt-tokens", "8", "--gen-tokens", "2", "--repeats", "1",
+                   "--warmup", "0", "--json")
+    if arithmetic in native.available_quant_maths():
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["quant_math"] == arithmetic
+    else:  # a CPU without AVX512-VNNI
+        assert proc.returncode == 2 and f"the {arithmetic} arithmetic does not run on this CPU" in proc.stderr
+
+
+def test_an_unknown_quant_math_variable_is_named_in_a_warning() -> None:
+    env = {**os.environ, "LLAISYS_QUANT_MATH": "int4"}
+    proc = subprocess.run([sys.executable, "-m", "llaisys", "bench", "--prompt-tokens", "8", "--gen-tokens", "2",
+                           "--repeats", "1", "--warmup", "0", "--json"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "LLAISYS_QUANT_MATH=int4 is not an arithmetic this CPU runs" in proc.stderr
 
 
 def test_a_missing_reference_plugin_says_make_plugins_builds_it(tmp_path) -> None:

@@ -264,18 +264,25 @@ static const lq_kernels *level_kernels(int level) {
 
 static _Atomic(const lq_kernels *) active; /* NULL until first use */
 
-/* The arithmetic of the block formats: ARITH_F32 (the level's float kernels) or ARITH_INT16
- * (quant_int.c, where this CPU has the units), chosen at first use: int16 where it runs, unless
- * LLAISYS_QUANT_MATH=f32 asks for the float kernels. */
-enum { ARITH_UNSET = -1, ARITH_F32 = 0, ARITH_INT16 = 1 };
-static const char *const ARITH_NAMES[] = {"f32", "int16"};
+/* The arithmetic of the block formats: ARITH_F32 (the level's float kernels), ARITH_INT16 or
+ * ARITH_INT8 (quant_int.c, where this CPU has the units), chosen at first use: int16 where it
+ * runs, unless LLAISYS_QUANT_MATH names another that runs here. */
+enum { ARITH_UNSET = -1, ARITH_F32 = 0, ARITH_INT16 = 1, ARITH_INT8 = 2 };
+static const char *const ARITH_NAMES[] = {"f32", "int16", "int8"};
 static atomic_int arith = ARITH_UNSET;
+
+/* The arithmetic called `name`, or -1 when unknown or not running on this CPU. */
+static int arithmetic_named(const char *name) {
+    for (int a = ARITH_F32; name && a <= ARITH_INT8; a++)
+        if (strcmp(name, ARITH_NAMES[a]) == 0) return a == ARITH_F32 || lq_int_available() ? a : -1;
+    return -1;
+}
 
 static int arithmetic(void) {
     int a = atomic_load_explicit(&arith, memory_order_acquire);
     if (a == ARITH_UNSET) {
-        const char *want = getenv("LLAISYS_QUANT_MATH");
-        a = lq_int_available() && !(want && strcmp(want, "f32") == 0) ? ARITH_INT16 : ARITH_F32;
+        a = arithmetic_named(getenv("LLAISYS_QUANT_MATH"));
+        if (a < 0) a = lq_int_available() ? ARITH_INT16 : ARITH_F32;
         atomic_store_explicit(&arith, a, memory_order_release);
     }
     return a;
@@ -392,6 +399,7 @@ static size_t chunk_rows(size_t n, size_t row_work, size_t align, size_t threads
 
 typedef struct {
     const linear_job *job;
+    int bits;            /* of the activations: 16 or 8 */
     const lq_xblock *xq; /* X quantized: m rows of k / QK blocks */
     uint8_t *scratch;    /* lq_int_scratch_bytes(k) per pool thread */
     size_t scratch_bytes;
@@ -404,15 +412,18 @@ static void linear_chunk_int(void *arg, size_t chunk, int thread) {
     if (n1 > j->n) n1 = j->n;
     void *scratch = ij->scratch + (size_t)thread * ij->scratch_bytes;
     if (j->packed)
-        lq_int_rows_packed(j->fmt->index, j->packed, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch);
+        lq_int_rows_packed(j->fmt->index, j->packed, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch,
+                           ij->bits);
     else
-        lq_int_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch);
+        lq_int_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch,
+                    ij->bits);
 }
 
-/* The int16 arithmetic for all M: X quantized once, then groups of 16 rows of W over it. */
-static int linear_int(linear_job *j, int threads) {
+/* The int16 or int8 arithmetic (`bits` of the activations) for all M: X quantized once, then
+ * groups of 16 rows of W over it. */
+static int linear_int(linear_job *j, int threads, int bits) {
     const size_t nb = j->k / QK, x_bytes = (j->m * nb * sizeof(lq_xblock) + 63) / 64 * 64;
-    int_job ij = {.job = j, .scratch_bytes = (lq_int_scratch_bytes(j->k) + 63) / 64 * 64};
+    int_job ij = {.job = j, .bits = bits, .scratch_bytes = (lq_int_scratch_bytes(j->k) + 63) / 64 * 64};
     const int slots = j->m == 1 && j->n * j->row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
     /* whole groups of 16 rows; for a batch, whole pairs of groups (lq_int_rows_packed) */
     j->rows_per_chunk = chunk_rows(j->n, j->k * j->m, j->m > 8 ? 32 : 16, (size_t)slots);
@@ -422,7 +433,7 @@ static int linear_int(linear_job *j, int threads) {
     if (posix_memalign(&mem, 64, x_bytes + (size_t)used * ij.scratch_bytes) != 0) return LQ_ERR_MEMORY;
     ij.xq = mem;
     ij.scratch = (uint8_t *)mem + x_bytes;
-    lq_int_quantize(j->x, j->ldx, j->m, j->k, (lq_xblock *)mem);
+    lq_int_quantize(j->x, j->ldx, j->m, j->k, (lq_xblock *)mem, bits);
     lq_pool_run(linear_chunk_int, &ij, n_chunks, used);
     free(mem);
     return 0;
@@ -517,8 +528,8 @@ static int quant_linear(int type, const void *w, int64_t n, int64_t k, const flo
         j.ldx = ldx_a;
     }
     int status = LQ_OK;
-    if (arith == ARITH_INT16 && lq_int_supports(f->index)) {
-        status = linear_int(&j, threads);
+    if ((arith == ARITH_INT16 || arith == ARITH_INT8) && lq_int_supports(f->index)) {
+        status = linear_int(&j, threads, arith == ARITH_INT8 ? 8 : 16);
     } else if (m == 1 && j.kern->dot[f->index]) {
         const int slots = j.n * j.row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
         j.rows_per_chunk = chunk_rows(j.n, j.k, (size_t)j.kern->dot_rows, (size_t)slots);
@@ -667,20 +678,16 @@ LQ_EXPORT const char *llaisys_quant_simd_level(void) { return kernels()->name; }
 /* Bit l set when SIMD level l (0 scalar, 1 avx2, 2 avx512) runs on this CPU. */
 LQ_EXPORT int llaisys_quant_simd_available(void) { return simd_available_mask(table_of); }
 
-/* The arithmetic of the block formats in use: "f32" or "int16". */
+/* The arithmetic of the block formats in use: "f32", "int16" or "int8". */
 LQ_EXPORT const char *llaisys_quant_math(void) { return ARITH_NAMES[arithmetic()]; }
 
-/* Use arithmetic `name` ("f32", "int16") from now on; -1 when it does not run on this CPU. */
+/* Use arithmetic `name` ("f32", "int16", "int8") from now on; -1 when unknown or it does not run
+ * on this CPU. */
 LQ_EXPORT int llaisys_quant_set_math(const char *name) {
-    if (name && strcmp(name, "f32") == 0) {
-        atomic_store_explicit(&arith, ARITH_F32, memory_order_release);
-        return LQ_OK;
-    }
-    if (name && strcmp(name, "int16") == 0 && lq_int_available()) {
-        atomic_store_explicit(&arith, ARITH_INT16, memory_order_release);
-        return LQ_OK;
-    }
-    return LQ_ERR_TYPE;
+    const int a = arithmetic_named(name);
+    if (a < 0) return LQ_ERR_TYPE;
+    atomic_store_explicit(&arith, a, memory_order_release);
+    return LQ_OK;
 }
 
 /* Use SIMD level `name` from now on; -1 when it does not run on this CPU. */

@@ -223,8 +223,11 @@ const lq_kernels *lq_kernels_avx2(void);   /* NULL unless this CPU (and build) h
 const lq_kernels *lq_kernels_avx512(void);
 
 /* The int16 arithmetic (quant_int.c): activations as 16-bit integers per 32-element block, in
- * two signed 8-bit parts, meeting the weights' integer codes on the integer dot-product units. */
+ * two signed 8-bit parts, meeting the weights' integer codes on the integer dot-product units;
+ * and the int8 arithmetic, the same with 8-bit activations (one part: hi = 0). `bits` below
+ * (16 or 8) says which. */
 #define LQ_XQ_MAX 32639 /* largest |code| of an activation: 256 hi + lo with hi, lo in int8 */
+#define LQ_XQ8_MAX 127  /* the int8 arithmetic's */
 
 typedef struct {
     int8_t hi[QK], lo[QK]; /* code q = 256 * hi + lo */
@@ -236,12 +239,12 @@ typedef struct {
 int lq_int_available(void);   /* whether this CPU has the units (AVX512-VNNI) */
 int lq_int_supports(int index); /* whether format `index` (IX_*) has int16 kernels */
 /* Rows m of X (ldx floats apart, k a multiple of QK) as k / QK blocks each, back to back. */
-void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out);
+void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out, int bits);
 size_t lq_int_scratch_bytes(size_t k); /* one thread's scratch for lq_int_rows */
 /* y[r][j] = row j of W . x[r] (+ bias[j]) for r < m, n0 <= j < n1, from X quantized by
  * lq_int_quantize; n0 a multiple of 16. */
 void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                 size_t m, float *y, size_t ldy, const float *bias, void *scratch);
+                 size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits);
 /* W repacked once for lq_int_rows_packed (the layout: quant_int.c): its bytes (0: format not
  * supported), and groups g0 <= g < g1 of 16 rows written into out (n rows, row_bytes each). */
 size_t lq_int_packed_bytes(int index, size_t n, size_t k);
@@ -249,7 +252,7 @@ void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t
                  uint8_t *out);
 /* lq_int_rows on W as lq_int_pack wrote it: the same bits. */
 void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                        size_t m, float *y, size_t ldy, const float *bias, void *scratch);
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits);
 
 /* Thread pool (threadpool.c): runs task(ctx, i, thread) for i in [0, n_chunks), handing chunks
  * out one at a time to the calling thread (thread 0) and the workers (1, 2, ...); threads

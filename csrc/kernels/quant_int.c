@@ -189,12 +189,12 @@ VNNI static int_format unpack16(int index, const uint8_t *w, size_t row_bytes, s
 
 /* ---- activations ----------------------------------------------------------------------- */
 
-VNNI static void quantize_row(const float *x, size_t k, lq_xblock *out) {
-    const __m512i qmax = _mm512_set1_epi32(LQ_XQ_MAX), qmin = _mm512_set1_epi32(-LQ_XQ_MAX);
+VNNI static void quantize_row(const float *x, size_t k, lq_xblock *out, int q_max) {
+    const __m512i qmax = _mm512_set1_epi32(q_max), qmin = _mm512_set1_epi32(-q_max);
     for (size_t b = 0; b < k / QK; b++, out++) {
         const __m512 x0 = _mm512_loadu_ps(x + QK * b), x1 = _mm512_loadu_ps(x + QK * b + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float s = amax > 0.0f ? amax / (float)LQ_XQ_MAX : 0.0f;
+        const float s = amax > 0.0f ? amax / (float)q_max : 0.0f;
         __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
         if (s > 0.0f) {
             const __m512 sv = _mm512_set1_ps(s);
@@ -219,8 +219,9 @@ VNNI static void quantize_row(const float *x, size_t k, lq_xblock *out) {
     }
 }
 
-void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out) {
-    for (size_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, out + r * (k / QK));
+void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out, int bits) {
+    const int q_max = bits == 8 ? LQ_XQ8_MAX : LQ_XQ_MAX; /* 8 bits: |q| <= 127, so hi = 0 and lo = q */
+    for (size_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, out + r * (k / QK), q_max);
 }
 
 /* ---- products ---------------------------------------------------------------------------- */
@@ -239,8 +240,8 @@ VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
 
 /* acc[r] (16 outputs of row r of X) += block b's terms, for MR_C rows of X from xb (nb apart):
  * the rows' dot products interleaved, so 2 MR_C independent chains fill the units. */
-#define BLOCK_ROWS(MR_C, KIND)                                                                               \
-    VNNI_INLINE void block_rows_##MR_C##_##KIND(const __m512i w[8], const w16_scales *ws, int offset,          \
+#define BLOCK_ROWS(MR_C, KIND, PARTS)                                                                        \
+    VNNI_INLINE void block_rows_##MR_C##_##KIND##_##PARTS(const __m512i w[8], const w16_scales *ws, int offset,          \
                                                 const lq_xblock *xb, size_t nb, __m512 *acc) {                \
         const int_format f = {KIND, offset};                                                                  \
         __m512i h[MR_C], l[MR_C], h2[KIND == KIND_Q6 ? MR_C : 1], l2[KIND == KIND_Q6 ? MR_C : 1];             \
@@ -252,10 +253,10 @@ VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
                 const __m512i hb = _mm512_set1_epi32(((const dword *)x->hi)[j]);                              \
                 const __m512i lb = _mm512_set1_epi32(((const dword *)x->lo)[j]);                              \
                 if (f.kind == KIND_Q6 && j >= 4) {                                                            \
-                    h2[r] = _mm512_dpbusd_epi32(h2[r], w[j], hb);                                             \
+                    if (PARTS == 2) h2[r] = _mm512_dpbusd_epi32(h2[r], w[j], hb);                             \
                     l2[r] = _mm512_dpbusd_epi32(l2[r], w[j], lb);                                             \
                 } else {                                                                                      \
-                    h[r] = _mm512_dpbusd_epi32(h[r], w[j], hb);                                               \
+                    if (PARTS == 2) h[r] = _mm512_dpbusd_epi32(h[r], w[j], hb);                               \
                     l[r] = _mm512_dpbusd_epi32(l[r], w[j], lb);                                               \
                 }                                                                                             \
             }                                                                                                 \
@@ -264,9 +265,9 @@ VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
         _Pragma("GCC unroll 8") for (int r = 0; r < MR_C; r++) {                                              \
             const lq_xblock *x = xb + (size_t)r * nb;                                                         \
             const __m512 s = _mm512_set1_ps(x->s);                                                            \
-            __m512i i = _mm512_add_epi32(_mm512_slli_epi32(h[r], 8), l[r]);                                   \
+            __m512i i = PARTS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h[r], 8), l[r]) : l[r];               \
             if (f.kind == KIND_Q6) {                                                                          \
-                const __m512i ib = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h2[r], 8), l2[r]),   \
+                const __m512i ib = _mm512_sub_epi32(PARTS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h2[r], 8), l2[r]) : l2[r], \
                                                     _mm512_set1_epi32(32 * (x->sum - x->sum_lo)));            \
                 i = _mm512_sub_epi32(i, _mm512_set1_epi32(32 * x->sum_lo));                                   \
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale, s))); \
@@ -281,19 +282,25 @@ VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
         }                                                                                                     \
     }
 
-BLOCK_ROWS(1, KIND_OFFSET)
-BLOCK_ROWS(4, KIND_OFFSET)
-BLOCK_ROWS(1, KIND_MIN)
-BLOCK_ROWS(4, KIND_MIN)
-BLOCK_ROWS(1, KIND_Q6)
-BLOCK_ROWS(4, KIND_Q6)
+BLOCK_ROWS(1, KIND_OFFSET, 2)
+BLOCK_ROWS(4, KIND_OFFSET, 2)
+BLOCK_ROWS(1, KIND_MIN, 2)
+BLOCK_ROWS(4, KIND_MIN, 2)
+BLOCK_ROWS(1, KIND_Q6, 2)
+BLOCK_ROWS(4, KIND_Q6, 2)
+BLOCK_ROWS(1, KIND_OFFSET, 1)
+BLOCK_ROWS(4, KIND_OFFSET, 1)
+BLOCK_ROWS(1, KIND_MIN, 1)
+BLOCK_ROWS(4, KIND_MIN, 1)
+BLOCK_ROWS(1, KIND_Q6, 1)
+BLOCK_ROWS(4, KIND_Q6, 1)
 
 #define MR 4 /* rows of X per pass over a group's blocks: their 16-output accumulators in registers */
 
 /* The rows of X through a group's blocks, MR at a time and then one by one, into y (masked to
  * `rows` columns, plus the bias): LOAD, an expression of bi and w, puts block bi's codes in w[8]
  * and gives its w16_scales. */
-#define ROWS_THROUGH_BLOCKS(KIND, OFFSET, LOAD)                                                               \
+#define ROWS_THROUGH_BLOCKS(KIND, PARTS, OFFSET, LOAD)                                                               \
         const __mmask16 keep = (__mmask16)((1u << rows) - 1);                                                 \
         const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();                     \
         size_t m0 = 0;                                                                                        \
@@ -303,7 +310,7 @@ BLOCK_ROWS(4, KIND_Q6)
             for (size_t bi = 0; bi < nb; bi++) {                                                              \
                 __m512i w[8];                                                                                 \
                 const w16_scales ws = LOAD;                                                                   \
-                block_rows_4_##KIND(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
+                block_rows_4_##KIND##_##PARTS(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
             }                                                                                                 \
             for (int r = 0; r < MR; r++)                                                                      \
                 _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]); \
@@ -313,45 +320,54 @@ BLOCK_ROWS(4, KIND_Q6)
             for (size_t bi = 0; bi < nb; bi++) {                                                              \
                 __m512i w[8];                                                                                 \
                 const w16_scales ws = LOAD;                                                                   \
-                block_rows_1_##KIND(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
+                block_rows_1_##KIND##_##PARTS(w, &ws, OFFSET, x + m0 * nb + bi, nb, acc);                               \
             }                                                                                                 \
             _mm512_mask_storeu_ps(y + m0 * ldy, keep, bias ? _mm512_add_ps(acc[0], b) : acc[0]);             \
         }
 
-#define GROUP_ROWS(KIND)                                                                                     \
-    VNNI static void group_rows_##KIND(const w16_block *wg, int offset, const lq_xblock *x, size_t nb, size_t m, \
+#define GROUP_ROWS(KIND, PARTS)                                                                              \
+    VNNI static void group_rows_##KIND##_##PARTS(const w16_block *wg, int offset, const lq_xblock *x, size_t nb, size_t m, \
                                        size_t rows, float *y, size_t ldy, const float *bias) {                 \
-        ROWS_THROUGH_BLOCKS(KIND, offset, load_block(wg + bi, w))                                             \
+        ROWS_THROUGH_BLOCKS(KIND, PARTS, offset, load_block(wg + bi, w))                                             \
     }
 
-GROUP_ROWS(KIND_OFFSET)
-GROUP_ROWS(KIND_MIN)
-GROUP_ROWS(KIND_Q6)
+GROUP_ROWS(KIND_OFFSET, 2)
+GROUP_ROWS(KIND_MIN, 2)
+GROUP_ROWS(KIND_Q6, 2)
+GROUP_ROWS(KIND_OFFSET, 1)
+GROUP_ROWS(KIND_MIN, 1)
+GROUP_ROWS(KIND_Q6, 1)
 
-static void group_rows(const w16_block *wg, int_format f, const lq_xblock *x, size_t nb, size_t m, size_t rows,
-                       float *y, size_t ldy, const float *bias) {
-    const size_t done = lq_amx_group_rows(wg, f.kind, f.offset, x, nb, m, rows, y, ldy, bias); /* 16 rows at a time */
+/* Calls FN##_KIND_..._PARTS for format f's kind and the parts of the activations (1 or 2). */
+#define BY_KIND_AND_PARTS(FN, f, parts, ...)                                                                  \
+    do {                                                                                                      \
+        if ((f).kind == KIND_Q6)                                                                              \
+            (parts) == 2 ? FN##_KIND_Q6_2(__VA_ARGS__) : FN##_KIND_Q6_1(__VA_ARGS__);                         \
+        else if ((f).kind == KIND_MIN)                                                                        \
+            (parts) == 2 ? FN##_KIND_MIN_2(__VA_ARGS__) : FN##_KIND_MIN_1(__VA_ARGS__);                       \
+        else                                                                                                  \
+            (parts) == 2 ? FN##_KIND_OFFSET_2(__VA_ARGS__) : FN##_KIND_OFFSET_1(__VA_ARGS__);                 \
+    } while (0)
+
+static void group_rows(const w16_block *wg, int_format f, int parts, const lq_xblock *x, size_t nb, size_t m,
+                       size_t rows, float *y, size_t ldy, const float *bias) {
+    const size_t done = lq_amx_group_rows(wg, f.kind, f.offset, parts, x, nb, m, rows, y, ldy, bias); /* 16 at a time */
     x += done * nb, m -= done, y += done * ldy;
     if (m == 0) return;
-    if (f.kind == KIND_Q6)
-        group_rows_KIND_Q6(wg, f.offset, x, nb, m, rows, y, ldy, bias);
-    else if (f.kind == KIND_MIN)
-        group_rows_KIND_MIN(wg, f.offset, x, nb, m, rows, y, ldy, bias);
-    else
-        group_rows_KIND_OFFSET(wg, f.offset, x, nb, m, rows, y, ldy, bias);
+    BY_KIND_AND_PARTS(group_rows, f, parts, wg, f.offset, x, nb, m, rows, y, ldy, bias);
 }
 
 size_t lq_int_scratch_bytes(size_t k) { return 2 * (k / QK) * sizeof(w16_block); } /* two groups */
 
 void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                 size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
+                 size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits) {
     w16_block *wg = scratch;
     const size_t nb = k / QK;
     for (size_t g = n0; g < n1; g += 16) {
         const size_t rows = n1 - g < 16 ? n1 - g : 16;
         int_format f = {KIND_OFFSET, 0};
         for (size_t bi = 0; bi < nb; bi++) f = unpack16(index, w + g * row_bytes, row_bytes, rows, bi, wg + bi);
-        group_rows(wg, f, x, nb, m, rows, y + g, ldy, bias ? bias + g : NULL);
+        group_rows(wg, f, bits == 8 ? 1 : 2, x, nb, m, rows, y + g, ldy, bias ? bias + g : NULL);
     }
 }
 
@@ -450,13 +466,17 @@ VNNI_INLINE w16_scales packed_block(const int index, const uint8_t *head, const 
         }                                                                                                     \
         return (int_format){KIND, OFFSET};                                                                    \
     }                                                                                                         \
-    VNNI static void packed_fused_##INDEX(const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, \
-                                          float *y, size_t ldy, const float *bias) {                          \
+    PACKED_FUSED(INDEX, KIND, OFFSET, 2)                                                                      \
+    PACKED_FUSED(INDEX, KIND, OFFSET, 1)
+
+#define PACKED_FUSED(INDEX, KIND, OFFSET, PARTS)                                                             \
+    VNNI static void packed_fused_##INDEX##_##PARTS(const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, \
+                                                    size_t rows, float *y, size_t ldy, const float *bias) {   \
         const pk_layout L = layout_of(INDEX);                                                                 \
         const size_t unit = L.head_bytes + L.unit_blocks * L.block_bytes;                                     \
-        ROWS_THROUGH_BLOCKS(KIND, OFFSET, packed_block(INDEX, g + bi / L.unit_blocks * unit,                  \
-                                                       g + bi / L.unit_blocks * unit + L.head_bytes +         \
-                                                       bi % L.unit_blocks * L.block_bytes, w))                \
+        ROWS_THROUGH_BLOCKS(KIND, PARTS, OFFSET, packed_block(INDEX, g + bi / L.unit_blocks * unit,           \
+                                                              g + bi / L.unit_blocks * unit + L.head_bytes +  \
+                                                              bi % L.unit_blocks * L.block_bytes, w))         \
     }
 
 PACKED_GROUP(IX_Q4_0, KIND_OFFSET, 8)
@@ -481,18 +501,20 @@ static int_format packed_unpack(int index, const uint8_t *g, size_t nb, w16_bloc
     }
 }
 
-static void packed_fused(int index, const uint8_t *g, const lq_xblock *x, size_t nb, size_t m, size_t rows, float *y,
-                         size_t ldy, const float *bias) {
+static void packed_fused(int index, int parts, const uint8_t *g, const lq_xblock *x, size_t nb, size_t m,
+                         size_t rows, float *y, size_t ldy, const float *bias) {
+#define FUSED(IX) (parts == 2 ? packed_fused_##IX##_2 : packed_fused_##IX##_1)(g, x, nb, m, rows, y, ldy, bias)
     switch (index) {
-    case IX_Q4_0: packed_fused_IX_Q4_0(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q4_1: packed_fused_IX_Q4_1(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q5_0: packed_fused_IX_Q5_0(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q5_1: packed_fused_IX_Q5_1(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q8_0: packed_fused_IX_Q8_0(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q4_K: packed_fused_IX_Q4_K(g, x, nb, m, rows, y, ldy, bias); break;
-    case IX_Q5_K: packed_fused_IX_Q5_K(g, x, nb, m, rows, y, ldy, bias); break;
-    default: packed_fused_IX_Q6_K(g, x, nb, m, rows, y, ldy, bias); break;
+    case IX_Q4_0: FUSED(IX_Q4_0); break;
+    case IX_Q4_1: FUSED(IX_Q4_1); break;
+    case IX_Q5_0: FUSED(IX_Q5_0); break;
+    case IX_Q5_1: FUSED(IX_Q5_1); break;
+    case IX_Q8_0: FUSED(IX_Q8_0); break;
+    case IX_Q4_K: FUSED(IX_Q4_K); break;
+    case IX_Q5_K: FUSED(IX_Q5_K); break;
+    default: FUSED(IX_Q6_K); break;
     }
+#undef FUSED
 }
 
 /* ---- two groups at a time: a batch of rows of X ---------------------------------------------- */
@@ -502,8 +524,8 @@ static void packed_fused(int index, const uint8_t *g, const lq_xblock *x, size_t
 /* The exact integer sums of dwords j0 .. j1 - 1 of one block, for MR_P rows of X (nb blocks
  * apart from x) against two groups of W: each broadcast of X feeds both groups, so a pair
  * loads half as many activations per dot product as one group does. */
-VNNI_INLINE void pair_sums(const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb, int j0, int j1,
-                           __m512i sa[MR_P], __m512i sb[MR_P]) {
+VNNI_INLINE void pair_sums(const int parts, const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb,
+                           int j0, int j1, __m512i sa[MR_P], __m512i sb[MR_P]) {
     __m512i ha[MR_P], la[MR_P], hb[MR_P], lb[MR_P];
     for (int r = 0; r < MR_P; r++) ha[r] = la[r] = hb[r] = lb[r] = _mm512_setzero_si512();
     _Pragma("GCC unroll 8") for (int j = j0; j < j1; j++) {
@@ -513,15 +535,17 @@ VNNI_INLINE void pair_sums(const w16_block *wa, const w16_block *wb, const lq_xb
             const lq_xblock *xr = x + (size_t)r * nb;
             const __m512i xh = _mm512_set1_epi32(((const dword *)xr->hi)[j]);
             const __m512i xl = _mm512_set1_epi32(((const dword *)xr->lo)[j]);
-            ha[r] = _mm512_dpbusd_epi32(ha[r], a, xh);
-            hb[r] = _mm512_dpbusd_epi32(hb[r], b, xh);
+            if (parts == 2) {
+                ha[r] = _mm512_dpbusd_epi32(ha[r], a, xh);
+                hb[r] = _mm512_dpbusd_epi32(hb[r], b, xh);
+            }
             la[r] = _mm512_dpbusd_epi32(la[r], a, xl);
             lb[r] = _mm512_dpbusd_epi32(lb[r], b, xl);
         }
     }
     for (int r = 0; r < MR_P; r++) {
-        sa[r] = _mm512_add_epi32(_mm512_slli_epi32(ha[r], 8), la[r]);
-        sb[r] = _mm512_add_epi32(_mm512_slli_epi32(hb[r], 8), lb[r]);
+        sa[r] = parts == 2 ? _mm512_add_epi32(_mm512_slli_epi32(ha[r], 8), la[r]) : la[r];
+        sb[r] = parts == 2 ? _mm512_add_epi32(_mm512_slli_epi32(hb[r], 8), lb[r]) : lb[r];
     }
 }
 
@@ -532,10 +556,10 @@ VNNI_INLINE __m512 add_term(__m512 acc, __m512i i, int correction, const float *
 }
 
 /* One block of two groups for MR_P rows of X, in block_rows's arithmetic. */
-VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *wa, const w16_block *wb,
+VNNI_INLINE void pair_block(const int kind, const int parts, const int offset, const w16_block *wa, const w16_block *wb,
                             const lq_xblock *x, size_t nb, __m512 acc_a[MR_P], __m512 acc_b[MR_P]) {
     __m512i sa[MR_P], sb[MR_P];
-    pair_sums(wa, wb, x, nb, 0, kind == KIND_Q6 ? 4 : 8, sa, sb);
+    pair_sums(parts, wa, wb, x, nb, 0, kind == KIND_Q6 ? 4 : 8, sa, sb);
     for (int r = 0; r < MR_P; r++) {
         const lq_xblock *xr = x + (size_t)r * nb;
         const int c = kind == KIND_Q6 ? 32 * xr->sum_lo : kind == KIND_OFFSET ? offset * xr->sum : 0;
@@ -548,7 +572,7 @@ VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *w
         }
     }
     if (kind != KIND_Q6) return;
-    pair_sums(wa, wb, x, nb, 4, 8, sa, sb);
+    pair_sums(parts, wa, wb, x, nb, 4, 8, sa, sb);
     for (int r = 0; r < MR_P; r++) {
         const lq_xblock *xr = x + (size_t)r * nb;
         const int c = 32 * (xr->sum - xr->sum_lo);
@@ -559,8 +583,8 @@ VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *w
 
 /* y = two groups of W (wa: 16 rows, wb: rows_b rows; nb blocks each, unpacked) . the m rows of X,
  * plus the bias: MR_P rows of X at a time, the rest through group_rows's one-row kernel. */
-#define PAIR_ROWS(KIND)                                                                                      \
-    VNNI static void pair_rows_##KIND(const w16_block *wa, const w16_block *wb, int offset, const lq_xblock *x,  \
+#define PAIR_ROWS(KIND, PARTS)                                                                               \
+    VNNI static void pair_rows_##KIND##_##PARTS(const w16_block *wa, const w16_block *wb, int offset, const lq_xblock *x,  \
                                       size_t nb, size_t m, size_t rows_b, float *y, size_t ldy, const float *bias) { \
         const __mmask16 keep_b = (__mmask16)((1u << rows_b) - 1);                                             \
         const __m512 bias_a = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                             \
@@ -569,7 +593,7 @@ VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *w
         for (; m0 + MR_P <= m; m0 += MR_P) {                                                                  \
             __m512 acc_a[MR_P], acc_b[MR_P];                                                                  \
             for (int r = 0; r < MR_P; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();                        \
-            for (size_t bi = 0; bi < nb; bi++) pair_block(KIND, offset, wa + bi, wb + bi, x + m0 * nb + bi, nb, acc_a, acc_b); \
+            for (size_t bi = 0; bi < nb; bi++) pair_block(KIND, PARTS, offset, wa + bi, wb + bi, x + m0 * nb + bi, nb, acc_a, acc_b); \
             for (int r = 0; r < MR_P; r++) {                                                                  \
                 float *yr = y + (m0 + (size_t)r) * ldy;                                                       \
                 _mm512_storeu_ps(yr, bias ? _mm512_add_ps(acc_a[r], bias_a) : acc_a[r]);                      \
@@ -577,22 +601,20 @@ VNNI_INLINE void pair_block(const int kind, const int offset, const w16_block *w
             }                                                                                                 \
         }                                                                                                     \
         if (m0 == m) return;                                                                                  \
-        group_rows_##KIND(wa, offset, x + m0 * nb, nb, m - m0, 16, y + m0 * ldy, ldy, bias);                  \
-        group_rows_##KIND(wb, offset, x + m0 * nb, nb, m - m0, rows_b, y + m0 * ldy + 16, ldy, bias ? bias + 16 : NULL); \
+        group_rows_##KIND##_##PARTS(wa, offset, x + m0 * nb, nb, m - m0, 16, y + m0 * ldy, ldy, bias);                  \
+        group_rows_##KIND##_##PARTS(wb, offset, x + m0 * nb, nb, m - m0, rows_b, y + m0 * ldy + 16, ldy, bias ? bias + 16 : NULL); \
     }
 
-PAIR_ROWS(KIND_OFFSET)
-PAIR_ROWS(KIND_MIN)
-PAIR_ROWS(KIND_Q6)
+PAIR_ROWS(KIND_OFFSET, 2)
+PAIR_ROWS(KIND_MIN, 2)
+PAIR_ROWS(KIND_Q6, 2)
+PAIR_ROWS(KIND_OFFSET, 1)
+PAIR_ROWS(KIND_MIN, 1)
+PAIR_ROWS(KIND_Q6, 1)
 
-static void pair_rows(int_format f, const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb, size_t m,
-                      size_t rows_b, float *y, size_t ldy, const float *bias) {
-    if (f.kind == KIND_Q6)
-        pair_rows_KIND_Q6(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
-    else if (f.kind == KIND_MIN)
-        pair_rows_KIND_MIN(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
-    else
-        pair_rows_KIND_OFFSET(wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
+static void pair_rows(int_format f, int parts, const w16_block *wa, const w16_block *wb, const lq_xblock *x, size_t nb,
+                      size_t m, size_t rows_b, float *y, size_t ldy, const float *bias) {
+    BY_KIND_AND_PARTS(pair_rows, f, parts, wa, wb, f.offset, x, nb, m, rows_b, y, ldy, bias);
 }
 
 size_t lq_int_packed_bytes(int index, size_t n, size_t k) {
@@ -600,8 +622,9 @@ size_t lq_int_packed_bytes(int index, size_t n, size_t k) {
 }
 
 void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                        size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits) {
     const size_t nb = k / QK, gb = group_bytes(index, nb);
+    const int parts = bits == 8 ? 1 : 2;
     w16_block *wa = scratch, *wb = wa + nb;
     /* many rows: two groups unpacked at a time, except where the AMX tiles take one at a time */
     const int pairs = m > PACKED_FUSED_M && (index == IX_Q6_K || !lq_amx_available());
@@ -611,16 +634,16 @@ void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, 
         float *yg = y + g;
         const float *bg = bias ? bias + g : NULL;
         if (m <= PACKED_FUSED_M) {
-            packed_fused(index, wg, x, nb, m, rows, yg, ldy, bg);
+            packed_fused(index, parts, wg, x, nb, m, rows, yg, ldy, bg);
         } else if (pairs && n1 - g > 16) {
             const size_t rows_b = n1 - g - 16 < 16 ? n1 - g - 16 : 16;
             const int_format f = packed_unpack(index, wg, nb, wa);
             packed_unpack(index, wg + gb, nb, wb);
-            pair_rows(f, wa, wb, x, nb, m, rows_b, yg, ldy, bg);
+            pair_rows(f, parts, wa, wb, x, nb, m, rows_b, yg, ldy, bg);
             g += 32;
             continue;
         } else {
-            group_rows(wa, packed_unpack(index, wg, nb, wa), x, nb, m, rows, yg, ldy, bg);
+            group_rows(wa, packed_unpack(index, wg, nb, wa), parts, x, nb, m, rows, yg, ldy, bg);
         }
         g += 16;
     }
@@ -694,20 +717,20 @@ int lq_int_available(void) {
 }
 
 #else /* not x86-64 */
-void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out) {
-    (void)x, (void)ldx, (void)m, (void)k, (void)out;
+void lq_int_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out, int bits) {
+    (void)x, (void)ldx, (void)m, (void)k, (void)out, (void)bits;
 }
 size_t lq_int_scratch_bytes(size_t k) { return k; }
 void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                 size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
-    (void)index, (void)w, (void)row_bytes, (void)n0, (void)n1, (void)k, (void)x, (void)m, (void)y, (void)ldy;
+                 size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits) {
+    (void)bits, (void)index, (void)w, (void)row_bytes, (void)n0, (void)n1, (void)k, (void)x, (void)m, (void)y, (void)ldy;
     (void)bias, (void)scratch;
 }
 int lq_int_supports(int index) { (void)index; return 0; }
 size_t lq_int_packed_bytes(int index, size_t n, size_t k) { (void)index, (void)n, (void)k; return 0; }
 void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
-                        size_t m, float *y, size_t ldy, const float *bias, void *scratch) {
-    (void)index, (void)packed, (void)n0, (void)n1, (void)k, (void)x, (void)m, (void)y, (void)ldy, (void)bias;
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits) {
+    (void)bits, (void)index, (void)packed, (void)n0, (void)n1, (void)k, (void)x, (void)m, (void)y, (void)ldy, (void)bias;
     (void)scratch;
 }
 void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,

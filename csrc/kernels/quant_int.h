@@ -26,10 +26,10 @@ typedef struct {
 } int_format;
 
 /* The first rows of X, 16 at a time, through a group of 16 rows of W (wg: nb blocks) on the AMX
- * tiles, with block_rows's arithmetic (the same bits): y[r][j] for r < the returned count (a
+ * tiles, with block_rows's arithmetic (the same bits; parts 2: hi and lo, 1: lo alone): y[r][j] for r < the returned count (a
  * multiple of 16, 0 where AMX is absent, refused, turned off or the format has no tile kernel). */
-size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, const lq_xblock *x, size_t nb, size_t m,
-                         size_t rows, float *y, size_t ldy, const float *bias);
+size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int parts, const lq_xblock *x, size_t nb,
+                         size_t m, size_t rows, float *y, size_t ldy, const float *bias);
 int lq_amx_available(void); /* the tiles granted to this process and not turned off (LLAISYS_AMX=0) */
 
 #endif

@@ -3,7 +3,7 @@
  * Per 32-element block, one tdpbsud multiplies the 16 x 32 high bytes of the activations' codes
  * (signed; an A tile read straight from the quantized rows, lq_xblock apart) by the weights'
  * codes (unsigned; w16_block's bytes are a B tile as they stand) into 16 x 16 exact int32 sums,
- * a second one the low bytes; the sums then take the float steps of block_rows (quant_int.c) in
+ * a second one the low bytes (the int8 arithmetic's only part); the sums then take the float steps of block_rows (quant_int.c) in
  * the same order, so every row has the bits of the AVX512-VNNI kernels and of the reference.
  * Q6_K (two scales a block) stays on those kernels.
  *
@@ -48,8 +48,8 @@ int lq_amx_available(void) {
     return a;
 }
 
-AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, const lq_xblock *x, size_t nb, size_t m,
-                             size_t rows, float *y, size_t ldy, const float *bias) {
+AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int parts, const lq_xblock *x, size_t nb,
+                             size_t m, size_t rows, float *y, size_t ldy, const float *bias) {
     if (kind == KIND_Q6 || m < 16 || !lq_amx_available()) return 0;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -68,20 +68,23 @@ AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, const lq
         __m512 acc[16];
         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
         for (size_t bi = 0; bi < nb; bi++) {
-            _tile_zero(T_HI);
             _tile_zero(T_LO);
-            _tile_loadd(T_XHI, xr[bi].hi, stride);
             _tile_loadd(T_XLO, xr[bi].lo, stride);
             _tile_loadd(T_W, wg[bi].codes, 64);
-            _tile_dpbsud(T_HI, T_XHI, T_W);
             _tile_dpbsud(T_LO, T_XLO, T_W);
-            _tile_stored(T_HI, hi, 64);
             _tile_stored(T_LO, lo, 64);
+            if (parts == 2) {
+                _tile_zero(T_HI);
+                _tile_loadd(T_XHI, xr[bi].hi, stride);
+                _tile_dpbsud(T_HI, T_XHI, T_W);
+                _tile_stored(T_HI, hi, 64);
+            }
             const __m512 scale = _mm512_loadu_ps(wg[bi].scale);
             const __m512 mn = kind == KIND_MIN ? _mm512_loadu_ps(wg[bi].min) : _mm512_setzero_ps();
             for (int r = 0; r < 16; r++) {
                 const lq_xblock *xb = xr + (size_t)r * nb + bi;
-                __m512i i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[r]), 8), _mm512_load_si512(lo[r]));
+                __m512i i = _mm512_load_si512(lo[r]);
+                if (parts == 2) i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[r]), 8), i);
                 if (kind == KIND_OFFSET) i = _mm512_sub_epi32(i, _mm512_set1_epi32(offset * xb->sum));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale, _mm512_set1_ps(xb->s))));
                 if (kind == KIND_MIN) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mn, _mm512_set1_ps(xb->s_sum)));
@@ -96,9 +99,9 @@ AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, const lq
 
 #else /* no AMX compiler support, or not x86-64 */
 int lq_amx_available(void) { return 0; }
-size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, const lq_xblock *x, size_t nb, size_t m,
-                         size_t rows, float *y, size_t ldy, const float *bias) {
-    (void)wg, (void)kind, (void)offset, (void)x, (void)nb, (void)m, (void)rows, (void)y, (void)ldy, (void)bias;
+size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int parts, const lq_xblock *x, size_t nb,
+                         size_t m, size_t rows, float *y, size_t ldy, const float *bias) {
+    (void)parts, (void)wg, (void)kind, (void)offset, (void)x, (void)nb, (void)m, (void)rows, (void)y, (void)ldy, (void)bias;
     return 0;
 }
 #endif

@@ -144,6 +144,16 @@ def weight_type(model: Any) -> str:
     return "/".join(name for name, _ in counts.most_common()) or model.dtype.name
 
 
+def block_arithmetic(model: Any) -> str | None:
+    """The arithmetic the model's GGUF block-format matrices run in on the CPU ("int16", "int8",
+    "f32"), or None when it holds none or runs elsewhere."""
+    from ..kernels.quant import native
+
+    blocks = any(t.dtype.is_quantized for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down)
+                 if t is not None)
+    return native.quant_math() if blocks and model.device.is_cpu and native.available() else None
+
+
 def weight_bytes_per_step(model: Any) -> int:
     """Bytes of weights one decode step of one sequence reads, as the model holds them (quantized
     matrices at their encoded size): every layer's matrices, biases and norms, a sparse layer's
@@ -207,6 +217,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": "llaisys", "model": str(model.source), "weights": weight_type(model),
         "dtype": str(getattr(model.dtype, "name", model.dtype)),  # the activations' type
+        "quant_math": block_arithmetic(model),
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
         "peak_rss_mb": peak_rss_mb(),  # before the bandwidth probe's buffer
@@ -230,7 +241,8 @@ def format_bandwidth(figures: dict[str, Any]) -> list[str]:
 def format_table(figures: dict[str, Any]) -> str:
     """The figures as aligned lines."""
     return "\n".join([
-        f"model          {figures['model']} ({figures['weights']} weights, {figures['dtype']} activations)",
+        f"model          {figures['model']} ({figures['weights']} weights, {figures['dtype']} activations"
+        + (f"; {figures['quant_math']} arithmetic" if figures.get("quant_math") else "") + ")",
         f"workload       {figures['prompt_tokens']} prompt tokens, {figures['gen_tokens']} generated, "
         f"median of {figures['repeats']}"
         + (f", {figures['concurrency']} sequences at once (aggregate rates)" if figures.get("concurrency", 1) > 1

@@ -63,7 +63,7 @@ def add_verbose(parser: argparse.ArgumentParser, dest: str = "verbose") -> None:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --plugin, --threads, -v."""
+    """--model, --dtype, --device, --plugin, --threads, --quant-math, --tensor-parallel, -v."""
     parser.add_argument("-m", "--model", default=None, metavar="PATH",
                         help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows: "
                              "org/name[:QUANT] of the Hugging Face cache, name[:tag] of ollama's "
@@ -77,6 +77,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="threads for the BLAS, OpenMP and quantized-kernel pools (default: the CPUs not busy with "
                              "other work; with --tensor-parallel N, the CPUs / N per rank)")
+    parser.add_argument("--quant-math", choices=("int16", "int8", "f32"), default=None,
+                        help="arithmetic of GGUF block-format weights on the CPU: int16 (activations as 16-bit "
+                             "integers on the integer units; the default where the CPU has AVX512-VNNI), int8 "
+                             "(8-bit activations, as llama.cpp's: faster prompts and batches, further from "
+                             "float32), f32 (float kernels; the default elsewhere). LLAISYS_QUANT_MATH sets it too")
     parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                         help="split every layer over N processes (MPI ranks); started with mpiexec when not "
                              "already under it (needs `pip install 'llaisys[mpi]'`)")

@@ -136,6 +136,29 @@ def apply_threads(threads: int | None) -> int | None:
     return threads
 
 
+def apply_quant_math(name: str | None) -> None:
+    """Use arithmetic ``name`` for the block formats (``--quant-math``), or else check that a
+    LLAISYS_QUANT_MATH the user set names one that runs here. UsageError when ``name`` does not
+    run on this CPU; a warning when the variable's value was not taken."""
+    from ..kernels.quant import native
+    from .common import UsageError
+
+    if not native.available():
+        if name not in (None, "f32"):
+            raise UsageError(f"--quant-math {name} needs the native kernels, which are not built here")
+        return
+    if name is not None:
+        try:
+            native.set_quant_math(name)
+        except ValueError as exc:
+            raise UsageError(f"--quant-math: {exc}") from None
+        return
+    wanted = os.environ.get("LLAISYS_QUANT_MATH")
+    if wanted and wanted != native.quant_math():
+        logger.warning("LLAISYS_QUANT_MATH=%s is not an arithmetic this CPU runs (%s); using %s", wanted,
+                       ", ".join(native.available_quant_maths()), native.quant_math())
+
+
 def _size_native_pool(threads: int) -> None:
     """Give the native quantized kernels ``threads`` threads (when the library was built)."""
     from ..kernels.quant import native
@@ -189,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "threads"):  # the model commands
         args.threads = apply_threads(args.threads)
     try:
+        if hasattr(args, "quant_math"):
+            apply_quant_math(args.quant_math)
         status = args.func(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -1,9 +1,10 @@
 """NumPy front end of the native quantized kernels (``csrc/kernels``, loaded with ctypes).
 
-The block formats run in one of two arithmetics (``quant_math``): int16 where the CPU has
+The block formats run in one of three arithmetics (``quant_math``): int16 where the CPU has
 AVX512-VNNI (activations as 16-bit integers per 32-element block on the integer dot-product
-units, the weights repacked once at load; ``reference_int16``), else f32. What follows is the
-f32 arithmetic, which F16/BF16 weights always use.
+units, the weights repacked once at load; ``reference_int16``), else f32; int8 when asked for
+(the same with 8-bit activations, as llama.cpp's: faster on a batch, further from float32). What
+follows is the f32 arithmetic, which F16/BF16 weights always use.
 
 ``linear`` computes Y = X W^T + b with W in a GGUF block format, activations and accumulation in
 float32 (the weights are never widened in memory, the activations never quantized), for any
@@ -132,7 +133,7 @@ class QuantWeight:
 
     ``raw``: uint8 (N, row_bytes), C-contiguous (F32/F16/BF16 weights may also be (N, K) of
     their own dtype). The array is referenced, not copied: keep it unchanged while in use.
-    ``pack``: while the int16 arithmetic is in use, also keep W repacked for its kernels
+    ``pack``: while an integer arithmetic (int16, int8) is in use, also keep W repacked for its kernels
     (``packed``: about the bytes of W, the codes of 16 rows interleaved as the dot-product
     instructions read them), so that a call reads it as is instead of rearranging W's blocks;
     the results are the same bits either way.
@@ -145,7 +146,7 @@ class QuantWeight:
         self.raw, self.k = _weight_bytes(raw, self.fmt)  # (N, row_bytes) uint8, K
         self.n = self.raw.shape[0]
         self._ptr = self.raw.ctypes.data
-        self.packed = _pack(self.fmt, self.raw, self.n, self.k) if pack and quant_math() == "int16" else None
+        self.packed = _pack(self.fmt, self.raw, self.n, self.k) if pack and quant_math() in INTEGER_ARITHMETICS else None
         self._packed_ptr = None if self.packed is None else self.packed.ctypes.data
 
     def __repr__(self) -> str:
@@ -347,19 +348,20 @@ def set_simd_level(name: str) -> None:
     _check(_library().llaisys_quant_set_simd_level(name.encode()), "set_simd_level")
 
 
-ARITHMETICS = ("f32", "int16")
+ARITHMETICS = ("f32", "int16", "int8")
+INTEGER_ARITHMETICS = ("int16", "int8")  # on the integer dot-product units, weights packed at load
 
 
 def quant_math() -> str:
     """The arithmetic of the block formats now: "f32" (weights decoded to float32, float32
-    multiply-adds) or "int16" (activations as 16-bit integers per 32-element block on the integer
-    dot-product units; reference_int16.py): int16 where the CPU has AVX512-VNNI, else f32;
-    ``LLAISYS_QUANT_MATH=f32`` keeps the float kernels."""
+    multiply-adds), "int16" (activations as 16-bit integers per 32-element block on the integer
+    dot-product units; reference_int16.py) or "int8" (the same with 8-bit activations): int16
+    where the CPU has AVX512-VNNI, else f32; ``LLAISYS_QUANT_MATH`` names another."""
     return _library().llaisys_quant_math().decode()
 
 
 def available_quant_maths() -> tuple[str, ...]:
-    """The arithmetics this CPU runs ("int16" needs AVX512-VNNI)."""
+    """The arithmetics this CPU runs ("int16" and "int8" need AVX512-VNNI)."""
     lib, now = _library(), quant_math()
     runs = tuple(name for name in ARITHMETICS if lib.llaisys_quant_set_math(name.encode()) == 0)
     lib.llaisys_quant_set_math(now.encode())

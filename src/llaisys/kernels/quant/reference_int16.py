@@ -15,6 +15,9 @@ float32, blocks in order from 0:
     Q6_K:           acc = acc + float(sum_first16 (c - 32) q) * (scale * s)
                     acc = acc + float(sum_last16 (c - 32) q) * (scale2 * s)
 and y = acc + bias.
+
+The "int8" arithmetic is the same with XQ8_MAX = 127 in place of XQ_MAX (codes that fit one
+signed byte, as llama.cpp's 8-bit activations do): ``linear_int16(..., bits=8)``.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from .formats import QK_K, get_format
 from .reference import _f16, _fifth_bits, _nibbles, _scales_k4
 
 XQ_MAX = 32639  # largest |code| of an activation (256 hi + lo with both parts in int8)
+XQ8_MAX = 127  # the int8 arithmetic's
 BLOCK = 32
 
 
@@ -41,16 +45,18 @@ class BlockCodes:
     offset: int
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray]:
     """x (M, K) float32 -> codes (M, nb, 32) int64 and scales (M, nb) float32, as the kernels
-    quantize them (s = amax / XQ_MAX, codes rounded to nearest even and clamped)."""
+    quantize them (s = amax / XQ_MAX, or XQ8_MAX for ``bits`` 8; codes rounded to nearest even
+    and clamped)."""
+    q_max = {16: XQ_MAX, 8: XQ8_MAX}[bits]
     m, k = x.shape
     blocks = np.asarray(x, np.float32).reshape(m, k // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=2)  # (M, nb)
-    s = np.where(amax > 0, amax / np.float32(XQ_MAX), np.float32(0)).astype(np.float32)
+    s = np.where(amax > 0, amax / np.float32(q_max), np.float32(0)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.rint(blocks / np.where(s > 0, s, np.float32(1))[:, :, None])
-    q = np.where(s[:, :, None] > 0, np.clip(q, -XQ_MAX, XQ_MAX), 0).astype(np.int64)
+    q = np.where(s[:, :, None] > 0, np.clip(q, -q_max, q_max), 0).astype(np.int64)
     return q, s
 
 
@@ -118,11 +124,13 @@ def block_codes(qtype: int | str, raw: np.ndarray) -> BlockCodes:
                       parts.scale2.reshape(n, per_row), parts.minimum.reshape(n, per_row), parts.kind, parts.offset)
 
 
-def linear_int16(x: np.ndarray, qtype: int | str, raw: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x (M, K) float32 . W (N, K)^T (+ bias) in the int16 arithmetic -> float32 (M, N)."""
+def linear_int16(x: np.ndarray, qtype: int | str, raw: np.ndarray, bias: np.ndarray | None = None,
+                 bits: int = 16) -> np.ndarray:
+    """x (M, K) float32 . W (N, K)^T (+ bias) in the int16 arithmetic (``bits`` 8: the int8
+    one) -> float32 (M, N)."""
     x = np.asarray(x, np.float32)
     w = block_codes(qtype, raw)
-    q, s = quantize_activations(x)                      # (M, nb, 32), (M, nb)
+    q, s = quantize_activations(x, bits)                # (M, nb, 32), (M, nb)
     m, n, nb = x.shape[0], w.codes.shape[0], w.codes.shape[1]
     assert nb * BLOCK == x.shape[1] and QK_K % BLOCK == 0
     c = w.codes - w.offset                               # (N, nb, 32)
