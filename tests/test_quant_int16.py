@@ -175,3 +175,29 @@ def test_int8_stays_within_llama_cpp_like_distance_of_transformers(smollm2_path,
         native.set_quant_math(before)
     assert agree["int8"] >= 0.9 and kl["int8"] < 1e-2, (agree, kl)
     assert agree["int16"] == 1.0 and kl["int16"] < kl["int8"] / 100, (agree, kl)
+
+
+def test_projections_apart_in_the_file_stay_views_of_it(int16, gemma3_gguf_path):
+    """Gemma 3's q and k (Q5_0; v is Q8_0) and its gate and up do not lie back to back in its
+    file: where the integer arithmetic repacks them, each stays a view of the file's memory map
+    (whose pages the packing lets go) instead of a stacked copy kept beside the packed one, with
+    the stacked copies' logits, bit for bit, in the same arithmetic."""
+    from llaisys.models import load_model
+
+    apart = load_model(gemma3_gguf_path)
+    layer, c = apart.params.layers[0], apart.config
+    assert layer.qkv is None and layer.gate_up is None
+    assert [t.shape[0] for t in layer.qkv_parts] == [c.num_attention_heads * c.head_dim,
+                                                     c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+    assert [t.shape[0] for t in layer.gate_up_parts] == [c.intermediate_size] * 2
+    assert all(t.storage.drop_file_pages(0, t.storage.nbytes) for t in (*layer.qkv_parts, *layer.gate_up_parts))
+    native.set_quant_math("f32")
+    stacked = load_model(gemma3_gguf_path)  # loaded where nothing is repacked: q and k copied into one
+    native.set_quant_math("int16")
+    assert [t.shape[0] for t in stacked.params.layers[0].qkv_parts] == [(c.num_attention_heads + c.num_key_value_heads)
+                                                                        * c.head_dim, c.num_key_value_heads * c.head_dim]
+    assert stacked.params.layers[0].gate_up is not None
+    ids = apart.tokenizer.encode("The lighthouse keeper kept a ledger of every ship that passed the point.")
+    want = stacked.forward(ids, stacked.new_cache(64), all_logits=True)
+    got = apart.forward(ids, apart.new_cache(64), all_logits=True)
+    assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))

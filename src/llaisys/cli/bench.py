@@ -138,10 +138,15 @@ def summarize(runs: list[Timings]) -> dict[str, float]:
 def weight_type(model: Any) -> str:
     """The data type the layers' matrices are held in (``Q4_1``; ``Q4_K/Q6_K`` when they differ,
     the most common first), which can differ from ``model.dtype``, the activations' type."""
-    counts = Counter(t.dtype.name for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down,
-                                                                          lp.gate_exps, lp.up_exps, lp.down_exps)
-                     if t is not None)
+    counts = Counter(t.dtype.name for t in layer_matrices(model))
     return "/".join(name for name, _ in counts.most_common()) or model.dtype.name
+
+
+def layer_matrices(model: Any) -> list[Any]:
+    """Every layer's weight matrices, fused ones whole or in their parts."""
+    return [t for lp in model.params.layers for t in (lp.qkv, *lp.qkv_parts, lp.o, lp.gate_up, *lp.gate_up_parts,
+                                                      lp.down, lp.gate_exps, lp.up_exps, lp.down_exps)
+            if t is not None]
 
 
 def block_arithmetic(model: Any) -> str | None:
@@ -149,8 +154,7 @@ def block_arithmetic(model: Any) -> str | None:
     "f32"), or None when it holds none or runs elsewhere."""
     from ..kernels.quant import native
 
-    blocks = any(t.dtype.is_quantized for lp in model.params.layers for t in (lp.qkv, lp.o, lp.gate_up, lp.down)
-                 if t is not None)
+    blocks = any(t.dtype.is_quantized for t in layer_matrices(model))
     return native.quant_math() if blocks and model.device.is_cpu and native.available() else None
 
 

@@ -7,7 +7,8 @@ matrix whose parts lie back to back there) is a frozen view of the file's memory
 With ``keep_half`` and an F32 model, an F16/BF16 matrix other than the embedding table (q/k/v, o,
 gate/up, down, an untied lm_head) stays F16/BF16: ``linear`` takes such a weight with F32
 activations and widens it inside the kernel. The rest is converted to the model's dtype. A fused
-matrix stays as stored when its parts share a type, else it is converted whole."""
+matrix stays as stored when its parts share a type; else its runs of parts of one type do, or
+(CPU, integer arithmetic, parts apart in the file) each part as its own view of the file."""
 from __future__ import annotations
 
 import math
@@ -161,14 +162,10 @@ class _Builder:
         if dtype is None or not self.device.is_cpu:
             return None
         sources = [self.weights[n] for n in names]
-        if any(s.mapped is None for s in sources):
+        if any(s.mapped is None for s in sources) or not self._back_to_back(names, dtype):
             return None
         data, start = sources[0].mapped
-        end = start
-        for s in sources:
-            if s.mapped[0] is not data or s.mapped[1] != end:
-                return None
-            end += dtype.nbytes_of(math.prod(s.shape))
+        end = start + sum(dtype.nbytes_of(math.prod(s.shape)) for s in sources)
         rows = sum(math.prod(s.shape[:-1]) for s in sources)  # a stack of matrices (E, N, K) as E*N rows
         out = Tensor.host_view(data[start:end], (rows, sources[0].shape[-1]), dtype)
         self.progress.step(len(names))
@@ -205,9 +202,10 @@ class _Builder:
     def fused(self, names: Sequence[str]) -> tuple[Tensor | None, tuple[Tensor, ...]]:
         """The named tensors stacked along dim 0 as (one tensor, ()) when they share a stored
         block format (or are all converted to floats); else (None, parts): runs of consecutive
-        names of one format stacked, each kept as stored."""
+        names of one format stacked, each kept as stored; and a run that ``_held_apart`` keeps
+        as its names' own tensors."""
         kinds = [kept_dtype(self.weights[n]) for n in names]
-        if len(set(kinds)) == 1 or all(k is None for k in kinds):
+        if all(k is None for k in kinds):
             return self.stacked(names), ()
         runs: list[list[str]] = []
         for name, kind in zip(names, kinds):
@@ -215,7 +213,38 @@ class _Builder:
                 runs[-1].append(name)
             else:
                 runs.append([name])
-        return None, tuple(self.stacked(run) for run in runs)
+        if len(runs) == 1 and not self._held_apart(names, kinds[0]):
+            return self.stacked(names), ()
+        parts: list[Tensor] = []
+        for run in runs:
+            if self._held_apart(run, kept_dtype(self.weights[run[0]])):
+                parts.extend(self.one(name) for name in run)
+            else:
+                parts.append(self.stacked(run))
+        return None, tuple(parts)
+
+    def _held_apart(self, names: Sequence[str], dtype: DataType | None) -> bool:
+        """Whether weights ``names`` of block format ``dtype`` are better not stacked: on the CPU,
+        where the integer arithmetic repacks them at first use, each stays a view of the file's
+        memory map whose pages the repacking lets go, where stacking would copy them (they do not
+        lie back to back in the file) and keep that copy beside the packed one."""
+        if len(names) < 2 or dtype is None or not self.device.is_cpu:
+            return False
+        if any(self.weights[n].mapped is None for n in names) or self._back_to_back(names, dtype):
+            return False
+        from ..kernels.cpu.quantized import repacks
+
+        return repacks(dtype)
+
+    def _back_to_back(self, names: Sequence[str], dtype: DataType) -> bool:
+        """Whether weights ``names``, stored as ``dtype``, lie back to back in one memory map."""
+        sources = [self.weights[n] for n in names]
+        data, end = sources[0].mapped
+        for s in sources:
+            if s.mapped is None or s.mapped[0] is not data or s.mapped[1] != end:
+                return False
+            end += dtype.nbytes_of(math.prod(s.shape))
+        return True
 
     def maybe(self, name: str) -> Tensor | None:
         return self.one(name) if name in self.weights else None

@@ -72,6 +72,12 @@ class PortableWeight:
         return out
 
 
+def repacks(dtype: DataType) -> bool:
+    """Whether ``linear`` on the CPU keeps a weight of block format ``dtype`` repacked for the
+    integer arithmetic now in use (and so reads its stored bytes no more once it has run)."""
+    return dtype in QUANTIZED_TYPES and native.available() and native.packs(_FORMAT[dtype])
+
+
 def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight":
     """The weight (N, K) checked once for the native kernels (an F16/BF16 view that is not
     C-contiguous is copied once, kept with the tensor)."""

@@ -280,6 +280,14 @@ def _pack(fmt: QuantFormat, raw: np.ndarray, n: int, k: int) -> np.ndarray | Non
     return packed
 
 
+def packs(qtype: int | str) -> bool:
+    """Whether a ``QuantWeight`` of format ``qtype`` made now keeps a packed copy (an integer
+    arithmetic is in use and its kernels take the format)."""
+    fmt = get_format(qtype)
+    lib = _library()
+    return quant_math() in INTEGER_ARITHMETICS and lib.llaisys_quant_int_packed_bytes(fmt.type_id, 16, 256) > 0
+
+
 def prepare(qtype: int | str, raw: np.ndarray) -> QuantWeight:
     """Check weight bytes raw (N, row_bytes) uint8 in format ``qtype`` once, for repeated use."""
     return QuantWeight(qtype, raw)
