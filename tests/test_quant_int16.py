@@ -76,13 +76,32 @@ def test_reference_is_within_the_quantization_bound_of_float64(name, bits):
     assert XQ_MAX == 32639 and s[2, 0] == 0
 
 
+INT_LEVELS = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}  # SIMD level -> the units the integer kernels use
+
+
+@pytest.fixture(params=list(INT_LEVELS))
+def int_level(request):
+    """Each level of the integer kernels this CPU has, in turn (the SIMD level picks it)."""
+    if request.param not in native.available_simd_levels():
+        pytest.skip(f"this CPU lacks the {request.param} level")
+    before = native.simd_level()
+    native.set_simd_level(request.param)
+    try:
+        if native.int_level() != INT_LEVELS[request.param]:
+            pytest.skip(f"this CPU has no {INT_LEVELS[request.param]} units (its integer kernels: {native.int_level()})")
+        yield native.int_level()
+    finally:
+        native.set_simd_level(before)
+
+
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17, 40])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "as-stored"])
-def test_native_equals_the_reference_bitwise(integer_math, name, m, pack):
+def test_native_equals_the_reference_bitwise(integer_math, int_level, name, m, pack):
     """Both the weights repacked at load (fused in registers up to 8 rows of X, through a
-    scratch above) and the weights read as stored; where the CPU has AMX, 16 and 32 of the 17
-    and 40 rows run on its tiles, the rest on the VNNI kernels."""
+    scratch above) and the weights read as stored, on AVX512-VNNI and on AVX-VNNI where the CPU
+    has them; where it has AMX, 16 and 32 of the 17 and 40 rows run on its tiles, the rest on
+    the VNNI kernels."""
     rng = np.random.default_rng(m)
     n, k = 37, 512  # 37: two groups of 16 rows and a part
     raw = make_weights(name, n, k, rng)
@@ -105,6 +124,26 @@ def test_native_equals_the_reference_bitwise(integer_math, name, m, pack):
     bound = np.zeros((m, n), np.float32)
     weight.bind(x, bias, bound)()  # the call a replayed decoding step makes
     assert np.array_equal(bound.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_both_levels_pack_the_same_bytes(int16, name):
+    """The AVX-VNNI level packs in plain C what the AVX512-VNNI level packs with its shuffles."""
+    levels = native.available_simd_levels()
+    if "avx512" not in levels or "avx2" not in levels:
+        pytest.skip("needs both the avx512 and avx2 levels")
+    raw = make_weights(name, 37, 512, np.random.default_rng(5))
+    packed = {}
+    before = native.simd_level()
+    try:
+        for level in ("avx512", "avx2"):
+            native.set_simd_level(level)
+            if native.int_level() != INT_LEVELS[level]:
+                pytest.skip(f"this CPU has no {INT_LEVELS[level]} units")
+            packed[level] = native.QuantWeight(name, raw).packed.copy()
+    finally:
+        native.set_simd_level(before)
+    assert np.array_equal(packed["avx512"], packed["avx2"])
 
 
 def test_weights_are_packed_only_for_the_integer_arithmetics(integer_math):

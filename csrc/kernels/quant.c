@@ -271,10 +271,14 @@ enum { ARITH_UNSET = -1, ARITH_F32 = 0, ARITH_INT16 = 1, ARITH_INT8 = 2 };
 static const char *const ARITH_NAMES[] = {"f32", "int16", "int8"};
 static atomic_int arith = ARITH_UNSET;
 
+/* Whether this CPU has integer dot-product units the integer arithmetics run on: AVX512-VNNI
+ * (quant_int.c) or AVX-VNNI (quant_int_avx2.c). */
+static int int_units(void) { return lq_int_available() || lq_avx_available(); }
+
 /* The arithmetic called `name`, or -1 when unknown or not running on this CPU. */
 static int arithmetic_named(const char *name) {
     for (int a = ARITH_F32; name && a <= ARITH_INT8; a++)
-        if (strcmp(name, ARITH_NAMES[a]) == 0) return a == ARITH_F32 || lq_int_available() ? a : -1;
+        if (strcmp(name, ARITH_NAMES[a]) == 0) return a == ARITH_F32 || int_units() ? a : -1;
     return -1;
 }
 
@@ -282,7 +286,7 @@ static int arithmetic(void) {
     int a = atomic_load_explicit(&arith, memory_order_acquire);
     if (a == ARITH_UNSET) {
         a = arithmetic_named(getenv("LLAISYS_QUANT_MATH"));
-        if (a < 0) a = lq_int_available() ? ARITH_INT16 : ARITH_F32;
+        if (a < 0) a = int_units() ? ARITH_INT16 : ARITH_F32;
         atomic_store_explicit(&arith, a, memory_order_release);
     }
     return a;
@@ -400,6 +404,7 @@ static size_t chunk_rows(size_t n, size_t row_work, size_t align, size_t threads
 typedef struct {
     const linear_job *job;
     int bits;            /* of the activations: 16 or 8 */
+    int ymm;             /* on AVX-VNNI (quant_int_avx2.c) rather than AVX512-VNNI */
     const lq_xblock *xq; /* X quantized: m rows of k / QK blocks */
     uint8_t *scratch;    /* lq_int_scratch_bytes(k) per pool thread */
     size_t scratch_bytes;
@@ -411,7 +416,13 @@ static void linear_chunk_int(void *arg, size_t chunk, int thread) {
     size_t n0 = chunk * j->rows_per_chunk, n1 = n0 + j->rows_per_chunk;
     if (n1 > j->n) n1 = j->n;
     void *scratch = ij->scratch + (size_t)thread * ij->scratch_bytes;
-    if (j->packed)
+    if (ij->ymm && j->packed)
+        lq_avx_rows_packed(j->fmt->index, j->packed, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch,
+                           ij->bits);
+    else if (ij->ymm)
+        lq_avx_rows(j->fmt->index, j->w, j->row_bytes, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch,
+                    ij->bits);
+    else if (j->packed)
         lq_int_rows_packed(j->fmt->index, j->packed, n0, n1, j->k, ij->xq, j->m, j->y, j->ldy, j->bias, scratch,
                            ij->bits);
     else
@@ -419,11 +430,17 @@ static void linear_chunk_int(void *arg, size_t chunk, int thread) {
                     ij->bits);
 }
 
+/* Whether the integer arithmetics run on AVX-VNNI: where the CPU lacks AVX512-VNNI, or the
+ * float kernels' level was set to AVX2 (LLAISYS_SIMD=avx2) on a CPU with both. */
+static int int_on_ymm(void) { return lq_avx_available() && (!lq_int_available() || kernels() == lq_kernels_avx2()); }
+
 /* The int16 or int8 arithmetic (`bits` of the activations) for all M: X quantized once, then
  * groups of 16 rows of W over it. */
 static int linear_int(linear_job *j, int threads, int bits) {
     const size_t nb = j->k / QK, x_bytes = (j->m * nb * sizeof(lq_xblock) + 63) / 64 * 64;
-    int_job ij = {.job = j, .bits = bits, .scratch_bytes = (lq_int_scratch_bytes(j->k) + 63) / 64 * 64};
+    const int ymm = int_on_ymm();
+    const size_t scratch = ymm ? lq_avx_scratch_bytes(j->k) : lq_int_scratch_bytes(j->k);
+    int_job ij = {.job = j, .bits = bits, .ymm = ymm, .scratch_bytes = (scratch + 63) / 64 * 64};
     const int slots = j->m == 1 && j->n * j->row_bytes < LQ_SERIAL_BYTES ? 1 : threads;
     /* whole groups of 16 rows; for a batch, whole pairs of groups (lq_int_rows_packed) */
     j->rows_per_chunk = chunk_rows(j->n, j->k * j->m, j->m > 8 ? 32 : 16, (size_t)slots);
@@ -433,7 +450,7 @@ static int linear_int(linear_job *j, int threads, int bits) {
     if (posix_memalign(&mem, 64, x_bytes + (size_t)used * ij.scratch_bytes) != 0) return LQ_ERR_MEMORY;
     ij.xq = mem;
     ij.scratch = (uint8_t *)mem + x_bytes;
-    lq_int_quantize(j->x, j->ldx, j->m, j->k, (lq_xblock *)mem, bits);
+    (ymm ? lq_avx_quantize : lq_int_quantize)(j->x, j->ldx, j->m, j->k, (lq_xblock *)mem, bits);
     lq_pool_run(linear_chunk_int, &ij, n_chunks, used);
     free(mem);
     return 0;
@@ -575,7 +592,12 @@ static int quant_linear(int type, const void *w, int64_t n, int64_t k, const flo
 
 /* 1 when the int16 arithmetic runs 16 rows of X at a time on the AMX tiles here (granted, not
  * turned off with LLAISYS_AMX=0), else 0. */
-LQ_EXPORT int llaisys_quant_int_amx(void) { return lq_amx_available(); }
+LQ_EXPORT int llaisys_quant_int_amx(void) { return lq_amx_available() && !int_on_ymm(); }
+
+/* The units the integer arithmetics run on now: "avx512_vnni", "avx_vnni", or "" (none here). */
+LQ_EXPORT const char *llaisys_quant_int_level(void) {
+    return int_on_ymm() ? "avx_vnni" : lq_int_available() ? "avx512_vnni" : "";
+}
 
 /* Bytes of W (n rows of k elements in format `type`) repacked for the int16 arithmetic, or 0
  * where it has no packed kernels (format, or a CPU without the units); negative: bad type or
@@ -584,7 +606,7 @@ LQ_EXPORT int64_t llaisys_quant_int_packed_bytes(int type, int64_t n, int64_t k)
     const format_t *f = find_format(type);
     if (!f) return LQ_ERR_TYPE;
     if (k <= 0 || n < 0 || k % f->block_elems) return LQ_ERR_SHAPE;
-    if (!lq_int_available()) return 0;
+    if (!int_units()) return 0;
     return (int64_t)lq_int_packed_bytes(f->index, (size_t)n, (size_t)k);
 }
 
@@ -600,7 +622,7 @@ static void pack_chunk(void *arg, size_t chunk, int thread) {
     const pack_job *p = arg;
     const size_t groups = (p->n + 15) / 16, g0 = chunk * p->groups_per_chunk;
     const size_t g1 = g0 + p->groups_per_chunk < groups ? g0 + p->groups_per_chunk : groups;
-    lq_int_pack(p->index, p->w, p->row_bytes, p->n, p->k, g0, g1, p->out);
+    (int_on_ymm() ? lq_avx_pack : lq_int_pack)(p->index, p->w, p->row_bytes, p->n, p->k, g0, g1, p->out);
 }
 
 /* Write W (n rows in format `type`) into out (llaisys_quant_int_packed_bytes of it, 64-byte

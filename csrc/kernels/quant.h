@@ -253,6 +253,17 @@ void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t
 /* lq_int_rows on W as lq_int_pack wrote it: the same bits. */
 void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
                         size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits);
+/* The same on AVX2 + AVX-VNNI (quant_int_avx2.c), for CPUs without AVX512-VNNI: the same
+ * bits and the same packed layout (lq_avx_pack writes lq_int_pack's bytes in plain C). */
+int lq_avx_available(void);
+void lq_avx_quantize(const float *x, size_t ldx, size_t m, size_t k, lq_xblock *out, int bits);
+size_t lq_avx_scratch_bytes(size_t k);
+void lq_avx_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                 size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits);
+void lq_avx_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, size_t k, const lq_xblock *x,
+                        size_t m, float *y, size_t ldy, const float *bias, void *scratch, int bits);
+void lq_avx_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                 uint8_t *out);
 
 /* Thread pool (threadpool.c): runs task(ctx, i, thread) for i in [0, n_chunks), handing chunks
  * out one at a time to the calling thread (thread 0) and the workers (1, 2, ...); threads

@@ -373,36 +373,8 @@ void lq_int_rows(int index, const uint8_t *w, size_t row_bytes, size_t n0, size_
 
 /* ---- weights packed at load ------------------------------------------------------------------ */
 
-/* What unpack_rows computes on every call, done once: each group of 16 rows of W (zero rows past
- * N) is a stream of units, one per 32-element block (per 256-element super-block for the K
- * formats); a unit is a header (the K formats' super-block scales) and, per block, the codes of
- * w16_block in 4 bits each (vector j < 4 in the low nibbles, j + 4 in the high), bit planes for
- * the 5th and 6th bits (bit i of plane j: byte i of vector j) and the rows' scale fields as
- * stored. About the bytes of the format itself, so a decoding step reads no more; the scales
- * become float32 by the same operations as in unpack_rows, so results keep their bits. */
-typedef struct {
-    size_t unit_blocks, head_bytes, block_bytes; /* blocks per unit; bytes of a header, of a block */
-    size_t nib, planes, d, m;                    /* byte offsets in a block (d, m: the 16 rows' fields) */
-    size_t src_block;                            /* bytes of one block (super-block) of the format */
-} pk_layout;
-
-static pk_layout layout_of(int index) {
-    switch (index) {
-    case IX_Q4_0: return (pk_layout){1, 0, 288, 0, 0, 256, 0, sizeof(block_q4_0)};
-    case IX_Q4_1: return (pk_layout){1, 0, 320, 0, 0, 256, 288, sizeof(block_q4_1)};
-    case IX_Q5_0: return (pk_layout){1, 0, 352, 0, 256, 320, 0, sizeof(block_q5_0)};
-    case IX_Q5_1: return (pk_layout){1, 0, 384, 0, 256, 320, 352, sizeof(block_q5_1)};
-    case IX_Q8_0: return (pk_layout){1, 0, 544, 0, 0, 512, 0, sizeof(block_q8_0)};
-    case IX_Q4_K: return (pk_layout){8, 64, 288, 0, 0, 256, 272, sizeof(block_q4_K)};   /* d: sc, m: mn */
-    case IX_Q5_K: return (pk_layout){8, 64, 352, 0, 256, 320, 336, sizeof(block_q5_K)};
-    default: return (pk_layout){8, 32, 416, 0, 256, 384, 400, sizeof(block_q6_K)};      /* d: s1, m: s2 */
-    }
-}
-
-static size_t group_bytes(int index, size_t nb) {
-    const pk_layout L = layout_of(index);
-    return nb / L.unit_blocks * (L.head_bytes + L.unit_blocks * L.block_bytes);
-}
+/* What unpack_rows computes on every call, done once: the packed layout (pk_layout in
+ * quant_int.h). */
 
 /* Block `bi` of a group, from its unit's header and its own bytes, as block_rows reads it. */
 VNNI_INLINE w16_scales packed_block(const int index, const uint8_t *head, const uint8_t *b, __m512i w[8]) {

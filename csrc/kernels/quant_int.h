@@ -25,6 +25,37 @@ typedef struct {
     int kind, offset;
 } int_format;
 
+/* The weights packed once at load (quant_int.c's lq_int_pack, quant_int_avx2.c's lq_avx_pack): each group of 16 rows of W (zero rows past
+ * N) is a stream of units, one per 32-element block (per 256-element super-block for the K
+ * formats); a unit is a header (the K formats' super-block scales) and, per block, the codes of
+ * w16_block in 4 bits each (vector j < 4 in the low nibbles, j + 4 in the high), bit planes for
+ * the 5th and 6th bits (bit i of plane j: byte i of vector j) and the rows' scale fields as
+ * stored. About the bytes of the format itself, so a decoding step reads no more; the scales
+ * become float32 by the same operations as in unpack_rows, so results keep their bits. */
+typedef struct {
+    size_t unit_blocks, head_bytes, block_bytes; /* blocks per unit; bytes of a header, of a block */
+    size_t nib, planes, d, m;                    /* byte offsets in a block (d, m: the 16 rows' fields) */
+    size_t src_block;                            /* bytes of one block (super-block) of the format */
+} pk_layout;
+
+static inline pk_layout layout_of(int index) {
+    switch (index) {
+    case IX_Q4_0: return (pk_layout){1, 0, 288, 0, 0, 256, 0, sizeof(block_q4_0)};
+    case IX_Q4_1: return (pk_layout){1, 0, 320, 0, 0, 256, 288, sizeof(block_q4_1)};
+    case IX_Q5_0: return (pk_layout){1, 0, 352, 0, 256, 320, 0, sizeof(block_q5_0)};
+    case IX_Q5_1: return (pk_layout){1, 0, 384, 0, 256, 320, 352, sizeof(block_q5_1)};
+    case IX_Q8_0: return (pk_layout){1, 0, 544, 0, 0, 512, 0, sizeof(block_q8_0)};
+    case IX_Q4_K: return (pk_layout){8, 64, 288, 0, 0, 256, 272, sizeof(block_q4_K)};   /* d: sc, m: mn */
+    case IX_Q5_K: return (pk_layout){8, 64, 352, 0, 256, 320, 336, sizeof(block_q5_K)};
+    default: return (pk_layout){8, 32, 416, 0, 256, 384, 400, sizeof(block_q6_K)};      /* d: s1, m: s2 */
+    }
+}
+
+static inline size_t group_bytes(int index, size_t nb) {
+    const pk_layout L = layout_of(index);
+    return nb / L.unit_blocks * (L.head_bytes + L.unit_blocks * L.block_bytes);
+}
+
 /* The first rows of X, 16 at a time, through a group of 16 rows of W (wg: nb blocks) on the AMX
  * tiles, with block_rows's arithmetic (the same bits; parts 2: hi and lo, 1: lo alone): y[r][j] for r < the returned count (a
  * multiple of 16, 0 where AMX is absent, refused, turned off or the format has no tile kernel). */

@@ -79,7 +79,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "other work; with --tensor-parallel N, the CPUs / N per rank)")
     parser.add_argument("--quant-math", choices=("int16", "int8", "f32"), default=None,
                         help="arithmetic of GGUF block-format weights on the CPU: int16 (activations as 16-bit "
-                             "integers on the integer units; the default where the CPU has AVX512-VNNI), int8 "
+                             "integers on the integer units; the default where the CPU has AVX512-VNNI or AVX-VNNI), int8 "
                              "(8-bit activations, as llama.cpp's: faster prompts and batches, further from "
                              "float32), f32 (float kernels; the default elsewhere). LLAISYS_QUANT_MATH sets it too")
     parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",

@@ -1,7 +1,7 @@
 """NumPy front end of the native quantized kernels (``csrc/kernels``, loaded with ctypes).
 
 The block formats run in one of three arithmetics (``quant_math``): int16 where the CPU has
-AVX512-VNNI (activations as 16-bit integers per 32-element block on the integer dot-product
+AVX512-VNNI or AVX-VNNI (activations as 16-bit integers per 32-element block on the integer dot-product
 units, the weights repacked once at load; ``reference_int16``), else f32; int8 when asked for
 (the same with 8-bit activations, as llama.cpp's: faster on a batch, further from float32). What
 follows is the f32 arithmetic, which F16/BF16 weights always use.
@@ -72,6 +72,7 @@ def _library() -> ctypes.CDLL:
                     fn.argtypes, fn.restype = args, cint
                 lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
                 lib.llaisys_quant_math.argtypes, lib.llaisys_quant_math.restype = [], ctypes.c_char_p
+                lib.llaisys_quant_int_level.argtypes, lib.llaisys_quant_int_level.restype = [], ctypes.c_char_p
                 lib.llaisys_quant_fma_loop.argtypes, lib.llaisys_quant_fma_loop.restype = [i64, i64], i64
                 lib.llaisys_quant_int_packed_bytes.argtypes = [cint, i64, i64]
                 lib.llaisys_quant_int_packed_bytes.restype = i64
@@ -364,16 +365,23 @@ def quant_math() -> str:
     """The arithmetic of the block formats now: "f32" (weights decoded to float32, float32
     multiply-adds), "int16" (activations as 16-bit integers per 32-element block on the integer
     dot-product units; reference_int16.py) or "int8" (the same with 8-bit activations): int16
-    where the CPU has AVX512-VNNI, else f32; ``LLAISYS_QUANT_MATH`` names another."""
+    where the CPU has AVX512-VNNI or AVX-VNNI, else f32; ``LLAISYS_QUANT_MATH`` names another."""
     return _library().llaisys_quant_math().decode()
 
 
 def available_quant_maths() -> tuple[str, ...]:
-    """The arithmetics this CPU runs ("int16" and "int8" need AVX512-VNNI)."""
+    """The arithmetics this CPU runs ("int16" and "int8" need AVX512-VNNI or AVX-VNNI)."""
     lib, now = _library(), quant_math()
     runs = tuple(name for name in ARITHMETICS if lib.llaisys_quant_set_math(name.encode()) == 0)
     lib.llaisys_quant_set_math(now.encode())
     return runs
+
+
+def int_level() -> str | None:
+    """The units the integer arithmetics (int16, int8) run on now: "avx512_vnni", "avx_vnni"
+    (a CPU without AVX512-VNNI, or the SIMD level set to avx2 on one with both), or None where
+    this CPU has neither. The results are the same bits on either."""
+    return _library().llaisys_quant_int_level().decode() or None
 
 
 def int16_uses_amx() -> bool:
@@ -389,7 +397,7 @@ def set_quant_math(name: str) -> None:
     if name not in ARITHMETICS:
         raise ValueError(f"unknown arithmetic {name!r}; expected one of {', '.join(ARITHMETICS)}")
     if _library().llaisys_quant_set_math(name.encode()) != 0:
-        raise ValueError(f"the {name} arithmetic does not run on this CPU (it needs AVX512-VNNI); "
+        raise ValueError(f"the {name} arithmetic does not run on this CPU (it needs AVX512-VNNI or AVX-VNNI); "
                          f"available: {', '.join(available_quant_maths())}")
 
 
