@@ -311,9 +311,23 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             up_exps=b.experts(p + "up_exps") if sparse else None,
             down_exps=b.experts(p + "down_exps") if sparse else None,
         ))
+        lp = layers[-1]
+        _prepare_for_linear(device, (lp.qkv, *lp.qkv_parts, lp.o, lp.gate_up, *lp.gate_up_parts, lp.down))
     embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
     if config.tie_word_embeddings:
         lm_head = embed if shard is None else embed.slice(0, 0, shard.vocab_rows)
     else:
         lm_head = b.one("lm_head")
+    _prepare_for_linear(device, (lm_head,))
     return DecoderParams(embed=embed, norm=b.one("norm"), lm_head=lm_head, layers=layers)
+
+
+def _prepare_for_linear(device: Device, weights: Sequence[Tensor | None]) -> None:
+    """On the CPU, ready block-format matrices for ``linear`` as they are loaded (checked, and
+    repacked in an integer arithmetic, their file pages let go), rather than on a request."""
+    if device.is_cpu:
+        from ..kernels.cpu.quantized import prepare_weight
+
+        for w in weights:
+            if w is not None:
+                prepare_weight(w)

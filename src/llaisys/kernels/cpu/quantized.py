@@ -78,6 +78,13 @@ def repacks(dtype: DataType) -> bool:
     return dtype in QUANTIZED_TYPES and native.available() and native.packs(_FORMAT[dtype])
 
 
+def prepare_weight(w_t: "Tensor") -> None:
+    """Check a block-format weight on the CPU now, and in an integer arithmetic repack it, as
+    ``linear``'s first call on it would: at load, so that no request pays for it."""
+    if w_t.device.is_cpu and w_t.dtype in QUANTIZED_TYPES and native.available():
+        w_t.derived("quant", _prepare)
+
+
 def _prepare(w_t: "Tensor") -> "native.QuantWeight | PortableWeight":
     """The weight (N, K) checked once for the native kernels (an F16/BF16 view that is not
     C-contiguous is copied once, kept with the tensor)."""
