@@ -17,10 +17,12 @@ that unit can exceed):
   vectors: on a machine with AVX-512 it can sit well below the FMA peak);
 - the memory read bandwidth: the pool's threads summing a 1 GiB buffer (``native.read_bandwidth``).
 
-Then for each shape and M: the median time per call, the multiply-adds per second (G MAC/s),
-their share of the FMA peak and of the best int8 peak (the kernels compute in float32; the
-int8 share says what is left to gain on the integer units) and M/M1, what a batch of M rows
-costs against one row.
+Then for each shape and M, in each arithmetic of ``--quant-math`` (default: the one in use;
+``f32,int16,int8`` for all three, calls interleaved): the median time per call, the
+multiply-adds per second (G MAC/s) and their share of the peak of the unit the arithmetic runs
+on (f32: the FMA peak; int8: the best int8 peak; int16: twice its rate against that peak, each
+of its multiply-adds being two int8 ones), and for the first arithmetic M/M1, what a batch of M
+rows costs against one row.
 
 ``--baseline LIB`` also times another build of the library (its ``_kernels*.so``, e.g. copied
 from before a change), interleaved call batch by call batch with this one: the ``old`` columns
@@ -28,6 +30,7 @@ and the speed-up new/old. Timings are medians; the machine may be shared, so com
 one run (the peaks are the best of several runs, taken when the cores were free).
 
     python3 benchmarks/quant_linear.py [--threads 1,2] [--repeat 15] [--ms 1,2,4,16] [--baseline OLD.so]
+    python3 benchmarks/quant_linear.py --quant-math f32,int16,int8 --shapes Q4_K:8960:1536 --ms 1,16,256
     python3 benchmarks/quant_linear.py --peaks [--threads 1,2]      # the peaks table alone
     python3 benchmarks/quant_linear.py --model [--baseline OLD.so]  # every linear of a SmolLM2 step
 
@@ -169,17 +172,37 @@ def format_peaks(peaks: dict[int, dict[str, float | None]], level: str) -> str:
     return "\n".join(lines)
 
 
-def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms: tuple[int, ...]) -> None:
+def share_of_unit(arithmetic: str, rate: float, fma: float, int8: tuple[str, float] | None) -> str:
+    """``rate`` (multiply-adds/s in ``arithmetic``) as a share of the peak of the unit it runs on."""
+    if arithmetic == "f32":
+        return f"{rate / fma:5.0%}"
+    return f"{rate * (2 if arithmetic == 'int16' else 1) / int8[1]:5.0%}" if int8 else f"{'-':>5}"
+
+
+def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms: tuple[int, ...],
+        maths: tuple[str, ...] = ()) -> None:
     from threadpoolctl import threadpool_limits
 
     from llaisys.kernels.quant import native
 
     rng = np.random.default_rng(0)
     old = OldBuild(baseline) if baseline else None
-    print(f"SIMD level {native.simd_level()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    before = native.quant_math()
+    maths = maths or (before,)
+    print(f"SIMD level {native.simd_level()}; integer units {native.int_level()}; arithmetics {', '.join(maths)}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     peaks = measure_peaks(threads)
     print(format_peaks(peaks, native.simd_level()))
+    packing = next((a for a in maths if a != "f32"), None)  # weights packed as that arithmetic keeps them
+    native.set_quant_math(packing or maths[0])
     weights = {(f, n, k): native.prepare(f, make_weights(f, n, k, rng)) for f, n, k in shapes}
+    native.set_quant_math(before)
+
+    def in_math(name: str, call: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            native.set_quant_math(name)
+            call()
+        return timed
     for t in threads:
         native.set_threads(t)
         if old:
@@ -188,27 +211,31 @@ def run(threads: list[int], repeat: int, baseline: str | None, shapes: tuple, ms
             peak, int8 = peaks[t]["fma"], best_int8(peaks[t])
             print(f"\n== {t} thread(s): FMA peak {peak / 1e9:.0f} G multiply-adds/s ({native.simd_level()} FMA loop)"
                   + (f"; int8 peak {int8[1] / 1e9:.0f} ({int8[0]})" if int8 else "; no int8 unit") + " ==")
-            head = (f"{'format':6} {'N x K':>11} {'M':>4} {'ms':>9} {'GMAC/s':>7} {'of FMA':>7} {'of int8':>7} "
-                    f"{'M/M1':>6}")
-            head += f" {'old ms':>9} {'old GMAC/s':>10} {'new/old':>7}" if old else ""
+            head = f"{'format':6} {'N x K':>11} {'M':>4}"
+            for a in maths:
+                head += f" {a + ' ms':>9} {'GMAC/s':>7} {'unit':>5}"
+            head += f" {'M/M1':>6}" + (f" {'old ms':>9} {'old GMAC/s':>10} {'new/old':>7}" if old else "")
             print(head)
             for f, n, k in shapes:
                 w = weights[f, n, k]
                 first: list[float] = []
                 for m in ms:
                     x = rng.standard_normal((m, k), dtype=np.float32)
-                    out_new, out_old = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-                    fns = [w.bind(x, None, out_new)]  # a replayed call: ctypes straight to the kernel
+                    outs = [np.empty((m, n), np.float32) for _ in range(len(maths) + 1)]
+                    # replayed calls (ctypes straight to the kernel), one per arithmetic
+                    fns = [in_math(a, w.bind(x, None, out)) for a, out in zip(maths, outs)]
                     if old:
-                        fns.append(old.bind(w, x, out_old))
+                        fns.append(in_math(maths[0], old.bind(w, x, outs[-1])))
                     med = interleaved_medians(fns, repeat)
+                    native.set_quant_math(before)
                     first = first or med
-                    rate = m * n * k / med[0]
-                    of_int8 = f"{rate / int8[1]:7.0%}" if int8 else f"{'-':>7}"
-                    line = (f"{f:6} {n:5} x {k:4} {m:4} {med[0] * 1e3:9.3f} {rate / 1e9:7.1f} {rate / peak:7.0%} "
-                            f"{of_int8} {med[0] / first[0]:6.2f}")
+                    line = f"{f:6} {n:5} x {k:4} {m:4}"
+                    for a, t in zip(maths, med):
+                        rate = m * n * k / t
+                        line += f" {t * 1e3:9.3f} {rate / 1e9:7.1f} {share_of_unit(a, rate, peak, int8)}"
+                    line += f" {med[0] / first[0]:6.2f}"
                     if old:
-                        line += f" {med[1] * 1e3:9.3f} {m * n * k / med[1] / 1e9:10.1f} {med[1] / med[0]:7.2f}"
+                        line += f" {med[-1] * 1e3:9.3f} {m * n * k / med[-1] / 1e9:10.1f} {med[-1] / med[0]:7.2f}"
                     print(line, flush=True)
 
 
@@ -264,6 +291,8 @@ def main() -> None:
     parser.add_argument("--peaks", action="store_true", help="print the peaks table alone")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated rows of X")
     parser.add_argument("--shapes", help="comma-separated FORMAT:N:K (default: the SmolLM2-135M shapes)")
+    parser.add_argument("--quant-math", default="", help="comma-separated arithmetics, e.g. f32,int16,int8 "
+                                                         "(default: the one in use)")
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     shapes = SHAPES
@@ -277,7 +306,8 @@ def main() -> None:
     elif args.model:
         model_step(threads, args.repeat, args.baseline)
     else:
-        run(threads, args.repeat, args.baseline, shapes, tuple(int(m) for m in args.ms.split(",")))
+        maths = tuple(a for a in args.quant_math.split(",") if a)
+        run(threads, args.repeat, args.baseline, shapes, tuple(int(m) for m in args.ms.split(",")), maths)
 
 
 if __name__ == "__main__":

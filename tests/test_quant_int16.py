@@ -95,11 +95,11 @@ def int_level(request):
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17, 40])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 16, 17, 40])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "as-stored"])
 def test_native_equals_the_reference_bitwise(integer_math, int_level, name, m, pack):
-    """Both the weights repacked at load (fused in registers up to 8 rows of X, through a
-    scratch above) and the weights read as stored, on AVX512-VNNI and on AVX-VNNI where the CPU
+    """Both the weights repacked at load (fused in registers up to 16 rows of X, 8 for Q6_K,
+    through a scratch above) and the weights read as stored, on AVX512-VNNI and on AVX-VNNI where the CPU
     has them; where it has AMX, 16 and 32 of the 17 and 40 rows run on its tiles, the rest on
     the VNNI kernels."""
     rng = np.random.default_rng(m)
