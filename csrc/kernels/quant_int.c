@@ -282,18 +282,10 @@ VNNI_INLINE w16_scales load_block(const w16_block *wb, __m512i w[8]) {
         }                                                                                                     \
     }
 
-BLOCK_ROWS(1, KIND_OFFSET, 2)
-BLOCK_ROWS(4, KIND_OFFSET, 2)
-BLOCK_ROWS(1, KIND_MIN, 2)
-BLOCK_ROWS(4, KIND_MIN, 2)
-BLOCK_ROWS(1, KIND_Q6, 2)
-BLOCK_ROWS(4, KIND_Q6, 2)
-BLOCK_ROWS(1, KIND_OFFSET, 1)
-BLOCK_ROWS(4, KIND_OFFSET, 1)
-BLOCK_ROWS(1, KIND_MIN, 1)
-BLOCK_ROWS(4, KIND_MIN, 1)
-BLOCK_ROWS(1, KIND_Q6, 1)
-BLOCK_ROWS(4, KIND_Q6, 1)
+#define BLOCK_ROWS_OF(PARTS) BLOCK_ROWS(1, KIND_OFFSET, PARTS) BLOCK_ROWS(4, KIND_OFFSET, PARTS) \
+    BLOCK_ROWS(1, KIND_MIN, PARTS) BLOCK_ROWS(4, KIND_MIN, PARTS) BLOCK_ROWS(1, KIND_Q6, PARTS) BLOCK_ROWS(4, KIND_Q6, PARTS)
+BLOCK_ROWS_OF(2)
+BLOCK_ROWS_OF(1)
 
 #define MR 4 /* rows of X per pass over a group's blocks: their 16-output accumulators in registers */
 
@@ -657,20 +649,7 @@ VNNI void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, s
                     for (int j = 0; j < 8; j++) plane[8 + j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x20));
             }
             for (size_t r = 0; r < rows; r++) {
-                const uint8_t *src = wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block;
-                switch (index) {
-                case IX_Q4_0: case IX_Q5_0: case IX_Q8_0: memcpy(b + L.d + 2 * r, src, 2); break;
-                case IX_Q4_1: case IX_Q5_1: memcpy(b + L.d + 2 * r, src, 2), memcpy(b + L.m + 2 * r, src + 2, 2); break;
-                case IX_Q4_K: case IX_Q5_K:
-                    if (bi % 8 == 0) memcpy(head + 2 * r, src, 2), memcpy(head + 32 + 2 * r, src + 2, 2);
-                    unpack_scales_k4(src + 4, (int)(bi % 8), b + L.d + r, b + L.m + r);
-                    break;
-                default: { /* Q6_K */
-                    const block_q6_K *q = (const block_q6_K *)src;
-                    if (bi % 8 == 0) memcpy(head + 2 * r, &q->d, 2);
-                    b[L.d + r] = (uint8_t)q->scales[2 * (bi % 8)], b[L.m + r] = (uint8_t)q->scales[2 * (bi % 8) + 1];
-                }
-                }
+                pack_row_scales(index, wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block, r, bi, head, b);
             }
         }
     }

@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "quant.h"
 
@@ -54,6 +55,25 @@ static inline pk_layout layout_of(int index) {
 static inline size_t group_bytes(int index, size_t nb) {
     const pk_layout L = layout_of(index);
     return nb / L.unit_blocks * (L.head_bytes + L.unit_blocks * L.block_bytes);
+}
+
+/* Row r of a group's scale fields for block bi, from `src` (the row's block, or its super-block
+ * for the K formats) into the packed unit: its header `head` and the block's bytes `b`. */
+static inline void pack_row_scales(int index, const uint8_t *src, size_t r, size_t bi, uint8_t *head, uint8_t *b) {
+    const pk_layout L = layout_of(index);
+    switch (index) {
+    case IX_Q4_0: case IX_Q5_0: case IX_Q8_0: memcpy(b + L.d + 2 * r, src, 2); break;
+    case IX_Q4_1: case IX_Q5_1: memcpy(b + L.d + 2 * r, src, 2), memcpy(b + L.m + 2 * r, src + 2, 2); break;
+    case IX_Q4_K: case IX_Q5_K:
+        if (bi % 8 == 0) memcpy(head + 2 * r, src, 2), memcpy(head + 32 + 2 * r, src + 2, 2);
+        unpack_scales_k4(src + 4, (int)(bi % 8), b + L.d + r, b + L.m + r);
+        break;
+    default: { /* Q6_K */
+        const block_q6_K *q = (const block_q6_K *)src;
+        if (bi % 8 == 0) memcpy(head + 2 * r, &q->d, 2);
+        b[L.d + r] = (uint8_t)q->scales[2 * (bi % 8)], b[L.m + r] = (uint8_t)q->scales[2 * (bi % 8) + 1];
+    }
+    }
 }
 
 /* The first rows of X, 16 at a time, through a group of 16 rows of W (wg: nb blocks) on the AMX

@@ -92,20 +92,7 @@ void lq_avx_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t
                     if (L.planes && (c[e] & 0x10)) plane[j] |= 1ull << at;
                     if (index == IX_Q6_K && (c[e] & 0x20)) plane[8 + j] |= 1ull << at;
                 }
-                const uint8_t *src = wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block;
-                switch (index) {
-                case IX_Q4_0: case IX_Q5_0: case IX_Q8_0: memcpy(b + L.d + 2 * r, src, 2); break;
-                case IX_Q4_1: case IX_Q5_1: memcpy(b + L.d + 2 * r, src, 2), memcpy(b + L.m + 2 * r, src + 2, 2); break;
-                case IX_Q4_K: case IX_Q5_K:
-                    if (bi % 8 == 0) memcpy(head + 2 * r, src, 2), memcpy(head + 32 + 2 * r, src + 2, 2);
-                    unpack_scales_k4(src + 4, (int)(bi % 8), b + L.d + r, b + L.m + r);
-                    break;
-                default: { /* Q6_K */
-                    const block_q6_K *q = (const block_q6_K *)src;
-                    if (bi % 8 == 0) memcpy(head + 2 * r, &q->d, 2);
-                    b[L.d + r] = (uint8_t)q->scales[2 * (bi % 8)], b[L.m + r] = (uint8_t)q->scales[2 * (bi % 8) + 1];
-                }
-                }
+                pack_row_scales(index, wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block, r, bi, head, b);
             }
         }
     }
