@@ -432,6 +432,10 @@ def test_quant_math_picks_the_arithmetic_or_says_this_cpu_lacks_it(arithmetic) -
     if arithmetic in native.available_quant_maths():
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["quant_math"] == arithmetic
+        info = llaisys("info", "--quant-math", arithmetic, "--json")
+        assert info.returncode == 0, info.stderr
+        want = arithmetic if arithmetic == "f32" else f"{arithmetic} on {native.int_level()}"
+        assert json.loads(info.stdout)["quant_math"] == want
     else:  # a CPU without AVX512-VNNI
         assert proc.returncode == 2 and f"the {arithmetic} arithmetic does not run on this CPU" in proc.stderr
 

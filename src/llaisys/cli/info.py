@@ -40,11 +40,17 @@ def format_info(info: dict[str, Any], indent: int = 0) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model and print ``model.info()``."""
+    """Load the model and print ``model.info()``, with the arithmetic its block formats run in."""
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise UsageError(f"two models given, {args.model_path!r} and --model {args.model!r}; give one")
     model = load_from_args(args, args.model_path or args.model)
     info = model.info()
+    from .bench import block_arithmetic
+    from ..kernels.quant import native
+
+    arithmetic = block_arithmetic(model)
+    if arithmetic is not None:  # the arithmetic of the block-format matrices, and its units
+        info["quant_math"] = arithmetic if arithmetic == "f32" else f"{arithmetic} on {native.int_level()}"
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
