@@ -616,43 +616,33 @@ void lq_int_rows_packed(int index, const uint8_t *packed, size_t n0, size_t n1, 
     }
 }
 
-/* Pack the groups g0 <= g < g1 of W (n rows) into `out` (lq_int_packed_bytes, the layout above). */
-VNNI void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
-                      uint8_t *out) {
+/* Block bi's codes of a group, packed (pack_codes_fn): transposed by unpack16, then split. */
+VNNI static void pack_codes(int index, const uint8_t *wg, size_t row_bytes, size_t rows, size_t bi, uint8_t *b) {
     const pk_layout L = layout_of(index);
-    const size_t nb = k / QK, gb = group_bytes(index, nb), unit = L.head_bytes + L.unit_blocks * L.block_bytes;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     w16_block t;
-    for (size_t g = g0; g < g1; g++) {
-        const size_t rows = n - 16 * g < 16 ? n - 16 * g : 16;
-        const uint8_t *wg = w + 16 * g * row_bytes;
-        uint8_t *o = out + g * gb;
-        memset(o, 0, gb);
-        for (size_t bi = 0; bi < nb; bi++) {
-            const size_t sb = bi / L.unit_blocks;
-            uint8_t *head = o + sb * unit, *b = head + L.head_bytes + bi % L.unit_blocks * L.block_bytes;
-            unpack16(index, wg, row_bytes, rows, bi, &t);
-            __m512i c[8];
-            for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)t.codes[j]);
-            if (index == IX_Q8_0) {
-                for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)(b + 64 * j), c[j]);
-            } else {
-                for (int j = 0; j < 4; j++)
-                    _mm512_storeu_si512((void *)(b + 64 * j),
-                                        _mm512_or_si512(_mm512_and_si512(c[j], m4),
-                                                        _mm512_slli_epi16(_mm512_and_si512(c[j + 4], m4), 4)));
-            }
-            if (L.planes) {
-                uint64_t *plane = (uint64_t *)(b + L.planes);
-                for (int j = 0; j < 8; j++) plane[j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x10));
-                if (index == IX_Q6_K)
-                    for (int j = 0; j < 8; j++) plane[8 + j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x20));
-            }
-            for (size_t r = 0; r < rows; r++) {
-                pack_row_scales(index, wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block, r, bi, head, b);
-            }
-        }
+    unpack16(index, wg, row_bytes, rows, bi, &t);
+    __m512i c[8];
+    for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)t.codes[j]);
+    if (index == IX_Q8_0) {
+        for (int j = 0; j < 8; j++) _mm512_storeu_si512((void *)(b + 64 * j), c[j]);
+    } else {
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_si512((void *)(b + 64 * j), _mm512_or_si512(_mm512_and_si512(c[j], m4),
+                                                                      _mm512_slli_epi16(_mm512_and_si512(c[j + 4], m4), 4)));
     }
+    if (L.planes) {
+        uint64_t *plane = (uint64_t *)(b + L.planes);
+        for (int j = 0; j < 8; j++) plane[j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x10));
+        if (index == IX_Q6_K)
+            for (int j = 0; j < 8; j++) plane[8 + j] = _mm512_test_epi8_mask(c[j], _mm512_set1_epi8(0x20));
+    }
+}
+
+/* Pack the groups g0 <= g < g1 of W (n rows) into `out` (lq_int_packed_bytes, the layout above). */
+void lq_int_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                 uint8_t *out) {
+    pack_groups(index, w, row_bytes, n, k, g0, g1, out, pack_codes);
 }
 
 int lq_int_supports(int index) {

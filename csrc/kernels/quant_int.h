@@ -76,6 +76,31 @@ static inline void pack_row_scales(int index, const uint8_t *src, size_t r, size
     }
 }
 
+/* Writes the codes (and bit planes) of block bi of a group's `rows` rows (wg, row_bytes apart)
+ * into the block's packed bytes b, zeroed before. */
+typedef void pack_codes_fn(int index, const uint8_t *wg, size_t row_bytes, size_t rows, size_t bi, uint8_t *b);
+
+/* Pack groups g0 <= g < g1 of W (n rows of k elements) into `out` in pk_layout: each block's
+ * codes by `codes`, the rows' scale fields by pack_row_scales. */
+static inline void pack_groups(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
+                               uint8_t *out, pack_codes_fn *codes) {
+    const pk_layout L = layout_of(index);
+    const size_t nb = k / QK, gb = group_bytes(index, nb), unit = L.head_bytes + L.unit_blocks * L.block_bytes;
+    for (size_t g = g0; g < g1; g++) {
+        const size_t rows = n - 16 * g < 16 ? n - 16 * g : 16;
+        const uint8_t *wg = w + 16 * g * row_bytes;
+        uint8_t *o = out + g * gb;
+        memset(o, 0, gb);
+        for (size_t bi = 0; bi < nb; bi++) {
+            const size_t sb = bi / L.unit_blocks;
+            uint8_t *head = o + sb * unit, *b = head + L.head_bytes + bi % L.unit_blocks * L.block_bytes;
+            codes(index, wg, row_bytes, rows, bi, b);
+            for (size_t r = 0; r < rows; r++)
+                pack_row_scales(index, wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block, r, bi, head, b);
+        }
+    }
+}
+
 /* The first rows of X, 16 at a time, through a group of 16 rows of W (wg: nb blocks) on the AMX
  * tiles, with block_rows's arithmetic (the same bits; parts 2: hi and lo, 1: lo alone): y[r][j] for r < the returned count (a
  * multiple of 16, 0 where AMX is absent, refused, turned off or the format has no tile kernel). */

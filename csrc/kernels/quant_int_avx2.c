@@ -66,36 +66,29 @@ static void row_block_codes(int index, const uint8_t *row, size_t bi, uint8_t c[
     }
 }
 
+/* Block bi's codes of a group, packed (pack_codes_fn), in plain C: lq_int_pack's bytes. */
+static void pack_codes(int index, const uint8_t *wg, size_t row_bytes, size_t rows, size_t bi, uint8_t *b) {
+    const pk_layout L = layout_of(index);
+    uint64_t *plane = (uint64_t *)(b + L.planes);
+    for (size_t r = 0; r < rows; r++) {
+        uint8_t c[QK];
+        row_block_codes(index, wg + r * row_bytes, bi, c);
+        for (int e = 0; e < QK; e++) {
+            const int j = e / 4, at = 4 * (int)r + e % 4; /* vector j, byte at */
+            if (index == IX_Q8_0)
+                b[64 * j + at] = c[e];
+            else
+                b[64 * (j % 4) + at] |= (uint8_t)((c[e] & 15) << (j < 4 ? 0 : 4));
+            if (L.planes && (c[e] & 0x10)) plane[j] |= 1ull << at;
+            if (index == IX_Q6_K && (c[e] & 0x20)) plane[8 + j] |= 1ull << at;
+        }
+    }
+}
+
 /* lq_int_pack's layout, in plain C (the same bytes). */
 void lq_avx_pack(int index, const uint8_t *w, size_t row_bytes, size_t n, size_t k, size_t g0, size_t g1,
                  uint8_t *out) {
-    const pk_layout L = layout_of(index);
-    const size_t nb = k / QK, gb = group_bytes(index, nb), unit = L.head_bytes + L.unit_blocks * L.block_bytes;
-    for (size_t g = g0; g < g1; g++) {
-        const size_t rows = n - 16 * g < 16 ? n - 16 * g : 16;
-        const uint8_t *wg = w + 16 * g * row_bytes;
-        uint8_t *o = out + g * gb;
-        memset(o, 0, gb);
-        for (size_t bi = 0; bi < nb; bi++) {
-            const size_t sb = bi / L.unit_blocks;
-            uint8_t *head = o + sb * unit, *b = head + L.head_bytes + bi % L.unit_blocks * L.block_bytes;
-            uint64_t *plane = (uint64_t *)(b + L.planes);
-            for (size_t r = 0; r < rows; r++) {
-                uint8_t c[QK];
-                row_block_codes(index, wg + r * row_bytes, bi, c);
-                for (int e = 0; e < QK; e++) {
-                    const int j = e / 4, at = 4 * (int)r + e % 4; /* vector j, byte at */
-                    if (index == IX_Q8_0)
-                        b[64 * j + at] = c[e];
-                    else
-                        b[64 * (j % 4) + at] |= (uint8_t)((c[e] & 15) << (j < 4 ? 0 : 4));
-                    if (L.planes && (c[e] & 0x10)) plane[j] |= 1ull << at;
-                    if (index == IX_Q6_K && (c[e] & 0x20)) plane[8 + j] |= 1ull << at;
-                }
-                pack_row_scales(index, wg + r * row_bytes + (L.unit_blocks == 1 ? bi : sb) * L.src_block, r, bi, head, b);
-            }
-        }
-    }
+    pack_groups(index, w, row_bytes, n, k, g0, g1, out, pack_codes);
 }
 
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
