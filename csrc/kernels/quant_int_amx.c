@@ -9,6 +9,10 @@
  *
  * The tile state must be granted by Linux (arch_prctl, asked once by peak.c's unit probe), and
  * the tile configuration is per thread: each call loads it and releases it.
+ *
+ * Built with -DLLAISYS_AMX_EMULATE, the tile instructions are C functions over an array of
+ * tiles that compute what the instruction set reference defines (tests build the library that
+ * way to run this kernel on a CPU without AMX; the bits must equal the reference's either way).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -17,17 +21,65 @@
 
 int llaisys_peak_int8_units(void); /* peak.c: bit 2 when amx_int8 runs here (tile state granted) */
 
-#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#if defined(__x86_64__) && (defined(LLAISYS_AMX_EMULATE) || (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11))
 #include <immintrin.h>
 #include <stdatomic.h>
-
-#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16]; /* bytes per row of each tile */
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) tile_config;
+
+#ifdef LLAISYS_AMX_EMULATE
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* The tiles of this thread and their shapes (the loaded configuration). */
+static _Thread_local struct {
+    uint8_t data[8][16][64];
+    int rows[8], colsb[8];
+} emu;
+
+static void emu_loadconfig(const tile_config *c) {
+    memset(&emu, 0, sizeof emu);
+    for (int t = 0; t < 8; t++) emu.rows[t] = c->rows[t], emu.colsb[t] = c->colsb[t];
+}
+static void emu_zero(int t) { memset(emu.data[t], 0, sizeof emu.data[t]); }
+static void emu_loadd(int t, const void *base, size_t stride) {
+    for (int r = 0; r < emu.rows[t]; r++) memcpy(emu.data[t][r], (const char *)base + r * stride, (size_t)emu.colsb[t]);
+}
+static void emu_stored(int t, void *base, size_t stride) {
+    for (int r = 0; r < emu.rows[t]; r++) memcpy((char *)base + r * stride, emu.data[t][r], (size_t)emu.colsb[t]);
+}
+/* TDPBSUD: C[m][n] (int32) += sum over k, i of signed A[m][4k + i] times unsigned B[k][4n + i]. */
+static void emu_dpbsud(int c, int a, int b) {
+    for (int m = 0; m < emu.rows[c]; m++)
+        for (int n = 0; n < emu.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, emu.data[c][m] + 4 * n, 4);
+            for (int k = 0; k < emu.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (int32_t)(int8_t)emu.data[a][m][4 * k + i] * (int32_t)emu.data[b][k][4 * n + i];
+            memcpy(emu.data[c][m] + 4 * n, &acc, 4);
+        }
+}
+#define tile_loadconfig(c) emu_loadconfig(c)
+#define tile_zero(t) emu_zero(t)
+#define tile_loadd(t, p, s) emu_loadd(t, p, s)
+#define tile_stored(t, p, s) emu_stored(t, p, s)
+#define tile_dpbsud(c, a, b) emu_dpbsud(c, a, b)
+#define tile_release() ((void)0)
+#define TILES_GRANTED() 1
+#else
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define tile_loadconfig(c) _tile_loadconfig(c)
+#define tile_zero(t) _tile_zero(t)
+#define tile_loadd(t, p, s) _tile_loadd(t, p, s)
+#define tile_stored(t, p, s) _tile_stored(t, p, s)
+#define tile_dpbsud(c, a, b) _tile_dpbsud(c, a, b)
+#define tile_release() _tile_release()
+#define TILES_GRANTED() (llaisys_peak_int8_units() >> 2 & 1)
+#endif
 
 /* Tiles (literal numbers: the intrinsics paste them into register names): the two sums, the
  * two activation parts, W. */
@@ -42,7 +94,7 @@ int lq_amx_available(void) {
     int a = atomic_load_explicit(&known, memory_order_relaxed);
     if (a < 0) {
         const char *off = getenv("LLAISYS_AMX");
-        a = !(off && strcmp(off, "0") == 0) && (llaisys_peak_int8_units() >> 2 & 1);
+        a = !(off && strcmp(off, "0") == 0) && TILES_GRANTED();
         atomic_store_explicit(&known, a, memory_order_relaxed);
     }
     return a;
@@ -57,7 +109,7 @@ AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int part
     cfg.rows[T_HI] = cfg.rows[T_LO] = 16, cfg.colsb[T_HI] = cfg.colsb[T_LO] = 64;
     cfg.rows[T_XHI] = cfg.rows[T_XLO] = 16, cfg.colsb[T_XHI] = cfg.colsb[T_XLO] = 32;
     cfg.rows[T_W] = 8, cfg.colsb[T_W] = 64;
-    _tile_loadconfig(&cfg);
+    tile_loadconfig(&cfg);
     const size_t stride = nb * sizeof(lq_xblock);
     int32_t hi[16][16] __attribute__((aligned(64))), lo[16][16] __attribute__((aligned(64)));
     const __mmask16 keep = (__mmask16)((1u << rows) - 1);
@@ -68,16 +120,16 @@ AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int part
         __m512 acc[16];
         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
         for (size_t bi = 0; bi < nb; bi++) {
-            _tile_zero(T_LO);
-            _tile_loadd(T_XLO, xr[bi].lo, stride);
-            _tile_loadd(T_W, wg[bi].codes, 64);
-            _tile_dpbsud(T_LO, T_XLO, T_W);
-            _tile_stored(T_LO, lo, 64);
+            tile_zero(T_LO);
+            tile_loadd(T_XLO, xr[bi].lo, stride);
+            tile_loadd(T_W, wg[bi].codes, 64);
+            tile_dpbsud(T_LO, T_XLO, T_W);
+            tile_stored(T_LO, lo, 64);
             if (parts == 2) {
-                _tile_zero(T_HI);
-                _tile_loadd(T_XHI, xr[bi].hi, stride);
-                _tile_dpbsud(T_HI, T_XHI, T_W);
-                _tile_stored(T_HI, hi, 64);
+                tile_zero(T_HI);
+                tile_loadd(T_XHI, xr[bi].hi, stride);
+                tile_dpbsud(T_HI, T_XHI, T_W);
+                tile_stored(T_HI, hi, 64);
             }
             const __m512 scale = _mm512_loadu_ps(wg[bi].scale);
             const __m512 mn = kind == KIND_MIN ? _mm512_loadu_ps(wg[bi].min) : _mm512_setzero_ps();
@@ -93,7 +145,7 @@ AMX size_t lq_amx_group_rows(const w16_block *wg, int kind, int offset, int part
         for (int r = 0; r < 16; r++)
             _mm512_mask_storeu_ps(y + (m0 + (size_t)r) * ldy, keep, bias ? _mm512_add_ps(acc[r], b) : acc[r]);
     }
-    _tile_release();
+    tile_release();
     return m0;
 }
 
