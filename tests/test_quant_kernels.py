@@ -240,6 +240,27 @@ def test_rows_are_batch_invariant(name, simd):
         native.set_threads(before)
 
 
+@pytest.mark.parametrize("name", ["BF16", "F16", "Q4_0", "Q6_K"])
+def test_wide_rows_keep_their_bits_in_shorter_tiles(name, simd):
+    """A K wide enough that the many-rows path cuts its tiles of W to fit L2 (4864: 24 rows of
+    W, not 64): every row still has its M = 1 bits, and lies near the float64 product."""
+    k = 4864
+    rng = np.random.default_rng(22)
+    raw = make_weights(name, 53, k, rng)
+    weight = native.prepare(name, raw)
+    x = rng.standard_normal((160, k), dtype=np.float32)
+    before = native.threads()
+    try:
+        for threads in (1, 2):
+            native.set_threads(threads)
+            got = weight.linear(x)
+            alone = np.concatenate([weight.linear(x[r:r + 1]) for r in range(0, 160, 23)])
+            assert np.array_equal(got[::23].view(np.uint32), alone.view(np.uint32)), f"{name}, {threads} thread(s)"
+    finally:
+        native.set_threads(before)
+    assert_linear_close(got, x, gguf_dequantize(name, raw), None, f"{name}, K = {k}")
+
+
 SWITCH_M = (2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65)
 
 

@@ -571,6 +571,8 @@ static int quant_linear(int type, const void *w, int64_t n, int64_t k, const flo
          * (measured: 10-25% faster than 16-row tiles at M = 8..16, K = 576..1536). */
         const size_t align = (size_t)j.kern->tile_align;
         size_t tile = (size_t)j.kern->tile_rows * 4;
+        const size_t fits = LQ_TILE_L2_BYTES / (j.k * sizeof(float)) / align * align;
+        if (tile > fits) tile = fits > align ? fits : align;
         if (j.m <= 32) {
             tile = LQ_TILE_BYTES / (j.k * sizeof(float)) / align * align;
             if (tile < align) tile = align;

@@ -39,6 +39,12 @@ enum { IX_F32, IX_F16, IX_BF16, IX_Q4_0, IX_Q4_1, IX_Q5_0, IX_Q5_1, IX_Q8_0, IX_
  * meet all the rows of X), within the level's tile_align .. tile_rows rows. */
 #define LQ_TILE_BYTES ((size_t)16 << 10)
 
+/* More rows of X: taller tiles of W, up to this many bytes decoded (they stay in L2 while every
+ * row of X meets them; a wide K makes them shorter). */
+#ifndef LQ_TILE_L2_BYTES
+#define LQ_TILE_L2_BYTES ((size_t)512 << 10)
+#endif
+
 /* dotm_max < M <= LQ_FUSED_MAX_M, or more rows while X takes at most LQ_FUSED_X_BYTES (it is
  * read once per 4 rows of W, from L2): the fused kernels, each weight decoded once, between
  * multiply-adds. (Measured, Q4_1, 1 thread, against decode + tile: 4-5% faster up to M = 192
