@@ -5,8 +5,9 @@ and 2 key/value heads of 128, q/k/v biases, rope base 1e6, tied embeddings) with
 49152-token vocabulary and tokenizer (the metadata of the bundled SmolLM2 GGUF), stored as
 llama.cpp's Q4_K_M: an F16 GGUF written with the ``gguf`` package (weights N(0, 0.02), norms
 1, so activations stay finite), then quantized by llama.cpp's own quantizer
-(``llama_cpp.llama_model_quantize``). A benchmark reads as many weight bytes per token as the
-real model does; the text it writes is noise.
+(``llama_cpp.llama_model_quantize``). ``qwen2.5-1.5b-f16``: the same model left in F16 (as the
+unquantized downloads are). A benchmark reads as many weight bytes per token as the real model
+does; the text it writes is noise.
 
 The file is cached under ``~/.cache/llaisys/bench-models/`` (``$XDG_CACHE_HOME`` if set), named
 by its shape and type, written under a temporary name and renamed when whole, and reused when
@@ -53,7 +54,8 @@ class Shape:
 QWEN25_15B_SMOLLM_VOCAB = Shape(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, head_dim=128,
                                 vocab=49152, rope_theta=1e6, context=32768)
 # name -> (shape, llama.cpp file type: the name after LLAMA_FTYPE_MOSTLY_)
-NAMED = {"qwen2.5-1.5b-q4km": (QWEN25_15B_SMOLLM_VOCAB, "Q4_K_M")}
+NAMED = {"qwen2.5-1.5b-q4km": (QWEN25_15B_SMOLLM_VOCAB, "Q4_K_M"),
+         "qwen2.5-1.5b-f16": (QWEN25_15B_SMOLLM_VOCAB, "F16")}  # 16-bit weights, as unquantized downloads
 WEIGHT_STD = 0.02
 
 

@@ -1,8 +1,10 @@
-"""BF16 safetensors folders in an f32 model: the matrices stay BF16 in memory (``linear`` widens
-them as it computes), norms, biases and the embedding table are f32, and the logits match
-transformers' f32 run of the same bf16-rounded weights."""
+"""BF16 safetensors folders in an f32 model: the matrices and the embedding table stay BF16 in
+memory (``linear`` and ``embedding`` widen them as they compute), views of the file where it
+holds them as they are used, norms and biases are f32, and the logits match transformers' f32
+run of the same bf16-rounded weights."""
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +59,39 @@ def test_matrices_stay_bf16(case):
             assert t.dtype is DataType.BF16, name
         for t in (lp.attn_norm, lp.ffn_norm, lp.qkv_bias, lp.o_bias):
             assert t is None or t.dtype is DataType.F32, name
-    assert p.embed.dtype is DataType.F32 and p.norm.dtype is DataType.F32
+    assert p.embed.dtype is DataType.BF16 and p.norm.dtype is DataType.F32
     if extra["tie_word_embeddings"]:
         assert p.lm_head is p.embed
     else:
         assert p.lm_head.dtype is DataType.BF16
+
+
+def _mapped_file(t) -> bool:
+    """Whether tensor ``t``'s memory is a view of a memory-mapped file rather than its own."""
+    base = t.storage.host_memory()
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, mmap.mmap) or (isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap))
+
+
+def test_matrices_kept_as_stored_are_views_of_the_file(case):
+    """o, down, gate/up (back to back in the file) and the embedding table are frozen views of
+    the file's memory map holding the stored values; q/k/v, apart in the file, are one copy."""
+    from safetensors.numpy import load_file
+
+    name, extra, folder, _ = case
+    stored = {k: v for k, v in load_file(folder / "model.safetensors").items()}  # bf16 as stored
+    p = load_model(folder, dtype="f32").params
+    for i, lp in enumerate(p.layers):
+        pre = f"model.layers.{i}."
+        for t, names in ((lp.o, ["self_attn.o_proj"]), (lp.down, ["mlp.down_proj"]),
+                         (lp.gate_up, ["mlp.gate_proj", "mlp.up_proj"])):
+            assert _mapped_file(t) and t.frozen and not t.host_array().flags.writeable, name
+            want = np.concatenate([stored[pre + n + ".weight"] for n in names]).view(np.uint16)
+            assert np.array_equal(t.host_array().view(np.uint16), want), name
+        assert not _mapped_file(lp.qkv), name
+    assert _mapped_file(p.embed)
+    assert np.array_equal(p.embed.host_array().view(np.uint16), stored["model.embed_tokens.weight"].view(np.uint16))
 
 
 def test_logits_and_greedy_match_transformers_f32(case):
@@ -92,13 +122,12 @@ def test_resident_bytes_about_half(case):
     half = load_model(folder, dtype="f32")
     full = load_model(folder, dtype="f32", half_weights=False)
     assert full.params.layers[0].qkv.dtype is DataType.F32
-    # only the embedding table (and the 1-D norms and biases) stay 4 bytes an element
+    # only the 1-D norms and biases stay 4 bytes an element
     p = full.params
-    f32_only = p.embed.nbytes + p.norm.nbytes + sum(
+    f32_only = p.norm.nbytes + sum(
         t.nbytes for lp in p.layers for t in (lp.attn_norm, lp.ffn_norm, lp.qkv_bias, lp.o_bias) if t is not None)
     assert half.weight_bytes() == f32_only + (full.weight_bytes() - f32_only) // 2, name
-    if not extra["tie_word_embeddings"]:
-        assert half.weight_bytes() < 0.6 * full.weight_bytes(), name
+    assert half.weight_bytes() < 0.6 * full.weight_bytes(), name
     ids = _prompt(12, seed=5)
     np.testing.assert_allclose(half.forward(ids, half.new_cache(16), all_logits=True),
                                full.forward(ids, full.new_cache(16), all_logits=True), atol=F32_ATOL, rtol=0)

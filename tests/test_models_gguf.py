@@ -2,6 +2,7 @@
 llaisys and by transformers (which dequantizes the same file to f32), compared token for token."""
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from conftest import hf_to_gguf_tensors, logits_atol, random_hf_model, write_ggu
 
 from llaisys import DataType  # noqa: E402
 from llaisys.models import default_model_path, load_model  # noqa: E402
+from llaisys.models.loaders.gguf import open_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 CHAT_PROMPTS = [
@@ -176,12 +178,25 @@ def test_dtype_choice_for_gguf(tmp_path):
     f16 = {n: Q.F16 for n, a in tensors.items() if a.ndim == 2}
     path = tmp_path / "f16.gguf"
     write_gguf(path, "qwen2", tensors, config=src.config, types=f16)
-    assert load_model(path).dtype is DataType.F16  # all matrices F16: kept
-    assert load_model(path, dtype="f32").dtype is DataType.F32
+    assert load_model(path, dtype="f16").dtype is DataType.F16
+    # on the CPU, f32 activations over the F16 matrices, which stay F16 as views of the file
+    ours, ref = load_model(path), _hf_gguf(path)
+    p = ours.params
+    assert ours.dtype is DataType.F32 and p.norm.dtype is DataType.F32
+    assert {t.dtype for t in (p.embed, p.lm_head, p.layers[0].qkv, p.layers[0].o, p.layers[0].down)} == {DataType.F16}
+    stored = {t.name: t.data for t in open_gguf(str(path)).tensors}
+    base = p.layers[0].o.storage.host_memory()
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)  # not a copy
+    assert np.array_equal(p.layers[0].o.host_array().view(np.uint16), stored["blk.0.attn_output.weight"].view(np.uint16))
     ids = [5, 17, 250, 3, 99, 42]
-    ours, ref = load_model(path, dtype="f32"), _hf_gguf(path)
     np.testing.assert_allclose(ours.forward(ids, ours.new_cache(8), all_logits=True), _hf_logits(ref, ids),
                                atol=1e-4, rtol=0)
+    full = load_model(path, dtype="f32", half_weights=False)
+    assert full.params.layers[0].o.dtype is DataType.F32
+    np.testing.assert_allclose(ours.forward(ids, ours.new_cache(8), all_logits=True),
+                               full.forward(ids, full.new_cache(8), all_logits=True), atol=1e-5, rtol=0)
 
 
 def _same_contents(ours, ref) -> None:

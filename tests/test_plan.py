@@ -205,16 +205,20 @@ def test_batched_decoding_step_is_one_native_stretch(half_weights_model, monkeyp
         assert np.array_equal(got, today) and np.array_equal(got, plain)
 
 
-@pytest.mark.parametrize("dtype", [DataType.F32, DataType.F16])
-def test_embedding_replays_as_a_native_gather(dtype):
+@pytest.mark.parametrize("dtype,table_dtype", [(DataType.F32, DataType.F32), (DataType.F16, DataType.F16),
+                                               (DataType.F32, DataType.F16), (DataType.F32, DataType.BF16)])
+def test_embedding_replays_as_a_native_gather(dtype, table_dtype):
     """A recorded embedding (a pass's gather of its logit rows) runs in C with np.take's
-    bytes, reads its index at every run, and an index out of range raises the direct error."""
+    bytes (an F16/BF16 table's rows widened to F32 exactly, as NumPy widens them), reads its
+    index at every run, and an index out of range raises the direct error."""
     from llaisys.kernels.cpu import native_calls
 
     if not native_calls.available():
         pytest.fail("the native ops library is not built; the test suite runs against a built package")
     rng = np.random.default_rng(3)
-    table = Tensor.from_numpy(rng.standard_normal((9, 24)).astype(np.float32), dtype=dtype)
+    values = rng.standard_normal((9, 24)).astype(np.float32)
+    values[0, :4] = [6e-8, -1e-39, np.inf, np.nan]  # an F16 subnormal, a BF16 subnormal, inf, nan
+    table = Tensor.from_numpy(values, dtype=table_dtype)
     rows = Tensor.from_numpy(np.array([4, 0, 8], np.int64))
     out = Tensor.zeros((3, 24), dtype=dtype)
     plan = ops.Plan()
@@ -223,7 +227,9 @@ def test_embedding_replays_as_a_native_gather(dtype):
     for index in ([4, 0, 8], [1, 1, 7]):
         rows.load(np.array(index, np.int64))
         plan.run()
-        assert np.array_equal(out.numpy(), ops.functional.embedding(rows, table).numpy())
+        want = table.numpy()[np.array(index)].astype(np.float32)  # NumPy's (ml_dtypes') widening
+        assert np.array_equal(out.numpy().astype(np.float32), want, equal_nan=True)
+        assert np.array_equal(out.numpy(), ops.functional.embedding(rows, table).numpy(), equal_nan=True)
     rows.load(np.array([2, 9, -1], np.int64))
     with pytest.raises(ValueError, match="embedding: index 9 is out of range for a table of 9 rows"):
         plan.run()

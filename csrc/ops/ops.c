@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/simd_level.h"
+#include "kernels/quant.h" /* lq_half_to_float, lq_bf16_to_float */
 
 #include "ops_body.h"
 
@@ -234,7 +235,18 @@ LO_EXPORT int llaisys_ops_gather_call(const void *block) {
     }
     for (int64_t i = 0; i < c->rows; i++) {
         const char *row = c->weight + c->index[i * c->index_s] * c->weight_s;
-        memcpy(c->out + i * c->out_s, row, (size_t)c->row_bytes);
+        char *dst = c->out + i * c->out_s;
+        if (c->widen == LO_GATHER_COPY) {
+            memcpy(dst, row, (size_t)c->row_bytes);
+            continue;
+        }
+        const int64_t n = c->row_bytes / (int64_t)sizeof(float);
+        for (int64_t e = 0; e < n; e++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * e, 2);
+            const float f = c->widen == LO_GATHER_BF16 ? lq_bf16_to_float(h) : lq_half_to_float(h);
+            memcpy(dst + 4 * e, &f, 4);
+        }
     }
     return LO_OK;
 }

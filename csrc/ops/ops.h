@@ -86,9 +86,11 @@ typedef struct { const lo_rope_args *a; const float *cos, *sin; } lo_rope_call;
 typedef struct { const lo_attention_args *a; const float *k, *v; int64_t t; } lo_attention_call;
 typedef struct { void *dst; const void *src; int64_t nbytes; } lo_copy_call; /* memmove */
 typedef struct { float *out; const float *a, *b; int64_t n; } lo_add_call;  /* dense out = a + b */
-/* out[i] = weight[index[i]] for i < rows: rows of row_bytes bytes at strides in bytes (an
- * embedding, or the gather of the rows whose logits a pass wants). An index outside [0, v)
- * stops it before anything is written, with bad = (i, index[i]). */
+/* out[i] = weight[index[i]] for i < rows: rows of row_bytes bytes of out at strides in bytes
+ * (an embedding, or the gather of the rows whose logits a pass wants), copied as they are, or
+ * (widen) float32 from a table of F16 or BF16 rows, each value exactly. An index outside
+ * [0, v) stops it before anything is written, with bad = (i, index[i]). */
+enum { LO_GATHER_COPY = 0, LO_GATHER_F16 = 1, LO_GATHER_BF16 = 2 };
 typedef struct {
     char *out;
     int64_t out_s;
@@ -98,6 +100,7 @@ typedef struct {
     int64_t weight_s;
     int64_t rows, row_bytes, v;
     int64_t bad[2];
+    int64_t widen; /* LO_GATHER_* */
 } lo_gather_call;
 
 /* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */

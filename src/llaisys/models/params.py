@@ -3,10 +3,12 @@ q/k/v stacked into one projection, gate/up into another.
 
 A matrix stored in a block format llaisys computes on (Q4_0 ... Q6_K; ``WeightSource.read_raw_rows``)
 stays as stored, a tensor of that DataType; on the CPU, one the file holds unchanged (and a fused
-matrix whose parts lie back to back there) is a frozen view of the file's memory map, not a copy.
-With ``keep_half`` and an F32 model, an F16/BF16 matrix other than the embedding table (q/k/v, o,
-gate/up, down, an untied lm_head) stays F16/BF16: ``linear`` takes such a weight with F32
-activations and widens it inside the kernel. The rest is converted to the model's dtype. A fused
+matrix whose parts lie back to back there) is a frozen view of the file's memory map, not a copy,
+and so is a float matrix kept in its stored type (an F16/BF16 matrix kept half, an F32 one in an
+F32 model).
+With ``keep_half`` and an F32 model, an F16/BF16 matrix (q/k/v, o, gate/up, down, an untied
+lm_head, and on the CPU the embedding table) stays F16/BF16: ``linear`` and ``embedding`` take
+such a weight with F32 activations and widen it inside the kernel. The rest is converted to the model's dtype. A fused
 matrix stays as stored when its parts share a type; else its runs of parts of one type do, or
 (CPU, integer arithmetic, parts apart in the file) each part as its own view of the file."""
 from __future__ import annotations
@@ -141,6 +143,9 @@ class _Builder:
                     raise ModelLoadError(f"{src.file}: tensor {src.file_name!r} rows {start}:{stop} hold shape "
                                          f"{part.shape}; expected {(stop - start, *src.shape[1:])}")
                 (dst if start == 0 and stop == rows else dst.slice(0, start, stop)).load(part)
+        if src.mapped is not None:  # copied: the file's pages of it need not stay in this process
+            data, offset = src.mapped
+            drop_file_pages(data[offset:offset + DataType[src.kind].nbytes_of(math.prod(src.shape))])
         self.progress.step()
 
     def _fill_raw(self, dst: Tensor, name: str) -> None:
@@ -172,13 +177,15 @@ class _Builder:
         return out
 
     def one(self, name: str, half: bool = True) -> Tensor:
-        """Weight ``name`` as a tensor; ``half=False``: never kept F16/BF16 (the embedding table)."""
+        """Weight ``name`` as a tensor; ``half=False``: never kept F16/BF16. A matrix whose
+        stored type is the one it is kept in is a view of the file's memory map (CPU)."""
         src = self.weights[name]
         kept = kept_dtype(src)
-        mapped = self._mapped([name], kept)
+        float_dtype = self._float_dtype([name]) if half else self.dtype
+        as_stored = kept or (float_dtype if len(src.shape) == 2 and src.kind == float_dtype.name else None)
+        mapped = self._mapped([name], as_stored)
         if mapped is not None:
             return mapped
-        float_dtype = self._float_dtype([name]) if half else self.dtype
         out = Tensor.empty(src.shape, float_dtype if kept is None else kept, self.device)
         (self._fill if kept is None else self._fill_raw)(out, name)
         return out.freeze()
@@ -255,10 +262,13 @@ class _Builder:
         rows = sum(s[0] for s in shapes)
         kept = {kept_dtype(self.weights[n]) for n in names}
         dtype = kept.pop() if len(kept) == 1 and None not in kept else None
-        mapped = self._mapped(names, dtype)
+        float_dtype = self._float_dtype(names)
+        as_stored = dtype or (float_dtype if all(len(s) == 2 and self.weights[n].kind == float_dtype.name
+                                                 for n, s in zip(names, shapes)) else None)
+        mapped = self._mapped(names, as_stored)
         if mapped is not None:
             return mapped
-        out = Tensor.empty((rows, *shapes[0][1:]), self._float_dtype(names) if dtype is None else dtype, self.device)
+        out = Tensor.empty((rows, *shapes[0][1:]), float_dtype if dtype is None else dtype, self.device)
         start = 0
         for name, shape in zip(names, shapes):
             (self._fill if dtype is None else self._fill_raw)(out.slice(0, start, start + shape[0]), name)
@@ -270,7 +280,8 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
                  device: Device, progress: Progress, keep_half: bool = False,
                  shard: "Shard | None" = None) -> DecoderParams:
     """Read every weight into a tensor of ``dtype`` on ``device``, fusing q/k/v and gate/up;
-    ``keep_half``: F16/BF16 matrices of an F32 model stay as stored (the embedding table aside).
+    ``keep_half``: F16/BF16 matrices of an F32 model stay as stored (the embedding table too, on
+    the CPU).
     ``shard``: read only a tensor-parallel rank's part of each (``Shard.shard_weights``); a
     tied head is then the embedding table's first c rows (its last row is the zero row)."""
     if shard is not None:
@@ -313,7 +324,9 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
         ))
         lp = layers[-1]
         _prepare_for_linear(device, (lp.qkv, *lp.qkv_parts, lp.o, lp.gate_up, *lp.gate_up_parts, lp.down))
-    embed = b.one("embed", half=False)  # embedding looks rows up in the activations' type only
+    # the CPU's embedding widens F16/BF16 rows as it looks them up; other devices look rows up
+    # in the activations' type only
+    embed = b.one("embed", half=device.is_cpu)
     if config.tie_word_embeddings:
         lm_head = embed if shard is None else embed.slice(0, 0, shard.vocab_rows)
     else:

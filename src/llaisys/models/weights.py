@@ -142,8 +142,9 @@ class WeightSource:
     # (stop - start, row_bytes), with the same row fix as read_rows (a stack of matrices
     # (E, N, K): rows of its E*N). None: always dequantized.
     read_raw_rows: Callable[[int, int], np.ndarray] | None = None
-    # Where read_raw_rows' bytes lie, unchanged, in a read-only memory map of the file: (the
-    # map, uint8, and the offset of row 0 in it). None: they are copied or fixed on the way.
+    # Where the stored bytes lie, unchanged, in a read-only memory map of the file: (the map,
+    # uint8, and the offset of row 0 in it): read_raw_rows' blocks, or the values of a float
+    # tensor in its stored type (``kind``). None: they are copied or fixed on the way.
     mapped: tuple[np.ndarray, int] | None = None
     # A stack of matrices (E, N, K): rows [start, stop) of matrix e as floats (stop - start, K),
     # reading only those rows. None: read through read_rows, a whole matrix at a time.

@@ -43,13 +43,13 @@ def argmax(max_idx: Tensor, max_val: Tensor, vals: Tensor, *, plan: Plan | None 
 def embedding(out: Tensor, index: Tensor, weight: Tensor, *, plan: Plan | None = None) -> Tensor:
     """out[i] = weight[index[i]]: index (S,) I64, weight (V, D), out (S, D). Returns out.
 
-    weight is of out's float type or block-quantized (its rows are dequantized). Raises
-    ValueError when an index is outside [0, V).
+    weight is of out's float type, block-quantized (its rows are dequantized) or, with F32 out,
+    F16/BF16 (its rows widened). Raises ValueError when an index is outside [0, V).
     """
     tensors_match("embedding", ("out", "index", "weight"), (out, index, weight), dtypes=1)
     dtype_in("embedding", "out", out, FLOAT_TYPES)
     if weight.dtype is not out.dtype:
-        weight_type_fits("embedding", "out", out, weight)
+        weight_type_fits("embedding", "out", out, weight, mixed=True)
     dtype_in("embedding", "index", index, INDEX_TYPES)
     ndim_is("embedding", "index", index, 1, "(S,) token ids")
     ndim_is("embedding", "weight", weight, 2, "(V, D) table")

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS
 
@@ -41,13 +42,16 @@ class _GatherCall(ctypes.Structure):
     _fields_ = [("out", ctypes.c_void_p), ("out_s", ctypes.c_int64), ("index", ctypes.c_void_p),
                 ("index_s", ctypes.c_int64), ("weight", ctypes.c_void_p), ("weight_s", ctypes.c_int64),
                 ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64), ("v", ctypes.c_int64),
-                ("bad", ctypes.c_int64 * 2)]
+                ("bad", ctypes.c_int64 * 2), ("widen", ctypes.c_int64)]
+
+
+_WIDEN = {DataType.F16: 1, DataType.BF16: 2}  # LO_GATHER_F16, LO_GATHER_BF16 of csrc/ops/ops.h
 
 
 def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                      attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
     """``embedding`` as a row gather in C (``llaisys_ops_gather_call``: the same bytes as
-    ``np.take``), for a replayed plan: a batched pass's gather of the rows whose logits it
+    ``np.take``, or an F16/BF16 table's rows widened to F32 exactly), for a replayed plan: a batched pass's gather of the rows whose logits it
     wants then stays inside the pass's native stretch. The index is read at every run; an
     index out of range raises the direct call's ValueError. None where rows are strided or
     the library lacks the call."""
@@ -56,12 +60,14 @@ def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
 
     (out,), (index, weight) = outputs, inputs
     lib = _native.load("ops")
+    widen = 0 if weight.dtype is out.dtype else _WIDEN.get(weight.dtype) if out.dtype is DataType.F32 else None
     if (lib is None or not hasattr(lib, "llaisys_ops_gather_call") or not native_calls.available()
-            or out.strides[-1] != 1 or weight.strides[-1] != 1 or weight.dtype is not out.dtype):
+            or out.strides[-1] != 1 or weight.strides[-1] != 1 or widen is None):
         return None
     z = out.dtype.itemsize
     block = _GatherCall(out.data_ptr, out.strides[0] * z, index.data_ptr, index.strides[0], weight.data_ptr,
-                        weight.strides[0] * z, out.shape[0], out.shape[1] * z, weight.shape[0])
+                        weight.strides[0] * weight.dtype.itemsize, out.shape[0], out.shape[1] * z, weight.shape[0],
+                        (0, 0), widen)
 
     def fail(status: int) -> None:
         raise ValueError(f"embedding: index {block.bad[1]} is out of range for a table of {weight.shape[0]} rows")
@@ -70,4 +76,19 @@ def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
                                    keep=(out, index, weight), fail=fail)
 
 
+def embedding_widened(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (S, D) F32 = rows index (S,) I64 of an F16/BF16 weight (V, D), each value widened
+    exactly; ValueError for an index outside [0, V)."""
+    out = outputs[0].host_array()  # (S, D)
+    index = inputs[0].host_array()  # (S,)
+    weight = inputs[1].host_array()  # (V, D)
+    if index.size and (index.min() < 0 or index.max() >= weight.shape[0]):
+        bad = index[(index < 0) | (index >= weight.shape[0])][0]
+        raise ValueError(f"embedding: index {int(bad)} is out of range for a table of {weight.shape[0]} rows")
+    out[...] = weight[index]  # widened on the assignment
+
+
 embedding.native_call = native_embedding  # type: ignore[attr-defined]
+embedding_widened.native_call = native_embedding  # type: ignore[attr-defined]
+register_kernel("embedding", "cpu", dtypes=(DataType.F32,), weight_dtypes=(DataType.F16, DataType.BF16),
+                kernel=embedding_widened)

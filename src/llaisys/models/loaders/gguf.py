@@ -30,6 +30,7 @@ Q = GGMLType
 SUPPORTED_TYPES = tuple(GGMLType(t) for t in BLOCK_SIZES)
 # Matrices of these types can stay as stored (llaisys has a DataType and kernels for them).
 KEPT_QUANTIZED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+FLOAT_KINDS = ("F32", "F16", "BF16")  # a matrix of these may be used as stored (WeightSource.mapped)
 
 # "{arch}.<key>" metadata -> ModelConfig field.
 GGUF_CONFIG_KEYS = {
@@ -257,7 +258,8 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
         read_rows = _row_reader(t, shape, path, fix)
         rows = shape[0] if len(shape) > 1 else 1
         raw = _raw_row_reader(t, shape, fix) if len(shape) in (2, 3) and t.tensor_type in KEPT_QUANTIZED else None
-        mapped = (gguf.data, t.data_offset) if raw is not None and fix is None and gguf.byte_order == "<" else None
+        as_stored = raw is not None or (len(shape) == 2 and t.type_name in FLOAT_KINDS)  # bytes used as they lie
+        mapped = (gguf.data, t.data_offset) if as_stored and fix is None and gguf.byte_order == "<" else None
         matrix_rows = _matrix_row_reader(t, shape, path) if len(shape) == 3 and fix is None else None
         sources[name] = WeightSource(path, name, shape, t.type_name, functools.partial(read_rows, 0, rows),
                                      read_rows if len(shape) > 1 else None, multiple, raw, mapped, matrix_rows)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import math
 import os
+import sys
 from pathlib import Path, PurePath
 from typing import Callable
 
@@ -68,6 +71,35 @@ def _open(path: Path, stack: contextlib.ExitStack):
         raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _stored_offsets(path: Path) -> "tuple[np.ndarray, dict[str, int]] | None":
+    """The file as a read-only memory map (uint8) and, per tensor, the offset of its data in it:
+    where a matrix may stay as a view of the file rather than a copy. None where the bytes are
+    not this machine's order (a big-endian host) or the header cannot be read again."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        data = np.memmap(path, np.uint8, mode="r")
+    except (OSError, ValueError):
+        return None
+    base = 8 + size
+    offsets = {}
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        begin, end = entry.get("data_offsets", (0, -1))
+        item = _ITEM_BYTES.get(entry.get("dtype"))
+        if item and end - begin == item * math.prod(entry.get("shape", ())) and base + end <= data.size \
+                and (base + begin) % item == 0:
+            offsets[name] = base + begin
+    return data, offsets
+
+
 def _readers(handle, path: Path, name: str):
     """Functions reading the whole tensor, rows [start, stop) of it, and rows [start, stop) of
     matrix e of a stack (E, N, K) (from the memory map)."""
@@ -103,6 +135,7 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
     where: dict[str, Path] = {}
     for path, listed in safetensors_files(folder).items():
         handle = _open(path, stack)
+        stored = _stored_offsets(path)
         names = list(handle.keys())
         if listed is not None and set(listed) - set(names):
             missing = sorted(set(listed) - set(names))[0]
@@ -118,8 +151,9 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
                 )
             shape = tuple(int(d) for d in sl.get_shape())
             read, read_rows, matrix_rows = _readers(handle, path, name)
+            mapped = (stored[0], stored[1][name]) if stored is not None and name in stored[1] else None
             sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None,
-                                         read_matrix_rows=matrix_rows if len(shape) == 3 else None)
+                                         mapped=mapped, read_matrix_rows=matrix_rows if len(shape) == 3 else None)
             where[name] = path
     label = str(folder)
     table = arch.hf_names
@@ -137,6 +171,6 @@ def fixed_values(src: WeightSource, fix: Callable[[np.ndarray], np.ndarray]) -> 
     """``src`` with ``fix`` applied to its values as they are read (float rows, whichever way)."""
     read, read_rows, matrix_rows = src.read, src.read_rows, src.read_matrix_rows
     return dataclasses.replace(
-        src, read=lambda: fix(read()),
+        src, read=lambda: fix(read()), mapped=None,
         read_rows=None if read_rows is None else (lambda a, b: fix(read_rows(a, b))),
         read_matrix_rows=None if matrix_rows is None else (lambda x, a, b: fix(matrix_rows(x, a, b))))
