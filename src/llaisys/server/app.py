@@ -35,7 +35,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from . import anthropic, completions, embeddings, responses, ui
+from . import anthropic, completions, embeddings, responses, ui, worker_info
 from .bodies import off_loop, parse_model, render_json
 from .errors import APIError, install_error_handlers, shutting_down
 from .options import ServerOptions
@@ -105,6 +105,7 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
 api = APIRouter(dependencies=[Depends(check_api_key)])
 public = APIRouter()
+worker_info.install(api)  # /server_info, /model_info: what a gateway in front of replicas reads
 
 
 @api.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
