@@ -88,6 +88,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-grammar-depth", type=positive_int, default=128, metavar="N",
                    help="deepest a grammar may nest: a schema's levels plus the $refs it follows, a grammar's "
                         "chain of rules (default 128)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the prefix cache's block events (stored, removed) on this ZeroMQ endpoint in "
+                        "vLLM's KV-event format, for routers that index them: tcp://*:5557 binds every interface, "
+                        "tcp://10.0.0.5:5557 one of this machine's, tcp://collector:5557 connects out "
+                        "(needs pip install 'llaisys[events]'; default: off)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="also answer replay requests for missed event messages on this endpoint (a ROUTER socket)")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="the topic frame of every event message (default: empty)")
     add_model_options(p)
     p.set_defaults(func=run)
 
@@ -103,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_VAR) or None
     if args.metrics_require_key and api_key is None:
         raise UsageError(f"--metrics-require-key needs an API key: give --api-key or set ${API_KEY_VAR}")
+    check_events_options(args)
     options = ServerOptions(model=args.model, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
                             api_key=api_key, metrics_require_key=args.metrics_require_key,
                             allowed_origins=tuple(args.allowed_origins), chat_template=args.chat_template,
@@ -114,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
                             max_body_bytes=args.max_body_bytes, speculative_tokens=args.speculative_tokens,
                             speculative_max_seqs=args.speculative_max_seqs, grammar_timeout_s=args.grammar_timeout,
                             grammar_cache_bytes=args.grammar_cache_bytes, max_grammar_bytes=args.max_grammar_bytes,
-                            max_grammar_choices=args.max_grammar_choices, max_grammar_depth=args.max_grammar_depth)
+                            max_grammar_choices=args.max_grammar_choices, max_grammar_depth=args.max_grammar_depth,
+                            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+                            kv_events_topic=args.kv_events_topic)
     app = create_app(options, loader=lambda: load_from_args(args))
     service = app.state.service
     url = base_url(args.host, args.port)
@@ -123,6 +135,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"llaisys serve: chat page at {url}", file=sys.stderr, flush=True)
     announce_ready(service, url)
     return serve(app, options)
+
+
+def check_events_options(args: argparse.Namespace) -> None:
+    """UsageError for --kv-events options that cannot work: a malformed endpoint, a replay
+    endpoint without events, pyzmq or msgpack missing."""
+    if args.kv_events is None:
+        if args.kv_events_replay is not None:
+            raise UsageError("--kv-events-replay needs --kv-events (the endpoint events are published on)")
+        return
+    from ..engine.kv_events import check_endpoint, require_modules
+
+    try:
+        for endpoint in (args.kv_events, args.kv_events_replay):
+            if endpoint is not None:
+                check_endpoint(endpoint)
+        require_modules()
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"--kv-events: {exc}") from None
 
 
 def base_url(host: str, port: int) -> str:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .kv_events import KVEventLog
+
 BlockHash = bytes
 
 
@@ -40,6 +42,7 @@ class BlockPool:
         self.by_hash: dict[BlockHash, int] = {}
         # Free blocks, least recently released first; cached ones keep their hash until taken.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.events: KVEventLog | None = None  # told of every prefix forgotten (kv_events)
 
     @property
     def num_free(self) -> int:
@@ -54,6 +57,8 @@ class BlockPool:
             self.hash_of[block] = None
             if self.by_hash.get(old) == block:
                 del self.by_hash[old]
+                if self.events is not None:
+                    self.events.removed([old])
         self.ref_count[block] = 1
         return block
 
@@ -75,12 +80,15 @@ class BlockPool:
         if self.ref_count[block] == 0:
             self.free[block] = None
 
-    def remember(self, block: int, h: BlockHash) -> None:
-        """Record that ``block`` holds the prefix ``h`` (its keys and values are written).
-        When another block already holds that prefix, the first one stays the one found."""
+    def remember(self, block: int, h: BlockHash) -> bool:
+        """Record that ``block`` holds the prefix ``h`` (its keys and values are written); True
+        when that made it findable. When another block already holds that prefix, the first one
+        stays the one found."""
         if self.hash_of[block] is None and h not in self.by_hash:
             self.hash_of[block] = h
             self.by_hash[h] = block
+            return True
+        return False
 
 
 class KVBlockManager:
@@ -107,6 +115,15 @@ class KVBlockManager:
         self.in_flight: dict[BlockHash, object] = {}  # prompt blocks being computed now -> their sequence
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    @property
+    def events(self) -> "KVEventLog | None":
+        """Where blocks made findable and prefixes forgotten are told (None: nowhere)."""
+        return self.pool.events
+
+    @events.setter
+    def events(self, log: "KVEventLog | None") -> None:
+        self.pool.events = log
 
     @property
     def num_blocks(self) -> int:
@@ -224,10 +241,25 @@ class KVBlockManager:
             return
         table = self.tables.get(seq_id, ())
         full = min(num_computed // self.block_size, len(table))
-        for block, h in zip(table[:full], self._hashes(seq_id, token_ids, full)):
-            self.pool.remember(block, h)
+        hashes = self._hashes(seq_id, token_ids, full)
+        run: list[int] = []  # indices of consecutive blocks made findable now, for the events
+        for i, (block, h) in enumerate(zip(table[:full], hashes)):
+            if self.pool.remember(block, h) and self.events is not None:
+                if run and run[-1] != i - 1:
+                    self._stored(run, hashes, token_ids)
+                    run = []
+                run.append(i)
             if self.in_flight.get(h) == seq_id:
                 del self.in_flight[h]
+        if run:
+            self._stored(run, hashes, token_ids)
+
+    def _stored(self, run: list[int], hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
+        """Tell ``events`` of consecutive blocks ``run`` (indices into the sequence's blocks)."""
+        bs, first, last = self.block_size, run[0], run[-1] + 1
+        assert self.events is not None
+        self.events.stored(hashes[first:last], hashes[first - 1] if first else None,
+                           token_ids[first * bs:last * bs], bs)
 
     def release_behind(self, seq_id: object, num_computed: int) -> None:
         """With a window: hand back the blocks of ``seq_id`` whose every key lies before the

@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from ..models.paged_cache import TokenBatch
 from ..runtime.device import DeviceType
 from .blocks import KVBlockManager
 from .grammar import Grammar, MaskBatch, grammar_of
+from .kv_events import KVEventLog
 from .pooling import pooling_of
 from .request import Request, RequestOutput
 from .scheduler import Chunk, Scheduler
@@ -95,13 +97,14 @@ class LLMEngine:
     speculative_tokens: draft tokens per decoding step for requests whose config leaves
     ``speculative_tokens`` at 0 (0: off; a request's own value wins); speculative_max_seqs:
     no drafts while more sequences than this run (None: no limit; vLLM's
-    ``speculative_disable_by_batch_size``).
+    ``speculative_disable_by_batch_size``); kv_events: where each step's prefix-cache events go
+    (a ``kv_events.KVEventPublisher``, or anything with its ``publish``; None: not collected).
     """
 
     def __init__(self, model, *, kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batched_tokens: int = 512, max_seqs: int = 64,
                  prefix_caching: bool = True, speculative_tokens: int = 0,
-                 speculative_max_seqs: int | None = None) -> None:
+                 speculative_max_seqs: int | None = None, kv_events: Any = None) -> None:
         if kv_cache_tokens is not None and kv_cache_bytes is not None:
             raise ValueError("give kv_cache_tokens or kv_cache_bytes, not both")
         for name, value in (("block_size", block_size), ("max_batched_tokens", max_batched_tokens),
@@ -135,6 +138,9 @@ class LLMEngine:
         config = getattr(model, "config", None)
         window = config.kv_window() if hasattr(config, "kv_window") else 0
         self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching, window)
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.blocks.events = KVEventLog()
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_seqs, speculative_max_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -253,6 +259,8 @@ class LLMEngine:
             logits = self.model.forward_batch_logits(batch, self.cache)  # (R, V) on the device
         self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
+        if self.kv_events is not None:  # the blocks this step took (and so dropped) and filled
+            self.kv_events.publish(self.blocks.events.drain())
         sampled = [c for c in step.chunks if c.samples]  # logits row order
         sampling = [self.requests[c.seq.seq_id] for c in sampled]
         allowed = self._grammar_masks(sampling, logits.shape[-1])

@@ -40,6 +40,9 @@ class ServerOptions:
     docs/server.md, "Structured outputs").
     metrics_require_key: /metrics wants the API key too (by default it answers without one, as
     vLLM's does, for scrapers); needs ``api_key``.
+    kv_events: a ZeroMQ endpoint the engine's prefix-cache events are published on (None: off;
+    ``engine.kv_events``); kv_events_replay: one that answers replay requests; kv_events_topic:
+    the first frame of every message.
     """
 
     model: str | None = None
@@ -70,6 +73,9 @@ class ServerOptions:
     max_grammar_choices: int = 4096
     max_grammar_depth: int = 128
     metrics_require_key: bool = False
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_hosts"):
@@ -96,6 +102,13 @@ class ServerOptions:
             raise ValueError("ServerOptions.metrics_require_key needs an api_key (--api-key or $LLAISYS_API_KEY)")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"ServerOptions.shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("ServerOptions.kv_events_replay needs kv_events (the endpoint events are published on)")
+        for name in ("kv_events", "kv_events_replay"):
+            if getattr(self, name) is not None:
+                from ..engine.kv_events import check_endpoint
+
+                check_endpoint(getattr(self, name))
         for name in ("header_timeout_s", "body_timeout_s", "grammar_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerOptions.{name} must be > 0, got {getattr(self, name)}")

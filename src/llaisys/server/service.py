@@ -81,6 +81,7 @@ class ModelService:
         self.error: BaseException | None = None
         self.created = int(time.time())
         self.ready = threading.Event()
+        self.kv_events: Any = None  # the prefix-cache events' publisher (options.kv_events)
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.draining = False
         self.ending = asyncio.Event()  # set when the running requests are ended (shutdown)
@@ -123,9 +124,13 @@ class ModelService:
 
     def _start_engine(self) -> None:
         opts = self.options
+        if opts.kv_events is not None:  # opened first: an endpoint that cannot be used fails the start
+            from ..engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(opts.kv_events, opts.kv_events_replay, opts.kv_events_topic)
         engine = LLMEngine(self.model, kv_cache_tokens=opts.kv_cache_tokens, max_seqs=opts.max_seqs,
                            max_batched_tokens=opts.max_batched_tokens,
-                           speculative_max_seqs=opts.speculative_max_seqs)
+                           speculative_max_seqs=opts.speculative_max_seqs, kv_events=self.kv_events)
         thread = EngineThread(engine)
         thread.on_step = self.metrics.on_step
         self.engine = thread
@@ -136,6 +141,8 @@ class ModelService:
         """Stop the engine thread (requests still in it end with reason "abort") and the workers."""
         if self.engine is not None:
             self.engine.stop(timeout)
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._embedder is not None:
             self._embedder.stop(timeout)
         self.grammars.close()
