@@ -12,7 +12,6 @@ sends one message of three frames on a PUB socket:
     event   = ["BlockStored", [hash, ...], parent hash or nil, [token id, ...], block size,
                nil (LoRA id), "CPU" (medium), nil (LoRA name)]
             | ["BlockRemoved", [hash, ...], "CPU"]
-            | ["AllBlocksCleared"]
 
 A BlockStored event covers consecutive full blocks of one sequence: its token ids are theirs,
 ``block size`` ids each, and its parent hash names the block before the first (nil for a
@@ -61,10 +60,6 @@ class KVEventLog:
     def removed(self, hashes: Sequence[bytes]) -> None:
         """Blocks ``hashes`` no longer hold their prefix (their memory went to new content)."""
         self.events.append(["BlockRemoved", [external_hash(h) for h in hashes], MEDIUM])
-
-    def cleared(self) -> None:
-        """Every cached block was dropped."""
-        self.events.append(["AllBlocksCleared"])
 
     def drain(self) -> list[list[Any]]:
         """The events collected so far (the log is empty after)."""
