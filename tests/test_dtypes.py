@@ -147,3 +147,18 @@ def test_bad_device_type_names(bad):
 def test_bad_device_names(text, message):
     with pytest.raises(ValueError, match=message):
         as_device(text)
+
+
+def test_the_table_of_ggml_types_is_ggmls():
+    """runtime.block_formats, which every other view of the GGML types reads, against the gguf
+    package's ids and sizes."""
+    import gguf
+
+    from llaisys.runtime.block_formats import BLOCK_FORMATS, block_format
+
+    for f in BLOCK_FORMATS:
+        ggml = gguf.GGMLQuantizationType[f.name]
+        assert f.type_id == int(ggml) and (f.block_size, f.block_bytes) == gguf.GGML_QUANT_SIZES[ggml], f.name
+    assert block_format("q4_k") is block_format(12) is block_format(gguf.GGMLQuantizationType.Q4_K)
+    with pytest.raises(KeyError, match="unknown GGML type 99"):
+        block_format(99)

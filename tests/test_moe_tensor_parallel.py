@@ -26,7 +26,8 @@ from test_tensor_parallel import split_and_compare  # noqa: E402
 
 from llaisys.models.config import ModelConfig  # noqa: E402
 from llaisys.models.loaders.gguf import read_gguf  # noqa: E402
-from llaisys.models.tensor_parallel import (BLOCK_SHAPES, Shard, TensorParallelError, check_fits,  # noqa: E402
+from llaisys.runtime.block_formats import block_format  # noqa: E402
+from llaisys.models.tensor_parallel import (Shard, TensorParallelError, check_fits,  # noqa: E402
                                             column_range, expert_rows)
 from llaisys.models.weights import WeightSource  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_column_range_of_a_stack_keeps_blocks_on_their_edges_else_dequantizes(ca
     part = column_range(src, 64, 128)  # on 32-element block edges: raw blocks
     assert part.shape == (3, 4, 64)
     raw = part.read_raw_rows(0, 12)
-    assert raw.shape == (12, 2 * BLOCK_SHAPES["Q8_0"][1])
+    assert raw.shape == (12, 2 * block_format("Q8_0").block_bytes)
     np.testing.assert_array_equal(dequantize(raw, Q.Q8_0).reshape(3, 4, 64), values[..., 64:])
     with caplog.at_level(logging.INFO, logger="llaisys.models.tensor_parallel"):
         off = column_range(src, 48, 96)

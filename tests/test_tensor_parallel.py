@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from llaisys.models.config import ModelConfig
-from llaisys.models.tensor_parallel import (BLOCK_SHAPES, Shard, TensorParallelError, check_fits, column_range,
+from llaisys.runtime.block_formats import block_format  # noqa: E402
+from llaisys.models.tensor_parallel import (Shard, TensorParallelError, check_fits, column_range,
                                             padded_rows, row_range)
 from llaisys.models.weights import WeightSource
 from llaisys.parallel.launch import STOP_GRACE_S, find_mpiexec
@@ -97,7 +98,7 @@ def quant_source(w: np.ndarray, kind: str) -> tuple[WeightSource, np.ndarray]:
     """A block-quantized source of ``w`` (random codes with small scales for Q4_K, which gguf
     cannot quantize) and the values it stands for (gguf's own dequantization)."""
     if kind == "Q4_K":
-        block, nbytes = BLOCK_SHAPES[kind]
+        block, nbytes = block_format(kind).block_size, block_format(kind).block_bytes
         rng = np.random.default_rng(7)
         raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // block * nbytes), dtype=np.uint8)
         blocks = raw.reshape(-1, nbytes)
@@ -118,7 +119,7 @@ def test_row_and_column_ranges_read_the_slices():
     src, values = quant_source(w, "Q4_1")
     part = column_range(src, 64, 192)  # on block edges: raw blocks of the columns
     raw = part.read_raw_rows(0, 12)
-    assert raw.shape == (12, 4 * BLOCK_SHAPES["Q4_1"][1])
+    assert raw.shape == (12, 4 * block_format("Q4_1").block_bytes)
     np.testing.assert_array_equal(dequantize(raw, Q.Q4_1).reshape(12, 128), values[:, 64:192])
     np.testing.assert_array_equal(row_range(src, 3, 9).read_raw_rows(1, 4), src.read_raw_rows(4, 7))
 

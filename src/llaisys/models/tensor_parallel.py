@@ -38,15 +38,13 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..runtime.block_formats import block_format
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .weights import WeightSource
 
 log = logging.getLogger(__name__)
 
-# Elements per block and bytes per block of the block formats (GGUF's sizes).
-BLOCK_SHAPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 class TensorParallelError(ValueError):
@@ -199,7 +197,8 @@ def row_range(src: WeightSource, start: int, stop: int) -> WeightSource:
         read_raw = src.read_raw_rows
         raw = lambda a, b: read_raw(start + a, start + b)  # noqa: E731
         if src.mapped is not None:  # whole rows lie back to back: still a view of the map
-            block, nbytes = BLOCK_SHAPES[src.kind]
+            fmt = block_format(src.kind)
+            block, nbytes = fmt.block_size, fmt.block_bytes
             data, offset = src.mapped
             mapped = (data, offset + start * (src.shape[1] // block * nbytes))
     return dataclasses.replace(src, shape=shape, read=read, read_rows=rows, read_raw_rows=raw, mapped=mapped,
@@ -259,7 +258,8 @@ def column_range(src: WeightSource, start: int, stop: int) -> WeightSource:
         read, rows = (lambda: whole()[..., start:stop]), None
     raw = None
     if src.read_raw_rows is not None:
-        block, nbytes = BLOCK_SHAPES[src.kind]
+        fmt = block_format(src.kind)
+        block, nbytes = fmt.block_size, fmt.block_bytes
         if start % block == 0 and stop % block == 0:
             read_raw, b0, b1 = src.read_raw_rows, start // block * nbytes, stop // block * nbytes
             raw = lambda a, b: np.ascontiguousarray(read_raw(a, b)[:, b0:b1])  # noqa: E731
@@ -290,7 +290,8 @@ def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightS
     zero_float = np.zeros((1, *width), np.float32)
     raw = None
     if src.read_raw_rows is not None:
-        block, nbytes = BLOCK_SHAPES[src.kind]
+        fmt = block_format(src.kind)
+        block, nbytes = fmt.block_size, fmt.block_bytes
         zero_raw = np.zeros((1, width[0] // block * nbytes), np.uint8)
         raw = lambda a, b: padded(part.read_raw_rows, a, b, zero_raw)  # noqa: E731
     return dataclasses.replace(src, shape=(total, *width), read=lambda: padded(floats, 0, total, zero_float),

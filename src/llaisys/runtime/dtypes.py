@@ -7,6 +7,8 @@ import enum
 import ml_dtypes
 import numpy as np
 
+from .block_formats import BY_ID
+
 
 # Block-quantized types are llaisys extensions outside ``llaisysDataType_t`` (0..19): value =
 # GGML_TYPE_BASE + the GGML type id, so the GGUF type of Q4_1 (103) is 3. Plugins never see them.
@@ -112,11 +114,9 @@ _ITEMSIZE = {
     DataType.C16: 2, DataType.C32: 4, DataType.C64: 8, DataType.C128: 16, DataType.BF16: 2,
 }
 
-# Block formats: (elements, bytes) per block, as GGUF stores them.
-_BLOCKS = {
-    DataType.Q4_0: (32, 18), DataType.Q4_1: (32, 20), DataType.Q5_0: (32, 22), DataType.Q5_1: (32, 24),
-    DataType.Q8_0: (32, 34), DataType.Q4_K: (256, 144), DataType.Q5_K: (256, 176), DataType.Q6_K: (256, 210),
-}
+# Block formats: (elements, bytes) per block, from the one table of them.
+_BLOCKS = {t: (BY_ID[t - GGML_TYPE_BASE].block_size, BY_ID[t - GGML_TYPE_BASE].block_bytes)
+           for t in DataType if t >= GGML_TYPE_BASE}
 QUANTIZED_TYPES = tuple(_BLOCKS)
 
 _TO_NUMPY = {

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 # The block layouts are ggml's (block_q4_0 ...): a half d, a half m (Q4_1, Q5_1), 4 bytes of fifth bits (Q5).
 # format -> (kernel id, block bytes, offset of the nibbles, offset of the fifth bits)
-DEVICE_FORMATS = {DataType.Q4_0: (0, 18, 2, 0), DataType.Q4_1: (1, 20, 4, 0), DataType.Q5_0: (2, 22, 6, 2),
-                  DataType.Q5_1: (3, 24, 8, 4), DataType.Q8_0: (4, 34, 2, 0)}
+DEVICE_FORMATS = {t: (kind, t.block_bytes, qs, qh) for t, kind, qs, qh in (
+    (DataType.Q4_0, 0, 2, 0), (DataType.Q4_1, 1, 4, 0), (DataType.Q5_0, 2, 6, 2), (DataType.Q5_1, 3, 8, 4),
+    (DataType.Q8_0, 4, 2, 0))}
 BLOCKS_PER_PROGRAM = 64
 INTERPRETED_BLOCKS_PER_PROGRAM = 16384  # the interpreter runs a program as NumPy: fewer, larger ones
 QUANT_GEMM_ENV = "LLAISYS_NVIDIA_QUANT_GEMM"

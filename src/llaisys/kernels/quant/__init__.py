@@ -6,9 +6,9 @@ own thread pool) behind a NumPy API: ``prepare`` a weight once, then ``QuantWeig
 or the one-shot ``linear`` and ``dequantize``; ``set_threads``, ``simd_level``.
 """
 from . import reference
-from .formats import FORMATS, QuantFormat, get_format
+from .formats import FORMATS, BlockFormat, get_format
 from .native import (QuantWeight, available, available_simd_levels, dequantize, linear, prepare, set_simd_level,
                      set_threads, simd_level, threads)
 
-__all__ = ["FORMATS", "QuantFormat", "QuantWeight", "get_format", "reference", "available", "available_simd_levels",
+__all__ = ["FORMATS", "BlockFormat", "QuantWeight", "get_format", "reference", "available", "available_simd_levels",
            "dequantize", "linear", "prepare", "set_simd_level", "set_threads", "simd_level", "threads"]

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ... import _native
-from .formats import QuantFormat, get_format
+from .formats import BlockFormat, get_format
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
@@ -95,7 +95,7 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"llaisys_quant_{what} failed with status {status}")
 
 
-def _weight_bytes(raw: np.ndarray, fmt: QuantFormat) -> tuple[np.ndarray, int]:
+def _weight_bytes(raw: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, int]:
     """Validated weight bytes (N, row_bytes) uint8 and K."""
     if not isinstance(raw, np.ndarray):
         raise ValueError(f"raw weights must be a NumPy array, got {type(raw).__name__}")
@@ -142,7 +142,7 @@ class QuantWeight:
 
     __slots__ = ("fmt", "raw", "n", "k", "packed", "_ptr", "_packed_ptr")
 
-    def __init__(self, qtype: int | str | QuantFormat, raw: np.ndarray, pack: bool = True):
+    def __init__(self, qtype: int | str | BlockFormat, raw: np.ndarray, pack: bool = True):
         self.fmt = get_format(qtype)
         self.raw, self.k = _weight_bytes(raw, self.fmt)  # (N, row_bytes) uint8, K
         self.n = self.raw.shape[0]
@@ -268,7 +268,7 @@ class LinearCall(ctypes.Structure):
                 ("ldy", ctypes.c_int64), ("bias", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
-def _pack(fmt: QuantFormat, raw: np.ndarray, n: int, k: int) -> np.ndarray | None:
+def _pack(fmt: BlockFormat, raw: np.ndarray, n: int, k: int) -> np.ndarray | None:
     """W (N rows of K) repacked for the int16 arithmetic's kernels (uint8, 64-byte aligned), or
     None where they do not take this format."""
     lib = _library()

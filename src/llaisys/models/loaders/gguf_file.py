@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ... import _native
+from ...runtime.block_formats import BLOCK_FORMATS
 from ..errors import ModelLoadError
 
 MAGIC = b"GGUF"
@@ -31,31 +32,11 @@ DEFAULT_ALIGNMENT = 32
 GGML_MAX_DIMS = 4
 
 
-class GGMLType(enum.IntEnum):
-    """The ggml tensor types llaisys reads, numbered as GGUF numbers them."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
-
+GGMLType = enum.IntEnum("GGMLType", {f.name: f.type_id for f in BLOCK_FORMATS})
+GGMLType.__doc__ = "The ggml tensor types llaisys reads, numbered as GGUF numbers them (runtime.block_formats)."
 
 # type -> (values per block, bytes per block)
-BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2), GGMLType.Q8_0: (32, 34),
-    GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
-    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144),
-    GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
-}
+BLOCK_SIZES: dict[int, tuple[int, int]] = {GGMLType(f.type_id): (f.block_size, f.block_bytes) for f in BLOCK_FORMATS}
 
 # GGUF value types
 _STRING, _ARRAY = 8, 9
