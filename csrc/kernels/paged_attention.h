@@ -1,0 +1,94 @@
+/* What the SIMD levels of paged attention share (paged_attention.c: the portable level, the
+ * tasks and the exported API; paged_attention_avx2.c, paged_attention_avx512.c: the vector
+ * levels): the chunk geometry, the per-chunk steps every level implements with the same float32
+ * operations in the same order, and the scalar helpers they all use. */
+#ifndef LLAISYS_PAGED_ATTENTION_H
+#define LLAISYS_PAGED_ATTENTION_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LP_LANES 16    /* partial sums per dot product */
+#define LP_CHUNK 64    /* keys per online-softmax step (a multiple of LP_LANES) */
+#define LP_SEGMENT 256 /* keys per softmax segment (a multiple of LP_CHUNK) */
+#define LP_TOKENS 8    /* query tokens per task at most */
+
+/* ---- attention: the per-chunk steps of each SIMD level ---------------------------------- */
+
+/* The steps of one chunk of len <= LP_CHUNK keys; every level computes them with the same
+ * float32 operations in the same order, so they give the same bits.
+ *   scores: s[r][p] = (q[r] . k[p]) * scale for rows r < rows (q[r] a row of D floats) and the
+ *           chunk's key rows p < len: LP_LANES interleaved partial sums over D (lane l takes
+ *           elements l, l + 16, ..., by fused multiply-adds), folded by fold16().
+ *   softmax: the online softmax step of rows r < rows that see the chunk's first n keys, with
+ *           max[r], sum[r] (LP_LANES partial sums) and acc[r] what came before in the segment
+ *           (fresh: nothing yet): m = the larger of max[r] and s[r][p < n]; where m > max[r]
+ *           (and not fresh), acc[r] and sum[r] times exp_neg(max[r] - m); s[r][p] =
+ *           exp_neg(s[r][p] - m) for p < n, 0 up to LP_CHUNK; sum[r][l] += s[r][l], then
+ *           s[r][l + 16], ...; max[r] = m. The segment's sum is fold16(sum[r]).
+ *   axpy:   acc[r][e] = fmaf(w[r][p], v[p][e], acc[r][e]) for p = 0 .. len-1 in order, e < Dv,
+ *           rows r < rows.
+ * Rows of s and w are LP_CHUNK floats apart, rows of acc Dv. */
+typedef struct {
+    void (*scores)(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
+                   float scale, float *s);
+    void (*softmax)(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv, int fresh);
+    void (*axpy)(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len, int64_t dv);
+} lp_steps;
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* The sum of 16 partial sums by halving: lane l + lane l+8, then l+4, l+2, l+1. */
+INLINE float fold16(const float a[LP_LANES]) {
+    float h[8];
+    for (int l = 0; l < 8; l++) h[l] = a[l] + a[l + 8];
+    return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+}
+
+/* e^x for x <= 0 in plain float arithmetic, so that the vector levels can do the same 8 or 16
+ * at a time (glibc's expf differs from any vector version): Cephes' expf, x = n ln2 + r with a
+ * degree-6 polynomial in r, about 1 ulp. Below -87 it gives e^-87 (~1.6e-38) rather than 0,
+ * which leaves a softmax unchanged. exp_neg(0) is exactly 1. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_ROUND 12582912.0f /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+INLINE float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * EXP_LOG2E + EXP_ROUND) - EXP_ROUND;
+    float r = x - n * EXP_C1;
+    r = r - n * EXP_C2;
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23; /* 2^n, n >= -126 */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
+/* A row's acc and partial sums rescaled from maximum `old` to m (the same elementwise products
+ * at every level). */
+INLINE void rescale(float *acc, int64_t dv, float *sum, float old, float m) {
+    const float alpha = exp_neg(old - m);
+    for (int64_t e = 0; e < dv; e++) acc[e] *= alpha;
+    for (int l = 0; l < LP_LANES; l++) sum[l] *= alpha;
+}
+
+/* The steps of the vector levels (NULL where the build has no x86 SIMD). */
+const lp_steps *lp_steps_avx2(void);
+const lp_steps *lp_steps_avx512(void);
+
+#endif
