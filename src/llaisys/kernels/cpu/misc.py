@@ -26,14 +26,18 @@ def argmax(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs
 
 @register_kernel("embedding", "cpu", dtypes=FLOATS)
 def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """out (S, D) = weight (V, D) rows at index (S,) I64; ValueError for an index outside [0, V)."""
+    """out (S, D) = weight (V, D) rows at index (S,) I64 (an F16/BF16 weight's rows widened to
+    an F32 out exactly); ValueError for an index outside [0, V)."""
     out = outputs[0].host_array()  # (S, D)
     index = inputs[0].host_array()  # (S,)
     weight = inputs[1].host_array()  # (V, D)
     if index.size and (index.min() < 0 or index.max() >= weight.shape[0]):
         bad = index[(index < 0) | (index >= weight.shape[0])][0]
         raise ValueError(f"embedding: index {int(bad)} is out of range for a table of {weight.shape[0]} rows")
-    np.take(weight, index, axis=0, out=out)
+    if weight.dtype == out.dtype:
+        np.take(weight, index, axis=0, out=out)
+    else:
+        out[...] = weight[index]  # widened on the assignment
 
 
 class _GatherCall(ctypes.Structure):
@@ -76,19 +80,6 @@ def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
                                    keep=(out, index, weight), fail=fail)
 
 
-def embedding_widened(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """out (S, D) F32 = rows index (S,) I64 of an F16/BF16 weight (V, D), each value widened
-    exactly; ValueError for an index outside [0, V)."""
-    out = outputs[0].host_array()  # (S, D)
-    index = inputs[0].host_array()  # (S,)
-    weight = inputs[1].host_array()  # (V, D)
-    if index.size and (index.min() < 0 or index.max() >= weight.shape[0]):
-        bad = index[(index < 0) | (index >= weight.shape[0])][0]
-        raise ValueError(f"embedding: index {int(bad)} is out of range for a table of {weight.shape[0]} rows")
-    out[...] = weight[index]  # widened on the assignment
-
-
 embedding.native_call = native_embedding  # type: ignore[attr-defined]
-embedding_widened.native_call = native_embedding  # type: ignore[attr-defined]
 register_kernel("embedding", "cpu", dtypes=(DataType.F32,), weight_dtypes=(DataType.F16, DataType.BF16),
-                kernel=embedding_widened)
+                kernel=embedding)
