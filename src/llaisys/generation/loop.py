@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..models.decoder import PREFILL_CHUNK  # pieces of the decoder's own chunk: what one call computes
 from .config import GenerationConfig
 from .prompt_cache import PromptCache
 from .protocol import LanguageModel
@@ -18,9 +19,6 @@ from .text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
-# Prompts run in pieces of this many tokens when prefill progress is reported: the decoder's
-# own chunk size, so the pieces compute exactly what one call would.
-PREFILL_CHUNK = 256
 
 # Called as progress(done, total) after each piece of the prompt's uncached tokens has run.
 PrefillProgress = Callable[[int, int], None]
