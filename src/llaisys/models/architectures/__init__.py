@@ -23,12 +23,18 @@ import numpy as np
 
 from ..config import ModelConfig, hf_common_fields, is_number, json_flag, read_config_json
 from ..errors import ModelLoadError
-from ..weights import LayerShapes, NameTable, WeightSource, layer_shapes
+from ..layers import decoder_layer
+from ..weights import GGUF_NAMES, HF_NAMES, LayerShapes, NameTable, WeightSource, layer_shapes
 
 # A fix applied to a block of a GGUF tensor's rows (float rows, or the raw rows of a quantized
 # matrix) as they are read, with the row count the blocks' bounds must be multiples of.
 RowFix = tuple[Callable[[np.ndarray], np.ndarray], int]
 log = logging.getLogger(__name__)
+
+
+def no_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
+    """``gguf_row_fix`` of an architecture whose GGUF tensors are stored as we use them."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,11 @@ class Architecture:
     hf_config: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] = field(repr=False)
     # (GGUF metadata, the file's tensor names, source) -> the ModelConfig fields it sets
     gguf_config: Callable[[Mapping[str, Any], Collection[str], str], dict[str, Any]] = field(repr=False)
-    hf_names: NameTable = field(repr=False)  # safetensors names -> ours
-    gguf_names: NameTable = field(repr=False)  # GGUF names -> ours
+    hf_names: NameTable = field(default=HF_NAMES, repr=False)  # safetensors names -> ours (default: the Llama family's)
+    gguf_names: NameTable = field(default=GGUF_NAMES, repr=False)  # GGUF names -> ours
     # (our weight name, config) -> the fix its GGUF rows need, or None when stored as we use it
-    gguf_row_fix: Callable[[str, ModelConfig], RowFix | None] = field(repr=False)
-    decoder_layer: Callable[..., None] = field(repr=False)  # the layer the decoder runs (models.layers.decoder_layer)
+    gguf_row_fix: Callable[[str, ModelConfig], RowFix | None] = field(default=no_row_fix, repr=False)
+    decoder_layer: Callable[..., None] = field(default=decoder_layer, repr=False)  # the layer the decoder runs
     # (config, layer index) -> that layer's weights by our name, with their shapes
     layer_shapes: LayerShapes = field(default=layer_shapes, repr=False)
     # (raw config.json, source) -> the same put in the form the shared reading takes (Gemma 3:
@@ -98,11 +104,6 @@ def unregister(name: str) -> None:
 def names() -> tuple[str, ...]:
     """The architecture names llaisys runs (registered ones and aliases), sorted."""
     return tuple(sorted([*_REGISTRY, *(a for a, (target, _) in ALIASES.items() if target in _REGISTRY)]))
-
-
-def no_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
-    """``gguf_row_fix`` of an architecture whose GGUF tensors are stored as we use them."""
-    return None
 
 
 def get(name: Any, source: str | None = None, key: str = "architecture") -> Architecture:

@@ -19,7 +19,7 @@ from ..config import ModelConfig, is_number, json_flag
 from ..errors import ModelLoadError
 from ..layers import sandwich_layer
 from ..weights import GGUF_NAMES, HF_NAMES, NameTable, layer_shapes
-from . import Architecture, no_row_fix, register
+from . import Architecture, register
 
 PATTERN = 6  # every sixth layer is global unless layer_types says otherwise
 LOCAL_ROPE_THETA = 10000.0  # transformers' default rope base of the sliding layers
@@ -181,7 +181,6 @@ GEMMA3 = register(Architecture(
     gguf_config=gguf_config,
     hf_names=HF_TABLE,
     gguf_names=GGUF_TABLE,
-    gguf_row_fix=no_row_fix,
     decoder_layer=sandwich_layer,
     layer_shapes=gemma3_layer_shapes,
     hf_prepare=hf_prepare,

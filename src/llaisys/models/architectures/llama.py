@@ -9,8 +9,7 @@ import numpy as np
 
 from ..config import ModelConfig, json_flag
 from ..errors import ModelLoadError
-from ..layers import decoder_layer
-from ..weights import GGUF_NAMES, HF_NAMES
+from ..weights import GGUF_NAMES
 from . import Architecture, RowFix, refuse_sliding_window, register, silu_only
 
 
@@ -60,8 +59,5 @@ LLAMA = register(Architecture(
     name="llama",
     hf_config=hf_config,
     gguf_config=gguf_config,
-    hf_names=HF_NAMES,
-    gguf_names=GGUF_NAMES,
     gguf_row_fix=gguf_row_fix,
-    decoder_layer=decoder_layer,
 ))

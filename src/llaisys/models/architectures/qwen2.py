@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
-from ..layers import decoder_layer
-from ..weights import GGUF_NAMES, HF_NAMES
-from . import Architecture, no_row_fix, qwen_sliding_layers, register, silu_only
+from . import Architecture, qwen_sliding_layers, register, silu_only
 
 BIASES = {"attention_bias": True, "attention_out_bias": False}
 
@@ -26,8 +24,4 @@ QWEN2 = register(Architecture(
     name="qwen2",
     hf_config=hf_config,
     gguf_config=gguf_config,
-    hf_names=HF_NAMES,
-    gguf_names=GGUF_NAMES,
-    gguf_row_fix=no_row_fix,
-    decoder_layer=decoder_layer,
 ))

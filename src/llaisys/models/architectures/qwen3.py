@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any, Collection, Mapping
 
 from ..config import json_flag
-from ..layers import decoder_layer
-from ..weights import GGUF_NAMES, HF_NAMES
-from . import Architecture, no_row_fix, qwen_sliding_layers, register, silu_only
+from ..weights import GGUF_NAMES
+from . import Architecture, qwen_sliding_layers, register, silu_only
 
 
 def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -30,8 +29,4 @@ QWEN3 = register(Architecture(
     name="qwen3",
     hf_config=hf_config,
     gguf_config=gguf_config,
-    hf_names=HF_NAMES,
-    gguf_names=GGUF_NAMES,
-    gguf_row_fix=no_row_fix,
-    decoder_layer=decoder_layer,
 ))

@@ -20,9 +20,8 @@ import numpy as np
 
 from ..config import ModelConfig, json_flag
 from ..errors import ModelLoadError
-from ..layers import decoder_layer
 from ..weights import GGUF_NAMES, HF_NAMES, NameTable, WeightSource, layer_shapes
-from . import Architecture, no_row_fix, register
+from . import Architecture, register
 from .qwen3 import gguf_config as qwen3_gguf_config
 from .qwen3 import hf_config as qwen3_hf_config
 
@@ -145,8 +144,6 @@ QWEN3_MOE = register(Architecture(
     gguf_config=gguf_config,
     hf_names=HF_TABLE,
     gguf_names=GGUF_TABLE,
-    gguf_row_fix=no_row_fix,
-    decoder_layer=decoder_layer,
     layer_shapes=moe_layer_shapes,
     sanitize_weights=sanitize_weights,
 ))
