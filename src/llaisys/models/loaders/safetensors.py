@@ -15,6 +15,7 @@ import numpy as np
 
 from safetensors import SafetensorError, safe_open
 
+from ...runtime.block_formats import BY_NAME
 from .. import architectures
 from ..config import ModelConfig
 from ..errors import ModelLoadError, read_json_object
@@ -71,9 +72,6 @@ def _open(path: Path, stack: contextlib.ExitStack):
         raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
-_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
-
-
 def _stored_offsets(path: Path) -> "tuple[np.ndarray, dict[str, int]] | None":
     """The file as a read-only memory map (uint8) and, per tensor, the offset of its data in it:
     where a matrix may stay as a view of the file rather than a copy. None where the bytes are
@@ -93,7 +91,7 @@ def _stored_offsets(path: Path) -> "tuple[np.ndarray, dict[str, int]] | None":
         if name == "__metadata__" or not isinstance(entry, dict):
             continue
         begin, end = entry.get("data_offsets", (0, -1))
-        item = _ITEM_BYTES.get(entry.get("dtype"))
+        item = BY_NAME[entry["dtype"]].block_bytes if entry.get("dtype") in SUPPORTED_TYPES else None
         if item and end - begin == item * math.prod(entry.get("shape", ())) and base + end <= data.size \
                 and (base + begin) % item == 0:
             offsets[name] = base + begin
