@@ -21,24 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops/ops.h" /* lo_swiglu_args: the ops library's swiglu, called through a pointer */
+#include "moe.h"
 #include "quant.h"
-
-typedef int (*lm_swiglu_fn)(const lo_swiglu_args *a);
-
-/* One call's arguments (kernels/cpu/moe.py's _MoeArgs). Row strides in floats. */
-typedef struct {
-    float *out;                       /* (N, D), rows ldo apart */
-    int64_t ldo;
-    const float *h;                   /* (N, D), rows ldh apart */
-    int64_t ldh;
-    const float *logits;              /* (N, E), rows ldl apart */
-    int64_t ldl;
-    const void *gate, *up, *down;     /* (E*I, D), (E*I, D), (E*D, I): encoded rows, back to back */
-    int64_t gate_type, up_type, down_type; /* GGML type ids */
-    int64_t n, d, e, inter, top_k, norm;
-    lm_swiglu_fn swiglu;
-} lm_moe_args;
 
 enum { LM_OK = 0, LM_ERR_TYPE = -1, LM_ERR_SHAPE = -2, LM_ERR_MEMORY = -3 };
 

@@ -50,44 +50,7 @@ enum {
     LP_ERR_PAST_N = -10,   /* bad[0] = b + 1, bad[1] = query_starts[b + 1] > N */
 };
 
-/* Arguments of llaisys_paged_attention; strides in elements, the last dimension of every
- * float tensor contiguous. Mirrored by a ctypes Structure in kernels/cpu/paged_native.py. */
-typedef struct {
-    float *out;                 /* (N, H, Dv) */
-    int64_t out_s0, out_s1;
-    const float *q;             /* (N, H, D) */
-    int64_t q_s0, q_s1;
-    const float *k_cache;       /* (NB, BS, KH, D) */
-    int64_t k_s0, k_s1, k_s2;
-    const float *v_cache;       /* (NB, BS, KH, Dv) */
-    int64_t v_s0, v_s1, v_s2;
-    const int64_t *block_tables; /* (B, MB) */
-    int64_t bt_s0, bt_s1;
-    const int64_t *query_starts; /* (B + 1,) */
-    int64_t qs_s0;
-    const int64_t *context_lens; /* (B,) */
-    int64_t cl_s0;
-    int64_t n, h, kh, d, dv, nb, bs, b, mb;
-    double scale;
-    int64_t bad[2];             /* out: see the status codes */
-    int64_t window;             /* > 0: a query sees only its last `window` keys (a sliding window) */
-} lp_attention_args;
-
-/* Arguments of llaisys_paged_kv_write: strides in elements of `itemsize` bytes. */
-typedef struct {
-    char *k_cache;              /* (NB, BS, KH, D) */
-    int64_t kc_s0, kc_s1, kc_s2;
-    char *v_cache;              /* (NB, BS, KH, Dv) */
-    int64_t vc_s0, vc_s1, vc_s2;
-    const char *k;              /* (N, KH, D) */
-    int64_t k_s0, k_s1;
-    const char *v;              /* (N, KH, Dv) */
-    int64_t v_s0, v_s1;
-    const int64_t *slots;       /* (N,) */
-    int64_t sl_s0;
-    int64_t n, kh, d, dv, nb, bs, itemsize;
-    int64_t bad[2];
-} lp_write_args;
+/* lp_attention_args and lp_write_args: paged_attention.h. */
 
 static void scores_portable(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
                             float scale, float *s) {

@@ -644,20 +644,7 @@ LQ_EXPORT int llaisys_quant_int_pack(int type, const void *w, int64_t n, int64_t
     return LQ_OK;
 }
 
-/* llaisys_quant_linear with its arguments in one block, for a replayed list of calls
- * (csrc/ops: llaisys_ops_run). */
-typedef struct {
-    int64_t type;
-    const void *w;
-    int64_t n, k;
-    const float *x;
-    int64_t ldx, m;
-    float *y;
-    int64_t ldy;
-    const float *bias;
-    const void *packed;
-} lq_linear_call;
-
+/* llaisys_quant_linear with its arguments in one block (lq_linear_call, quant.h). */
 LQ_EXPORT int llaisys_quant_linear_call(const void *block) {
     const lq_linear_call *c = block;
     return llaisys_quant_linear((int)c->type, c->w, c->n, c->k, c->x, c->ldx, c->m, c->y, c->ldy, c->bias,

@@ -291,4 +291,18 @@ int lq_linear_f32(int type, const void *w, int64_t n, int64_t k, const float *x,
                   int64_t ldy, const float *bias);
 const char *llaisys_quant_simd_level(void);
 
+/* llaisys_quant_linear with its arguments in one block, for a replayed list of calls
+ * (csrc/ops: llaisys_ops_run); mirrored by LinearCall in src/llaisys/_native/structs.py. */
+typedef struct {
+    int64_t type;
+    const void *w;
+    int64_t n, k;
+    const float *x;
+    int64_t ldx, m;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+    const void *packed;
+} lq_linear_call;
+
 #endif

@@ -12,19 +12,6 @@
 
 #include "ops_body.h"
 
-/* out = x * factor over `rows` rows of n; out may be x (each element is read before it is written). */
-typedef struct {
-    float *out;
-    int64_t out_s;
-    const float *x;
-    int64_t x_s;
-    int64_t rows, n;
-    float factor; /* already float32: the binding rounds it once */
-} lo_scale_args;
-
-typedef struct { const lo_swiglu_args *a; } lo_geglu_call; /* geglu takes swiglu's arguments */
-typedef struct { const lo_scale_args *a; } lo_scale_call;
-
 const char *llaisys_ops_simd_level(void); /* ops.c */
 
 /* tanh in float32 within about 2 ulp (Cephes tanhf): an odd polynomial below |x| = 0.625, else

@@ -8,9 +8,10 @@
  * vectors (ops_body.h), attention's inner loops as intrinsics that repeat its operations in
  * its order; there is no FMA, so every level gives the same bits.
  *
- * Arguments come in a struct built once per call site by the Python binding
- * (kernels/cpu/native_ops.py mirrors each as a ctypes Structure); the pointers that change
- * from call to call (weights, rope tables, the K/V rows of a layer) are passed beside it.
+ * Arguments come in a struct built once per call site by the Python binding (mirrored by a
+ * ctypes Structure in src/llaisys/_native/structs.py, checked against layouts.c at load); the
+ * pointers that change from call to call (weights, rope tables, the K/V rows of a layer) are
+ * passed beside it.
  * Strides are in elements; the last dimension of every tensor is contiguous.
  */
 #ifndef LLAISYS_OPS_H
@@ -70,6 +71,17 @@ typedef struct {
     double scale;
 } lo_attention_args;
 
+/* out = x * factor over `rows` rows of n; out may be x (each element is read before it is
+ * written). geglu (geglu_scale.c) takes lo_swiglu_args. */
+typedef struct {
+    float *out;
+    int64_t out_s;
+    const float *x;
+    int64_t x_s;
+    int64_t rows, n;
+    float factor; /* already float32: the binding rounds it once */
+} lo_scale_args;
+
 /* A recorded list of kernel calls replayed in one native call (llaisys_ops_run): each call is a
  * function taking one argument block. The blocks of the kernels here carry the argument struct
  * (built once) and the pointers that change from call to call; csrc/kernels adds quantized
@@ -84,6 +96,8 @@ typedef struct { const lo_norm_args *a; const float *w; } lo_norm_call;
 typedef struct { const lo_swiglu_args *a; } lo_swiglu_call;
 typedef struct { const lo_rope_args *a; const float *cos, *sin; } lo_rope_call;
 typedef struct { const lo_attention_args *a; const float *k, *v; int64_t t; } lo_attention_call;
+typedef struct { const lo_swiglu_args *a; } lo_geglu_call; /* geglu takes swiglu's arguments */
+typedef struct { const lo_scale_args *a; } lo_scale_call;
 typedef struct { void *dst; const void *src; int64_t nbytes; } lo_copy_call; /* memmove */
 typedef struct { float *out; const float *a, *b; int64_t n; } lo_add_call;  /* dense out = a + b */
 /* out[i] = weight[index[i]] for i < rows: rows of row_bytes bytes of out at strides in bytes

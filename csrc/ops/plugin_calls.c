@@ -11,30 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "llaisys/kernel_ext.h"
-
-#include "ops.h"
-
-typedef struct {
-    LlaisysKernelFn fn;
-    C_Device device;
-    const LlaisysTensorDesc *const *outputs;
-    size_t num_outputs;
-    const LlaisysTensorDesc *const *inputs;
-    size_t num_inputs;
-    const LlaisysKernelAttr *attrs;
-    size_t num_attrs;
-} lo_plugin_kernel_call;
-
-typedef C_Status (*lo_plugin_copy_fn)(const C_Device device, void *dst, const void *src, size_t size);
-
-typedef struct {
-    lo_plugin_copy_fn fn; /* memory_copy_h2d or memory_copy_d2h */
-    C_Device device;
-    void *dst;
-    const void *src;
-    size_t nbytes;
-} lo_plugin_copy_call;
+#include "plugin_calls.h"
 
 LO_EXPORT int llaisys_ops_plugin_kernel_call(const void *block) {
     const lo_plugin_kernel_call *c = block;
@@ -47,17 +24,7 @@ LO_EXPORT int llaisys_ops_plugin_copy_call(const void *block) {
     return (int)c->fn(c->device, c->dst, c->src, c->nbytes);
 }
 
-/* One 8-byte field of a recorded call's descriptors (a data pointer or a dimension) that
- * depends on where in the sequence a pass runs: base + per_start * start + per_end * end.
- * A decoding step over a contiguous cache moves its cache rows this way every token; one
- * call rewrites them all instead of a rebind per call from Python. */
-typedef struct {
-    void *field;
-    int64_t base;
-    int64_t per_start;
-    int64_t per_end;
-} lo_row_field;
-
+/* Rewrite the n fields of lo_row_field (plugin_calls.h) for rows start:end. */
 LO_EXPORT void llaisys_ops_move_rows(const lo_row_field *fields, int64_t n, int64_t start, int64_t end) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t value = fields[i].base + fields[i].per_start * start + fields[i].per_end * end;

@@ -19,7 +19,6 @@ and stdout; anything the library prints goes to stderr.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -197,19 +196,12 @@ def _write(proc: subprocess.Popen, message: dict[str, Any]) -> None:
 
 
 # ---- the child's side --------------------------------------------------------------------------
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
 def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        return libc
-    except (OSError, AttributeError):  # not glibc 2.33+: count resident memory instead
-        return None
+    """glibc with ``mallinfo2`` (``llaisys._native.libc``), or None: not glibc 2.33+, so
+    resident memory is counted instead."""
+    from .. import _native
+
+    return _native.libc()
 
 
 def _bytes_in_use(libc: Any) -> int:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from ..runtime.device import DeviceType
 from ..runtime.dtypes import DataType
 from ..runtime.errors import KernelNotFoundError
+from ..tensor.tensor import set_device_copy
 
 if TYPE_CHECKING:
     from ..tensor import Tensor
@@ -212,3 +213,6 @@ def _fmt(key: KernelKey) -> str:
 def _listing(name: str) -> str:
     keys = registered_kernels(name)
     return ", ".join(_fmt(k) for k in keys) if keys else "nothing"
+
+
+set_device_copy(lambda dst, src: dispatch("rearrange", dst.dtype, (dst,), (src,), {}))  # Tensor.copy_ on a device

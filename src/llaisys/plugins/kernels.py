@@ -28,6 +28,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .. import _native
+from .._native import structs
 from ..kernels.registry import Layout, register_kernel, unregister_kernels
 from ..runtime.dtypes import DataType
 from ..backends.plugin import abi
@@ -59,7 +61,7 @@ class PluginKernel:
     fn: int
 
 
-def collect_kernels(lib: ctypes.CDLL, backend: "PluginBackend") -> list[PluginKernel]:
+def collect_kernels(lib: _native.Library, backend: "PluginBackend") -> list[PluginKernel]:
     """Call the plugin's ``InitPluginKernels`` (if it exports one) and return what it registered.
 
     Raises PluginError when it fails, or registers for another backend, a bad layout or type,
@@ -141,12 +143,15 @@ def _wrap(kernel: PluginKernel, backend: "PluginBackend") -> Callable[[tuple, tu
     return run
 
 
-class _KernelCall(ctypes.Structure):
-    """``lo_plugin_kernel_call`` of csrc/ops/plugin_calls.c."""
+@dataclass(slots=True)
+class _Described:
+    """One tensor's descriptor in a ``_Descs``, with the shape and stride arrays it points at."""
 
-    _fields_ = [("fn", ctypes.c_void_p), ("device", ctypes.c_void_p), ("outputs", ctypes.c_void_p),
-                ("num_outputs", ctypes.c_size_t), ("inputs", ctypes.c_void_p), ("num_inputs", ctypes.c_size_t),
-                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_size_t)]
+    desc: abi.LlaisysTensorDesc  # a view of the descriptor array's element
+    shape: ctypes.Array
+    strides: ctypes.Array
+    dtype: DataType
+    rank: int
 
 
 class _Descs:
@@ -159,7 +164,7 @@ class _Descs:
         n = max(len(tensors), 1)
         self.descs = (abi.LlaisysTensorDesc * n)()
         self.ptrs = (ctypes.c_void_p * n)()
-        self.entries: list[tuple | None] = []  # per tensor: (desc, shape array, strides array, dtype, rank)
+        self.entries: list[_Described | None] = []  # per tensor; None for a NULL entry
         self.tensors = list(tensors)  # the tensors described now
         self.given = self._frozen(tensors)  # the tuple they came as (a rebind often passes it again)
         base = ctypes.addressof(self.descs)
@@ -174,7 +179,7 @@ class _Descs:
             desc.data, desc.dtype, desc.ndim, desc.shape, desc.strides = (
                 t.data_ptr, abi.to_c_dtype(t.dtype), rank, shape, strides)
             self.ptrs[i] = base + i * _DESC_SIZE
-            self.entries.append((desc, shape, strides, t.dtype, rank))
+            self.entries.append(_Described(desc, shape, strides, t.dtype, rank))
 
     def follow(self, tensors: Sequence["Tensor | None"]) -> bool:
         """Point the descriptors at ``tensors`` (same dtypes and ranks); False when they differ
@@ -189,17 +194,17 @@ class _Descs:
             if t is olds[i]:
                 continue
             entry = entries[i]
-            if t is None or entry is None or t.dtype != entry[3] or len(t.shape) != entry[4]:
+            if t is None or entry is None or t.dtype != entry.dtype or len(t.shape) != entry.rank:
                 return False
             moved.append(i)
         for i in moved:
             t, old = tensors[i], olds[i]
-            desc, shape, strides, _, _ = entries[i]
+            entry = entries[i]
             if t.shape != old.shape:
-                shape[:len(t.shape)] = t.shape
+                entry.shape[:len(t.shape)] = t.shape
             if t.strides != old.strides:
-                strides[:len(t.strides)] = t.strides
-            desc.data = t.storage.ptr + t.offset  # t.data_ptr
+                entry.strides[:len(t.strides)] = t.strides
+            entry.desc.data = t.storage.ptr + t.offset  # t.data_ptr
             olds[i] = t
         self.given = self._frozen(tensors)
         return True
@@ -210,8 +215,7 @@ class _Descs:
         the one ``tensors`` names: the caller keeps track of what the descriptor holds."""
         if not 0 <= i < len(self.entries) or self.entries[i] is None:
             return None
-        shape = self.entries[i][1]
-        return ctypes.addressof(self.descs) + i * _DESC_SIZE + _DATA_OFFSET, ctypes.addressof(shape)
+        return ctypes.addressof(self.descs) + i * _DESC_SIZE + _DATA_OFFSET, ctypes.addressof(self.entries[i].shape)
 
     @staticmethod
     def _frozen(tensors: Sequence["Tensor | None"]) -> "tuple | None":
@@ -232,9 +236,9 @@ def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequen
     device = backend.device_handle(index)
     outs, ins = _Descs(outputs), _Descs(inputs)
     attr_arr = _attrs(tuple(attrs.items())) if attrs else None
-    block = _KernelCall(kernel.fn, ctypes.addressof(device.contents), ctypes.addressof(outs.ptrs), len(outputs),
-                        ctypes.addressof(ins.ptrs), len(inputs),
-                        None if attr_arr is None else ctypes.addressof(attr_arr), len(attrs))
+    block = structs.PluginKernelCall(kernel.fn, ctypes.addressof(device.contents), ctypes.addressof(outs.ptrs),
+                                     len(outputs), ctypes.addressof(ins.ptrs), len(inputs),
+                                     None if attr_arr is None else ctypes.addressof(attr_arr), len(attrs))
     api = f"kernel {kernel.op}"
 
     def fail(status: int) -> None:  # C_WARNING is logged once and the stretch goes on
@@ -252,11 +256,9 @@ def _native_call(kernel: PluginKernel, backend: "PluginBackend", outputs: Sequen
                                    fields=fields)
 
 
-def native_ops_library() -> "ctypes.CDLL | None":
+def native_ops_library() -> "_native.Library | None":
     """The native ops library (``csrc/ops``), which runs recorded plugin calls; None when it
     is not built (plans then call plugin kernels from Python)."""
-    from .. import _native
-
     lib = _native.load("ops")
     return lib if lib is not None and hasattr(lib, "llaisys_ops_plugin_kernel_call") else None
 

@@ -19,7 +19,9 @@ size field changed by ``InitPlugin`` (a plugin that memsets the whole table clea
 them after ``InitPlugin``, so it is a habit, not a fault (``Plugin.notes``).
 Before opening any plugin the native host library (``csrc/host``) is loaded with global
 symbols: it defines ``profiler_add_runtime_trace_event`` / ``profiler_add_device_trace_event``,
-which plugins may link against (``trace_event_counts()`` counts their calls).
+which plugins may link against (``trace_event_counts()`` counts their calls), and loading it
+checks the ctypes mirrors of the plugin ABI's structures (``backends/plugin/abi.py``) against
+the C compiler's layout of the headers. Plugins are opened through ``llaisys._native.open_path``.
 
 Unloading and exit are bounded: each plugin's devices are synchronized, then it is finalized,
 each step on a daemon thread given ``LLAISYS_PLUGIN_EXIT_TIMEOUT`` seconds (default 5). A step
@@ -66,7 +68,7 @@ class Plugin:
     version: tuple[int, int, int]
     backend: PluginBackend
     kernels: list[PluginKernel] = field(default_factory=list, repr=False)
-    library: ctypes.CDLL | None = field(default=None, repr=False)
+    library: _native.Library | None = field(default=None, repr=False)
     warnings: list[str] = field(default_factory=list)  # what the load logged as warnings
     notes: list[str] = field(default_factory=list)  # what it noted at INFO (PaddlePaddle habits)
 
@@ -210,7 +212,7 @@ def trace_event_counts() -> dict[str, int]:
     """How many trace events plugins have handed to the host so far, by kind:
     ``{"runtime": n, "device": m}`` (calls of ``profiler_add_runtime_trace_event`` and
     ``profiler_add_device_trace_event``). Zeros when the native host library is not built."""
-    host = _native.load("host", global_symbols=True)
+    host = _native.load("host")
     if host is None:
         return {"runtime": 0, "device": 0}
     runtime, device = ctypes.c_uint64(0), ctypes.c_uint64(0)
@@ -304,11 +306,11 @@ def _load(real: str, shown: str) -> Plugin:
     return Plugin(real, device_type, sub_type, version, backend, kernels, lib, notes, habits)
 
 
-def _open(real: str, shown: str) -> ctypes.CDLL:
+def _open(real: str, shown: str) -> _native.Library:
     """dlopen the plugin, after the host library whose functions it may link against."""
     host_ready = _load_host_functions()
     try:
-        return ctypes.CDLL(real, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        return _native.open_path(real)
     except OSError as exc:
         hint = ""
         if not host_ready and any(f in str(exc) for f in HOST_FUNCTIONS):
@@ -318,13 +320,10 @@ def _open(real: str, shown: str) -> ctypes.CDLL:
 
 
 def _load_host_functions() -> bool:
-    """Load the native host library with global symbols, so that plugins linking against its
-    functions (``HOST_FUNCTIONS``) open; False when it is not built."""
-    if _native.load("host", global_symbols=True) is None:
-        return False
-    if not hasattr(ctypes.CDLL(None), HOST_FUNCTIONS[0]):  # loaded earlier without global symbols
-        ctypes.CDLL(str(_native.library_path("host")), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
-    return True
+    """Load the native host library with global symbols (``_native`` always opens it so), so
+    that plugins linking against its functions (``HOST_FUNCTIONS``) open; False when it is not
+    built."""
+    return _native.load("host", global_symbols=True) is not None
 
 
 def _filled_table(params: abi.CustomRuntimeParams, ours: abi.C_DeviceInterface, shown: str,

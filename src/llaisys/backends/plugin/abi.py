@@ -1,14 +1,18 @@
 """ctypes bindings of ``include/llaisys/device_ext.h`` and ``kernel_ext.h``.
 
-The structures here mirror the headers field for field (the tests compare their offsets with
-the C compiler's). The tables below are the ABI's contract: which APIs a plugin must provide,
-and what llaisys does in place of each optional one it leaves NULL.
+The structures here mirror the headers field for field; each is registered with
+``llaisys._native`` as a mirror of the structure ``csrc/host/layouts.c`` describes (compiled
+against these headers), so loading the host library, which the plugin loader does before it
+opens any plugin, compares their sizes and offsets with the C compiler's. The tables below
+are the ABI's contract: which APIs a plugin must provide, and what llaisys does in place of
+each optional one it leaves NULL.
 """
 from __future__ import annotations
 
 import ctypes
 from ctypes import CFUNCTYPE, POINTER, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
+from ... import _native
 from ...runtime.dtypes import DataType
 
 MAJOR_VERSION, MINOR_VERSION, PATCH_VERSION = 0, 1, 1
@@ -71,6 +75,7 @@ def c_dtype_name(value: int) -> str:
 
 
 # ---- device ABI --------------------------------------------------------------------------------
+@_native.mirror("host", "C_Device_st")
 class C_Device_st(ctypes.Structure):
     _fields_ = [("id", c_int)]
 
@@ -83,6 +88,7 @@ size_p = POINTER(c_size_t)
 C_Callback = CFUNCTYPE(None, C_Device, c_void_p, c_void_p, POINTER(c_int))
 
 
+@_native.mirror("host", "C_CCLRootId")
 class C_CCLRootId(ctypes.Structure):
     _fields_ = [("sz", c_size_t), ("data", c_void_p)]
 
@@ -156,16 +162,19 @@ INTERFACE_LAYOUT: tuple[tuple[str, "tuple | int"], ...] = (
 API_NAMES = tuple(name for name, spec in INTERFACE_LAYOUT if not isinstance(spec, int))
 
 
+@_native.mirror("host", "C_DeviceInterface")
 class C_DeviceInterface(ctypes.Structure):
     _fields_ = [("size", c_size_t)] + [
         (name, c_void_p * spec if isinstance(spec, int) else _fn(*spec)) for name, spec in INTERFACE_LAYOUT
     ]
 
 
+@_native.mirror("host", "CustomRuntimeVersion")
 class CustomRuntimeVersion(ctypes.Structure):
     _fields_ = [("major", c_size_t), ("minor", c_size_t), ("patch", c_size_t)]
 
 
+@_native.mirror("host", "CustomRuntimeParams")
 class CustomRuntimeParams(ctypes.Structure):
     _fields_ = [
         ("size", c_size_t),
@@ -238,6 +247,7 @@ FALLBACKS = {
 }
 
 # ---- kernel ABI --------------------------------------------------------------------------------
+@_native.mirror("host", "LlaisysTensorDesc")
 class LlaisysTensorDesc(ctypes.Structure):
     _fields_ = [
         ("data", c_void_p),
@@ -248,6 +258,7 @@ class LlaisysTensorDesc(ctypes.Structure):
     ]
 
 
+@_native.mirror("host", "LlaisysKernelAttr")
 class LlaisysKernelAttr(ctypes.Structure):
     _fields_ = [("name", c_char_p), ("value", c_double)]
 
@@ -257,6 +268,7 @@ LlaisysKernelFn = CFUNCTYPE(Status, C_Device, C_Stream, c_void_p, c_size_t, c_vo
 RegisterKernelFn = CFUNCTYPE(Status, c_void_p, c_char_p, c_char_p, c_int, c_int, c_void_p)
 
 
+@_native.mirror("host", "LlaisysKernelRegistrar")
 class LlaisysKernelRegistrar(ctypes.Structure):
     _fields_ = [
         ("size", c_size_t),

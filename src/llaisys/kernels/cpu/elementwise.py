@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import _native
+from ..._native import structs
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS, f32
@@ -53,10 +54,6 @@ def rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
     out.host_array()[...] = src.host_array()
 
 
-class _CopyCall(ctypes.Structure):
-    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("nbytes", ctypes.c_int64)]  # lo_copy_call
-
-
 def native_rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                      attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
     """``rearrange`` of two dense tensors as a memmove block, for a replayed plan; rebinding it
@@ -67,7 +64,7 @@ def native_rearrange(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
     if not native_calls.available() or not (out.is_contiguous() and src.is_contiguous()):
         return None
     lib = _native.load("ops")
-    block = _CopyCall(out.data_ptr, src.data_ptr, out.nbytes)
+    block = structs.CopyCall(out.data_ptr, src.data_ptr, out.nbytes)
     layout = (out.shape, out.strides, src.shape, src.strides)  # dense, so any views of this layout are
 
     def rebind(outputs: tuple, inputs: tuple) -> bool:

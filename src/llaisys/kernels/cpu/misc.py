@@ -1,11 +1,11 @@
 """argmax and embedding on the CPU."""
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..._native import structs
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from ._common import FLOATS
@@ -40,15 +40,6 @@ def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
         out[...] = weight[index]  # widened on the assignment
 
 
-class _GatherCall(ctypes.Structure):
-    """``lo_gather_call`` of csrc/ops/ops.h: strides in bytes, the index's in elements."""
-
-    _fields_ = [("out", ctypes.c_void_p), ("out_s", ctypes.c_int64), ("index", ctypes.c_void_p),
-                ("index_s", ctypes.c_int64), ("weight", ctypes.c_void_p), ("weight_s", ctypes.c_int64),
-                ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64), ("v", ctypes.c_int64),
-                ("bad", ctypes.c_int64 * 2), ("widen", ctypes.c_int64)]
-
-
 _WIDEN = {DataType.F16: 1, DataType.BF16: 2}  # LO_GATHER_F16, LO_GATHER_BF16 of csrc/ops/ops.h
 
 
@@ -69,9 +60,9 @@ def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, .
             or out.strides[-1] != 1 or weight.strides[-1] != 1 or widen is None):
         return None
     z = out.dtype.itemsize
-    block = _GatherCall(out.data_ptr, out.strides[0] * z, index.data_ptr, index.strides[0], weight.data_ptr,
-                        weight.strides[0] * weight.dtype.itemsize, out.shape[0], out.shape[1] * z, weight.shape[0],
-                        (0, 0), widen)
+    block = structs.GatherCall(out.data_ptr, out.strides[0] * z, index.data_ptr, index.strides[0], weight.data_ptr,
+                               weight.strides[0] * weight.dtype.itemsize, out.shape[0], out.shape[1] * z,
+                               weight.shape[0], (0, 0), widen)
 
     def fail(status: int) -> None:
         raise ValueError(f"embedding: index {block.bad[1]} is out of range for a table of {weight.shape[0]} rows")

@@ -25,11 +25,13 @@ call's F32 products do not). Other devices run this kernel through the registry'
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ... import _native
+from ..._native import structs
 from ...runtime.dtypes import QUANTIZED_TYPES, DataType
 from ...tensor import Storage, Tensor
 from ..quant import native
@@ -65,16 +67,30 @@ def _host(shape: tuple[int, ...]) -> Tensor:
     return Tensor(storage, 0, shape, strides, DataType.F32)
 
 
-def _buffers(out_t: Tensor, m: int, d: int, inter: int) -> tuple[Tensor, ...]:
-    """(x (M, D), gate (M, I), up (M, I), act (M, I), y (M, D)) float32 host tensors for a group
-    of M tokens; for small M kept with the output tensor, so the linear kernels' calls bound to
-    them (the quantized kernels bind their native call to the tensors) serve every decoding step."""
-    make = lambda: (_host((m, d)), _host((m, inter)), _host((m, inter)), _host((m, inter)), _host((m, d)))  # noqa: E731
+@dataclass(slots=True)
+class _Buffers:
+    """The float32 host tensors of a group of M tokens' expert MLP."""
+
+    x: Tensor  # (M, D) the group's rows of h
+    gate: Tensor  # (M, I)
+    up: Tensor  # (M, I)
+    act: Tensor  # (M, I) silu(gate) * up
+    y: Tensor  # (M, D)
+
+    @classmethod
+    def make(cls, m: int, d: int, inter: int) -> "_Buffers":
+        return cls(_host((m, d)), _host((m, inter)), _host((m, inter)), _host((m, inter)), _host((m, d)))
+
+
+def _buffers(out_t: Tensor, m: int, d: int, inter: int) -> _Buffers:
+    """The buffers of a group of M tokens; for small M kept with the output tensor (by shape),
+    so the linear kernels' calls bound to them (the quantized kernels bind their native call to
+    the tensors) serve every decoding step."""
     if m > _KEPT_ROWS:
-        return make()
-    kept = out_t.derived("moe.buffers", lambda t: {})
+        return _Buffers.make(m, d, inter)
+    kept = out_t.derived("moe.buffers", lambda t: {})  # (M, D, I) -> _Buffers
     if (m, d, inter) not in kept:
-        kept[(m, d, inter)] = make()
+        kept[(m, d, inter)] = _Buffers.make(m, d, inter)
     return kept[(m, d, inter)]
 
 
@@ -104,35 +120,28 @@ def _f32_native_linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None,
 
 
 # ---- the native form ---------------------------------------------------------------------
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
-class _MoeArgs(ctypes.Structure):
-    """``lm_moe_args`` of csrc/kernels/moe.c: row strides in floats, GGML type ids."""
-
-    _fields_ = [("out", _PTR), ("ldo", _I64), ("h", _PTR), ("ldh", _I64), ("logits", _PTR), ("ldl", _I64),
-                ("gate", _PTR), ("up", _PTR), ("down", _PTR), ("gate_type", _I64), ("up_type", _I64),
-                ("down_type", _I64), ("n", _I64), ("d", _I64), ("e", _I64), ("inter", _I64), ("top_k", _I64),
-                ("norm", _I64), ("swiglu", _PTR)]
-
-
 _NATIVE_WEIGHTS = {t: t.name for t in QUANTIZED_TYPES} | {t: t.name for t in (DataType.F32, DataType.F16,
                                                                               DataType.BF16)}
-_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when the native form cannot run
+_lib: "_native.Library | bool | None" = None  # None until first use; False when the native form cannot run
 
 
-def _library() -> "ctypes.CDLL | bool":
-    """The kernels library with ``llaisys_moe_mlp`` declared, or False: not built (the NumPy
-    path has said so where it matters), or built before the function existed."""
+def _library() -> "_native.Library | bool":
+    """The kernels library (signatures declared by ``_native``), or False: not built (the NumPy
+    path has said so where it matters), or built before ``llaisys_moe_mlp`` existed."""
     global _lib
     if _lib is None:
         lib = _native.load("kernels")
-        if lib is None or not hasattr(lib, "llaisys_moe_mlp"):
-            _lib = False
-        else:
-            lib.llaisys_moe_mlp.argtypes, lib.llaisys_moe_mlp.restype = [_PTR], ctypes.c_int
-            _lib = lib
+        _lib = lib if lib is not None and hasattr(lib, "llaisys_moe_mlp") else False
     return _lib
+
+
+@dataclass(slots=True)
+class _MoeEntry:
+    """A ``moe_mlp`` call kept with its output: the argument block (None: the NumPy path runs
+    for these tensors) and what it points into, the tensors included (so their ids stay theirs)."""
+
+    args: "structs.MoeArgs | None"
+    keep: tuple
 
 
 def _native_weight(w_t: Tensor) -> "native.QuantWeight":
@@ -146,8 +155,8 @@ def _row_stride(t: Tensor) -> int | None:
     return t.strides[0] if t.strides[1] == 1 or t.shape[1] == 1 else None
 
 
-def _native_args(out_t: Tensor, inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> "tuple | None":
-    """(argument block, what it points into) of ``llaisys_moe_mlp`` for this call, or None where
+def _native_args(out_t: Tensor, inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> "_MoeEntry | None":
+    """The argument block of ``llaisys_moe_mlp`` for this call, with what it points into, or None where
     the NumPy path must run: a library or the native swiglu missing (its function is the one
     the block calls), activations other than F32, rows that are not contiguous."""
     h_t, logits_t, gate_t, up_t, down_t = inputs
@@ -164,11 +173,11 @@ def _native_args(out_t: Tensor, inputs: tuple[Tensor | None, ...], attrs: dict[s
     weights = [w.derived("moe.native", _native_weight) for w in (gate_t, up_t, down_t)]
     n, d = out_t.shape
     e = logits_t.shape[1]
-    args = _MoeArgs(out_t.data_ptr, strides[0], h_t.data_ptr, strides[1], logits_t.data_ptr, strides[2],
-                    *(w.raw.ctypes.data for w in weights), *(w.fmt.type_id for w in weights),
-                    n, d, e, gate_t.shape[0] // e, attrs["top_k"], int(attrs["norm_topk_prob"]),
-                    native_calls.address(native_ops._library(), "llaisys_ops_swiglu"))
-    return args, (out_t, *inputs, weights)
+    args = structs.MoeArgs(out_t.data_ptr, strides[0], h_t.data_ptr, strides[1], logits_t.data_ptr, strides[2],
+                           *(w.raw.ctypes.data for w in weights), *(w.fmt.type_id for w in weights),
+                           n, d, e, gate_t.shape[0] // e, attrs["top_k"], int(attrs["norm_topk_prob"]),
+                           native_calls.address(native_ops._library(), "llaisys_ops_swiglu"))
+    return _MoeEntry(args, (out_t, *inputs, weights))
 
 
 def _failed(status: int) -> None:
@@ -182,8 +191,8 @@ def native_moe_mlp(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     made = _native_args(outputs[0], inputs, attrs)
     if made is None or not native_calls.available():
         return None
-    return native_calls.NativeCall("moe_mlp", native_calls.address(_library(), "llaisys_moe_mlp_call"), made[0],
-                                   keep=made[1])
+    return native_calls.NativeCall("moe_mlp", native_calls.address(_library(), "llaisys_moe_mlp_call"), made.args,
+                                   keep=made.keep)
 
 
 def _no_calls(out_t: Tensor) -> dict:
@@ -201,9 +210,9 @@ def moe_mlp(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attr
     key = (*(id(t) for t in inputs), attrs["top_k"], attrs["norm_topk_prob"])
     entry = bound.get(key)  # the entry keeps the tensors, so their ids stay theirs
     if entry is None:
-        entry = bound[key] = _native_args(out_t, inputs, attrs) or (None, inputs)
-    if entry[0] is not None:
-        status = _lib.llaisys_moe_mlp(ctypes.addressof(entry[0]))
+        entry = bound[key] = _native_args(out_t, inputs, attrs) or _MoeEntry(None, inputs)
+    if entry.args is not None:
+        status = _lib.llaisys_moe_mlp(ctypes.addressof(entry.args))
         if status:
             _failed(status)
         return
@@ -229,7 +238,8 @@ def moe_mlp_numpy(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]
     # order (transformers' order), whatever the other tokens are: 0 + y_a*w_a + y_b*w_b ...
     total = np.zeros((n, d), np.float32)  # (N, D)
     if n == 1:  # one token (decoding): its experts in order, the same calls as a group of one
-        x_t, g_t, u_t, act_t, y_t = _buffers(out_t, 1, d, inter)
+        b = _buffers(out_t, 1, d, inter)
+        x_t, g_t, u_t, act_t, y_t = b.x, b.gate, b.up, b.act, b.y
         x_t.host_array()[...] = h
         for e, w in zip(chosen[0].tolist(), weights[0]):
             gate_mm((g_t,), (x_t, gates[e], None), {})  # (1, I)
@@ -246,7 +256,8 @@ def moe_mlp_numpy(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]
     for e in np.flatnonzero(counts).tolist():
         slots = order[starts[e]:starts[e] + counts[e]]  # (M,) the slots routed to expert e
         tokens = slots // k  # (M,) distinct: a token chooses an expert once
-        x_t, g_t, u_t, act_t, y_t = _buffers(out_t, len(slots), d, inter)
+        b = _buffers(out_t, len(slots), d, inter)
+        x_t, g_t, u_t, act_t, y_t = b.x, b.gate, b.up, b.act, b.y
         x = x_t.host_array()  # (M, D)
         x[...] = h[tokens]
         gate_mm((g_t,), (x_t, gates[e], None), {})  # (M, I)

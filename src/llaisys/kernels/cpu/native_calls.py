@@ -22,6 +22,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from ... import _native
+from ..._native import structs
 from .. import registry
 
 log = logging.getLogger(__name__)
@@ -55,33 +56,23 @@ class NativeCall:
         return (self,) if self.parts is None else self.parts
 
 
-class _Call(ctypes.Structure):
-    """``lo_call`` of csrc/ops/ops.h."""
-
-    _fields_ = [("fn", ctypes.c_void_p), ("block", ctypes.c_void_p)]
-
-
+_Call = structs.Call  # lo_call of csrc/ops/ops.h
 _run: "Any | None | bool" = None  # llaisys_ops_run once looked up; False when the library is missing
 _run_timed: Any = None  # llaisys_ops_run_timed, for profiling
 _CALL_SIZE = ctypes.sizeof(_Call)
 
 
 def _runner() -> Any:
+    """``llaisys_ops_run`` (its signature declared by ``_native``), or False when the ops
+    library is not built; looked up once."""
     global _run, _run_timed
     if _run is None:
         lib = _native.load("ops")
         if lib is None:
             _run = False
         else:
-            timed = getattr(lib, "llaisys_ops_run_timed", None)  # absent from a library built before it
-            if timed is not None:
-                timed.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p]
-                timed.restype = ctypes.c_int
-                _run_timed = timed
-            run = lib.llaisys_ops_run
-            run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
-            run.restype = ctypes.c_int
-            _run = run
+            _run_timed = getattr(lib, "llaisys_ops_run_timed", None)  # absent from a library built before it
+            _run = lib.llaisys_ops_run
     return _run
 
 
@@ -91,9 +82,9 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def address(lib: ctypes.CDLL, function: str) -> int:
-    """The address of ``function`` in ``lib``."""
-    return ctypes.cast(getattr(lib, function), ctypes.c_void_p).value
+def address(lib: Any, function: str) -> int:
+    """The address of ``function`` in ``lib`` (a library ``_native`` loaded), looked up once."""
+    return _native.address(lib, function)
 
 
 class Stretch:
@@ -155,11 +146,7 @@ def batch(calls: Sequence[NativeCall]) -> Stretch:
 
 
 # ---- the CPU fallback of a plugin device, as native calls ------------------------------------
-class _CopyCall(ctypes.Structure):
-    """``lo_plugin_copy_call`` of csrc/ops/plugin_calls.c."""
-
-    _fields_ = [("fn", ctypes.c_void_p), ("device", ctypes.c_void_p), ("dst", ctypes.c_void_p),
-                ("src", ctypes.c_void_p), ("nbytes", ctypes.c_size_t)]
+_CopyCall = structs.PluginCopyCall  # lo_plugin_copy_call of csrc/ops/plugin_calls.h
 
 
 def _fallback_of(kernel: Any) -> "tuple[Any, str, Any] | None":

@@ -12,18 +12,21 @@ rope uses the NumPy kernel's own cos/sin tables, so it gives the same bits.
 
 A decoding step makes about five of these calls per layer, each on a few kilobytes, so the
 Python around a call is most of its cost: the ctypes argument block of a call is built once
-and kept with the output tensor (``Tensor.derived``), reused while the same tensors come back
-(as a replayed ``ops.Plan`` passes them); what changes from call to call at one output (the
-norm weight, the rope positions' table, a layer's K/V rows) is passed beside it.
+and kept with the output tensor (``Tensor.derived``, as one of the entry dataclasses below),
+reused while the same tensors come back (as a replayed ``ops.Plan`` passes them); what changes
+from call to call at one output (the norm weight, the rope positions' table, a layer's K/V
+rows) is passed beside it. The blocks are the mirrors of ``llaisys._native.structs``.
 ``LLAISYS_NATIVE_OPS=0`` leaves the NumPy kernels registered.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import _native
+from ..._native import structs
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from . import attention, elementwise, native_calls, norm_rope
@@ -32,74 +35,33 @@ if TYPE_CHECKING:
     from ...tensor import Tensor
 
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
-
-class _NormArgs(ctypes.Structure):
-    """``lo_norm_args`` of csrc/ops/ops.h."""
-
-    _fields_ = [("out", _PTR), ("out_s", _I64), ("total", _PTR), ("total_s", _I64), ("a", _PTR), ("a_s", _I64),
-                ("b", _PTR), ("b_s", _I64), ("rows", _I64), ("d", _I64), ("eps", ctypes.c_double)]
+_lib: "_native.Library | bool | None" = None  # None until first use; False when not built
 
 
-class _SwigluArgs(ctypes.Structure):
-    """``lo_swiglu_args``."""
-
-    _fields_ = [("out", _PTR), ("out_s", _I64), ("gate", _PTR), ("gate_s", _I64), ("up", _PTR), ("up_s", _I64),
-                ("rows", _I64), ("n", _I64)]
-
-
-class _RopeArgs(ctypes.Structure):
-    """``lo_rope_args``."""
-
-    _fields_ = [("out", _PTR), ("out_s0", _I64), ("out_s1", _I64), ("x", _PTR), ("x_s0", _I64), ("x_s1", _I64),
-                ("s", _I64), ("h", _I64), ("d", _I64), ("r", _I64)]
-
-
-class _AttentionArgs(ctypes.Structure):
-    """``lo_attention_args``."""
-
-    _fields_ = [("out", _PTR), ("out_s0", _I64), ("out_s1", _I64), ("q", _PTR), ("q_s0", _I64), ("q_s1", _I64),
-                ("k_s0", _I64), ("k_s1", _I64), ("v_s0", _I64), ("v_s1", _I64),
-                ("s", _I64), ("h", _I64), ("d", _I64), ("kh", _I64), ("dv", _I64), ("scale", ctypes.c_double)]
-
-
-_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
-_SIGNATURES = {
-    "llaisys_ops_rms_norm": ([_PTR, _PTR], ctypes.c_int),
-    "llaisys_ops_swiglu": ([_PTR], ctypes.c_int),
-    "llaisys_ops_rope": ([_PTR, _PTR, _PTR], ctypes.c_int),
-    "llaisys_ops_self_attention": ([_PTR, _PTR, _PTR, _I64], ctypes.c_int),
-    "llaisys_ops_use_pool": ([_PTR, _PTR], None),
-    "llaisys_ops_simd_available": ([], ctypes.c_int),
-    "llaisys_ops_set_simd_level": ([ctypes.c_char_p], ctypes.c_int),
-    "llaisys_ops_simd_level": ([], ctypes.c_char_p),
-}
-
-
-def _library() -> "ctypes.CDLL | bool":
-    """The native library with its signatures declared, or False when it is not built."""
+def _library() -> "_native.Library | bool":
+    """The native library (signatures declared by ``_native``), or False when it is not built."""
     global _lib
-    if _lib is None:  # declaring twice in a race is harmless
-        lib = _native.declared("ops", _SIGNATURES, "the native ops (llaisys._native._ops) are not built: rms_norm, "
-                               "rope, swiglu and self_attention run on the slower NumPy kernels; reinstall llaisys "
-                               "with a C compiler")
+    if _lib is None:  # loading twice in a race is harmless
+        lib = _native.optional("ops", "the native ops (llaisys._native._ops) are not built: rms_norm, rope, "
+                               "swiglu and self_attention run on the slower NumPy kernels; reinstall llaisys with a "
+                               "C compiler")
         if lib:
             _share_pool(lib)
         _lib = lib or False
     return _lib
 
 
-def _share_pool(lib: ctypes.CDLL) -> None:
+def _share_pool(lib: _native.Library) -> None:
     """Lend ``lib`` the thread pool of the quantized kernels' library (``csrc/kernels``), so
     attention runs on the same workers as linear; without that library it runs on the
     calling thread."""
     kernels = _native.load("kernels")
     if kernels is None:
         return
-    lib.llaisys_ops_use_pool(ctypes.cast(kernels.llaisys_quant_pool_run, _PTR),
-                             ctypes.cast(kernels.llaisys_quant_threads, _PTR))
+    lib.llaisys_ops_use_pool(_native.address(kernels, "llaisys_quant_pool_run"),
+                             _native.address(kernels, "llaisys_quant_threads"))
 
 
 def available() -> bool:
@@ -187,8 +149,116 @@ def _writes_safely(outputs: tuple, others: tuple, same_view_ok: bool = True) -> 
     return True
 
 
-def _entry(_: Tensor) -> list:
-    return [None] * 8
+# ---- what a call keeps with its output tensor (``Tensor.derived``) ------------------------------
+# Each entry holds the argument block made for the tensors and attributes it names, and the
+# block's address (None: the NumPy kernel runs for them), until a call with others replaces it.
+@dataclass(slots=True)
+class _NormEntry:
+    x: "Tensor | None" = None
+    eps: float | None = None
+    args: "structs.NormArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_NormEntry":
+        return _NormEntry()
+
+
+@dataclass(slots=True)
+class _AddNormEntry:
+    total: "Tensor | None" = None
+    a: "Tensor | None" = None
+    b: "Tensor | None" = None
+    eps: float | None = None
+    args: "structs.NormArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_AddNormEntry":
+        return _AddNormEntry()
+
+
+@dataclass(slots=True)
+class _GatedEntry:
+    """swiglu's or geglu's."""
+
+    gate: "Tensor | None" = None
+    up: "Tensor | None" = None
+    args: "structs.SwigluArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_GatedEntry":
+        return _GatedEntry()
+
+
+@dataclass(slots=True)
+class _RopeEntry:
+    x: "Tensor | None" = None
+    r: int | None = None  # rotated dims
+    args: "structs.RopeArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_RopeEntry":
+        return _RopeEntry()
+
+
+@dataclass(slots=True)
+class _AttentionEntry:
+    """self_attention's: q and the layout of k and v (whose rows come with each call)."""
+
+    q: "Tensor | None" = None
+    scale: float | None = None
+    k_strides: "tuple[int, ...] | None" = None
+    v_strides: "tuple[int, ...] | None" = None
+    kv_heads: int | None = None
+    args: "structs.AttentionArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_AttentionEntry":
+        return _AttentionEntry()
+
+
+@dataclass(slots=True)
+class _ScaleEntry:
+    x: "Tensor | None" = None
+    factor: float | None = None
+    args: "structs.ScaleArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_ScaleEntry":
+        return _ScaleEntry()
+
+
+@dataclass(slots=True)
+class _RopeCallEntry:
+    """The native call that every layer's rope of a pass shares (same buffers, same positions)."""
+
+    x: "Tensor | None" = None
+    pos: "Tensor | None" = None
+    freqs: "Tensor | None" = None
+    scalar: float | None = None  # theta, or the attention factor with freqs
+    call: "native_calls.NativeCall | None" = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_RopeCallEntry":
+        return _RopeCallEntry()
+
+
+@dataclass(slots=True)
+class _RopeKept:
+    """What a rope call's block points into: its arguments and the cos/sin table in use."""
+
+    args: "structs.RopeArgs"
+    table: "_RopeTable | None"
+    freqs: "Tensor | None"
+
+
+def _address(args: "ctypes.Structure | None") -> int | None:
+    return None if args is None else ctypes.addressof(args)
 
 
 def _ptr(t: Tensor) -> int:
@@ -196,13 +266,14 @@ def _ptr(t: Tensor) -> int:
 
 
 # ---- rms_norm, add_rms_norm ---------------------------------------------------------------------
-def _norm_args(out: Tensor, total: Tensor | None, a: Tensor, b: Tensor | None, eps: float) -> _NormArgs | None:
+def _norm_args(out: Tensor, total: Tensor | None, a: Tensor, b: Tensor | None,
+               eps: float) -> structs.NormArgs | None:
     outputs, inputs = ((out,), (a,)) if total is None else ((out, total), (a, b))
     geometry = [_rows(t) for t in outputs + inputs]
     if None in geometry or not _writes_safely(outputs, inputs) or not _library():
         return None
     (rows, out_s), a_s = geometry[0], geometry[len(outputs)][1]
-    args = _NormArgs(out=_ptr(out), out_s=out_s, a=_ptr(a), a_s=a_s, rows=rows, d=out.shape[-1], eps=eps)
+    args = structs.NormArgs(out=_ptr(out), out_s=out_s, a=_ptr(a), a_s=a_s, rows=rows, d=out.shape[-1], eps=eps)
     if total is not None:
         args.total, args.total_s = _ptr(total), geometry[1][1]
         args.b, args.b_s = _ptr(b), geometry[3][1]
@@ -220,14 +291,14 @@ def rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], att
     out = outputs[0]
     x, w = inputs
     eps = attrs["eps"]
-    e = out.derived("native_ops.rms_norm", _entry)  # [x, eps, args, address]
-    if e[0] is not x or e[1] != eps:
-        args = _norm_args(out, None, x, None, eps)
-        e[:4] = [x, eps, args, None if args is None else ctypes.addressof(args)]
-    if e[3] is None or ((w.storage is out.storage or w.strides[0] != 1) and not _weight_ok(w, outputs)):
+    e = out.derived("native_ops.rms_norm", _NormEntry.fresh)
+    if e.x is not x or e.eps != eps:
+        e.x, e.eps, e.args = x, eps, _norm_args(out, None, x, None, eps)
+        e.address = _address(e.args)
+    if e.address is None or ((w.storage is out.storage or w.strides[0] != 1) and not _weight_ok(w, outputs)):
         norm_rope.rms_norm(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_rms_norm(e[3], w.storage.ptr + w.offset)
+    status = _lib.llaisys_ops_rms_norm(e.address, w.storage.ptr + w.offset)
     if status:
         _failed("rms_norm", status)
 
@@ -237,69 +308,81 @@ def add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     out, total = outputs
     a, b, w = inputs
     eps = attrs["eps"]
-    e = out.derived("native_ops.add_rms_norm", _entry)  # [total, a, b, eps, args, address]
-    if e[0] is not total or e[1] is not a or e[2] is not b or e[3] != eps:
-        args = _norm_args(out, total, a, b, eps)
-        e[:6] = [total, a, b, eps, args, None if args is None else ctypes.addressof(args)]
-    if e[5] is None or ((w.storage is out.storage or w.storage is total.storage or w.strides[0] != 1)
-                        and not _weight_ok(w, outputs)):
+    e = out.derived("native_ops.add_rms_norm", _AddNormEntry.fresh)
+    if e.total is not total or e.a is not a or e.b is not b or e.eps != eps:
+        e.total, e.a, e.b, e.eps, e.args = total, a, b, eps, _norm_args(out, total, a, b, eps)
+        e.address = _address(e.args)
+    if e.address is None or ((w.storage is out.storage or w.storage is total.storage or w.strides[0] != 1)
+                             and not _weight_ok(w, outputs)):
         norm_rope.add_rms_norm(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_rms_norm(e[5], w.storage.ptr + w.offset)
+    status = _lib.llaisys_ops_rms_norm(e.address, w.storage.ptr + w.offset)
     if status:
         _failed("rms_norm", status)
 
 
 # ---- swiglu -------------------------------------------------------------------------------------
-def _swiglu_args(out: Tensor, gate: Tensor, up: Tensor) -> _SwigluArgs | None:
+def _swiglu_args(out: Tensor, gate: Tensor, up: Tensor) -> structs.SwigluArgs | None:
     geometry = [_rows(t) for t in (out, gate, up)]
     if None in geometry or not _writes_safely((out,), (gate, up)) or not _library():
         return None
     (rows, out_s), (_, gate_s), (_, up_s) = geometry
-    return _SwigluArgs(_ptr(out), out_s, _ptr(gate), gate_s, _ptr(up), up_s, rows, out.shape[-1])
+    return structs.SwigluArgs(_ptr(out), out_s, _ptr(gate), gate_s, _ptr(up), up_s, rows, out.shape[-1])
 
 
 def swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """The F32 ``swiglu`` kernel: native where it applies, else ``elementwise.swiglu``."""
     out = outputs[0]
     gate, up = inputs
-    e = out.derived("native_ops.swiglu", _entry)  # [gate, up, args, address]
-    if e[0] is not gate or e[1] is not up:
-        args = _swiglu_args(out, gate, up)
-        e[:4] = [gate, up, args, None if args is None else ctypes.addressof(args)]
-    if e[3] is None:
+    e = out.derived("native_ops.swiglu", _GatedEntry.fresh)
+    if e.gate is not gate or e.up is not up:
+        e.gate, e.up, e.args = gate, up, _swiglu_args(out, gate, up)
+        e.address = _address(e.args)
+    if e.address is None:
         elementwise.swiglu(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_swiglu(e[3])
+    status = _lib.llaisys_ops_swiglu(e.address)
     if status:
         _failed("swiglu", status)
 
 
 # ---- rope ---------------------------------------------------------------------------------------
 _TABLES_KEPT = 16
-# (positions, D, theta) or (positions, freqs, attention factor) -> (cos, sin, cos ptr, sin ptr)
-_tables: dict[tuple, tuple] = {}
 
 
-def _table(key: tuple) -> tuple:
+@dataclass(slots=True)
+class _RopeTable:
+    """The NumPy kernel's cos and sin (S, 1, R/2) float32 of a set of positions, and their addresses."""
+
+    cos: Any
+    sin: Any
+    cos_address: int
+    sin_address: int
+
+
+# (positions, D, theta) or (positions, freqs, attention factor) -> its table
+_tables: dict[tuple, _RopeTable] = {}
+
+
+def _table(key: tuple) -> _RopeTable:
     """The NumPy kernel's cos and sin (S, 1, R/2) for ``key`` (3 values: ``_cos_sin``'s
     arguments; with bytes second: ``_cos_sin_freqs``'s), with their addresses; every layer of
     a pass rotates at the same positions, so the last few sets are kept."""
     make = norm_rope._cos_sin_freqs if isinstance(key[1], bytes) else norm_rope._cos_sin
     cos, sin = make(*key)  # C-contiguous float32
-    table = (cos, sin, cos.ctypes.data, sin.ctypes.data)
+    table = _RopeTable(cos, sin, cos.ctypes.data, sin.ctypes.data)
     if len(_tables) >= _TABLES_KEPT:
         _tables.clear()
     _tables[key] = table
     return table
 
 
-def _rope_args(out: Tensor, x: Tensor, r: int) -> _RopeArgs | None:
+def _rope_args(out: Tensor, x: Tensor, r: int) -> structs.RopeArgs | None:
     heads = (_heads(out), _heads(x))
     if None in heads or not _writes_safely((out,), (x,)) or not _library():
         return None
     s, h, d = x.shape
-    return _RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d, r)
+    return structs.RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d, r)
 
 
 def _table_key(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str, Any]) -> tuple:
@@ -315,28 +398,28 @@ def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: 
     x, pos = inputs[:2]
     freqs = inputs[2] if len(inputs) > 2 else None
     r = x.shape[2] if freqs is None else 2 * freqs.shape[0]
-    e = out.derived("native_ops.rope", _entry)  # [x, args, address, r]
-    if e[0] is not x or e[3] != r:
-        args = _rope_args(out, x, r)
-        e[:4] = [x, args, None if args is None else ctypes.addressof(args), r]
-    if e[2] is None:
+    e = out.derived("native_ops.rope", _RopeEntry.fresh)
+    if e.x is not x or e.r != r:
+        e.x, e.r, e.args = x, r, _rope_args(out, x, r)
+        e.address = _address(e.args)
+    if e.address is None:
         (norm_rope.rope if freqs is None else norm_rope.rope_freqs)(outputs, inputs, attrs)
         return
     key = _table_key(x, pos, freqs, attrs)
     table = _tables.get(key) or _table(key)
-    status = _lib.llaisys_ops_rope(e[2], table[2], table[3])
+    status = _lib.llaisys_ops_rope(e.address, table.cos_address, table.sin_address)
     if status:
         _failed("rope", status)
 
 
 # ---- self_attention -----------------------------------------------------------------------------
-def _attention_args(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> _AttentionArgs | None:
+def _attention_args(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> structs.AttentionArgs | None:
     heads = [_heads(t) for t in (out, q, k, v)]
     if None in heads or not _writes_safely((out,), (q,)) or not _library():
         return None
     s, h, d = q.shape
-    return _AttentionArgs(_ptr(out), *heads[0], _ptr(q), *heads[1], *heads[2], *heads[3],
-                          s, h, d, k.shape[1], v.shape[2], scale)
+    return structs.AttentionArgs(_ptr(out), *heads[0], _ptr(q), *heads[1], *heads[2], *heads[3],
+                                 s, h, d, k.shape[1], v.shape[2], scale)
 
 
 def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
@@ -347,41 +430,25 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     out = outputs[0]
     q, k, v = inputs
     scale = attrs["scale"]
-    e = out.derived("native_ops.self_attention", _entry)  # [q, scale, k strides, v strides, KH, args, address]
-    if e[0] is not q or e[1] != scale or e[2] != k.strides or e[3] != v.strides or e[4] != k.shape[1]:
-        args = _attention_args(out, q, k, v, scale)
-        e[:7] = [q, scale, k.strides, v.strides, k.shape[1], args, None if args is None else ctypes.addressof(args)]
-    if e[6] is None or ((k.storage is out.storage or v.storage is out.storage) and not
-                        _writes_safely((out,), (k, v), same_view_ok=False)):
+    e = out.derived("native_ops.self_attention", _AttentionEntry.fresh)
+    if (e.q is not q or e.scale != scale or e.k_strides != k.strides or e.v_strides != v.strides
+            or e.kv_heads != k.shape[1]):
+        e.q, e.scale, e.k_strides, e.v_strides, e.kv_heads = q, scale, k.strides, v.strides, k.shape[1]
+        e.args = _attention_args(out, q, k, v, scale)
+        e.address = _address(e.args)
+    if e.address is None or ((k.storage is out.storage or v.storage is out.storage) and not
+                             _writes_safely((out,), (k, v), same_view_ok=False)):
         attention.self_attention(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_self_attention(e[6], k.storage.ptr + k.offset, v.storage.ptr + v.offset, k.shape[0])
+    status = _lib.llaisys_ops_self_attention(e.address, k.storage.ptr + k.offset, v.storage.ptr + v.offset,
+                                             k.shape[0])
     if status:
         _failed("self_attention", status)
 
 
 # ---- the same calls as argument blocks, for a replayed plan (``native_calls``) ------------------
-class _NormCall(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("w", _PTR)]  # lo_norm_call
-
-
-class _SwigluCall(ctypes.Structure):
-    _fields_ = [("a", _PTR)]  # lo_swiglu_call
-
-
-class _RopeCall(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("cos", _PTR), ("sin", _PTR)]  # lo_rope_call
-
-
-class _AttentionCall(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("k", _PTR), ("v", _PTR), ("t", _I64)]  # lo_attention_call
-
-
-class _AddCall(ctypes.Structure):
-    _fields_ = [("out", _PTR), ("a", _PTR), ("b", _PTR), ("n", _I64)]  # lo_add_call
-
-
 def _call_of(name: str, function: str, block: ctypes.Structure, keep: Any, **hooks: Any) -> native_calls.NativeCall:
+    """A NativeCall of ``function`` of the ops library on argument block ``block``."""
     return native_calls.NativeCall(name, native_calls.address(_lib, function), block, keep=keep, **hooks)
 
 
@@ -392,7 +459,8 @@ def native_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
     args = _norm_args(out, None, x, None, attrs["eps"])
     if args is None or not native_calls.available() or not _weight_ok(w, outputs):
         return None
-    return _call_of("rms_norm", "llaisys_ops_rms_norm_call", _NormCall(ctypes.addressof(args), _ptr(w)), (args, w))
+    return _call_of("rms_norm", "llaisys_ops_rms_norm_call", structs.NormCall(ctypes.addressof(args), _ptr(w)),
+                    (args, w))
 
 
 def native_add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
@@ -402,8 +470,8 @@ def native_add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None
     args = _norm_args(out, total, a, b, attrs["eps"])
     if args is None or not native_calls.available() or not _weight_ok(w, outputs):
         return None
-    return _call_of("add_rms_norm", "llaisys_ops_rms_norm_call", _NormCall(ctypes.addressof(args), _ptr(w)),
-                   (args, w))
+    return _call_of("add_rms_norm", "llaisys_ops_rms_norm_call", structs.NormCall(ctypes.addressof(args), _ptr(w)),
+                    (args, w))
 
 
 def native_swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
@@ -412,7 +480,7 @@ def native_swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...]
     args = _swiglu_args(outputs[0], *inputs)
     if args is None or not native_calls.available():
         return None
-    return _call_of("swiglu", "llaisys_ops_swiglu_call", _SwigluCall(ctypes.addressof(args)), args)
+    return _call_of("swiglu", "llaisys_ops_swiglu_call", structs.SwigluCall(ctypes.addressof(args)), args)
 
 
 def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
@@ -424,23 +492,24 @@ def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     (out,), (x, pos) = outputs, inputs[:2]
     freqs = inputs[2] if len(inputs) > 2 else None
     scalar = attrs["theta"] if freqs is None else attrs["attention_factor"]
-    shared = out.derived("native_ops.rope_call", _entry)  # [x, pos, freqs, scalar, NativeCall]
-    if shared[4] is not None and shared[0] is x and shared[1] is pos and shared[2] is freqs and shared[3] == scalar:
-        return shared[4]
+    shared = out.derived("native_ops.rope_call", _RopeCallEntry.fresh)
+    if (shared.call is not None and shared.x is x and shared.pos is pos and shared.freqs is freqs
+            and shared.scalar == scalar):
+        return shared.call
     args = _rope_args(out, x, x.shape[2] if freqs is None else 2 * freqs.shape[0])
     if args is None or not native_calls.available():
         return None
-    block = _RopeCall(ctypes.addressof(args))
-    kept = [args, None, freqs]  # the argument struct, the table in use, the freqs read at each refresh
+    block = structs.RopeCall(ctypes.addressof(args))
+    kept = _RopeKept(args, None, freqs)
 
     def refresh() -> None:
         key = _table_key(x, pos, freqs, attrs)
-        kept[1] = table = _tables.get(key) or _table(key)
-        block.cos, block.sin = table[2], table[3]
+        kept.table = table = _tables.get(key) or _table(key)
+        block.cos, block.sin = table.cos_address, table.sin_address
 
     refresh()
     call = _call_of("rope", "llaisys_ops_rope_call", block, kept, refresh=refresh)
-    shared[:5] = [x, pos, freqs, scalar, call]
+    shared.x, shared.pos, shared.freqs, shared.scalar, shared.call = x, pos, freqs, scalar, call
     return call
 
 
@@ -454,7 +523,7 @@ def native_self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
     args = _attention_args(out, q, k, v, attrs["scale"])
     if args is None:
         return None
-    block = _AttentionCall(ctypes.addressof(args), _ptr(k), _ptr(v), k.shape[0])
+    block = structs.AttentionCall(ctypes.addressof(args), _ptr(k), _ptr(v), k.shape[0])
     layout = (q, k.strides, v.strides, k.shape[1:], v.shape[1:])
 
     def rebind(outputs: tuple, inputs: tuple) -> bool:
@@ -483,7 +552,7 @@ def native_add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
         return None
     if not all(t.is_contiguous() and t.shape == out.shape for t in (out, a, b)) or not _writes_safely((out,), (a, b)):
         return None
-    block = _AddCall(_ptr(out), _ptr(a), _ptr(b), out.numel())
+    block = structs.AddCall(_ptr(out), _ptr(a), _ptr(b), out.numel())
     return _call_of("add", "llaisys_ops_add_call", block, (out, a, b))
 
 
@@ -514,63 +583,46 @@ if os.environ.get("LLAISYS_NATIVE_OPS", "1").lower() not in ("0", "false", "no",
 
 
 # ---- geglu, scale (csrc/ops/geglu_scale.c) ------------------------------------------------------
-class _ScaleArgs(ctypes.Structure):
-    """``lo_scale_args`` of csrc/ops/geglu_scale.c (geglu takes ``lo_swiglu_args``)."""
-
-    _fields_ = [("out", _PTR), ("out_s", _I64), ("x", _PTR), ("x_s", _I64), ("rows", _I64), ("n", _I64),
-                ("factor", ctypes.c_float)]
-
-
-class _ArgsCall(ctypes.Structure):
-    _fields_ = [("a", _PTR)]  # lo_geglu_call, lo_scale_call
-
-
-_GEGLU_SCALE_SIGNATURES = {"llaisys_ops_geglu": ([_PTR], ctypes.c_int), "llaisys_ops_scale": ([_PTR], ctypes.c_int)}
 _geglu_scale_ready: bool | None = None  # None until first use
 
 
 def _has_geglu_scale() -> bool:
-    """Whether the native library is built with geglu and scale (their signatures then declared)."""
+    """Whether the native library is built with geglu and scale (a library built before them lacks them)."""
     global _geglu_scale_ready
     if _geglu_scale_ready is None:
         lib = _library()
-        ready = bool(lib) and all(hasattr(lib, f) for f in _GEGLU_SCALE_SIGNATURES)
-        if ready:
-            for function, (argtypes, restype) in _GEGLU_SCALE_SIGNATURES.items():
-                fn = getattr(lib, function)
-                fn.argtypes, fn.restype = argtypes, restype
-        _geglu_scale_ready = ready
+        _geglu_scale_ready = bool(lib) and all(hasattr(lib, f) for f in ("llaisys_ops_geglu", "llaisys_ops_scale"))
     return _geglu_scale_ready
 
 
-def _geglu_args(out: Tensor, gate: Tensor, up: Tensor) -> _SwigluArgs | None:
+def _geglu_args(out: Tensor, gate: Tensor, up: Tensor) -> structs.SwigluArgs | None:
     if out.ndim == 0 or not _has_geglu_scale():
         return None
     return _swiglu_args(out, gate, up)
 
 
-def _scale_args(out: Tensor, x: Tensor, factor: float) -> _ScaleArgs | None:
+def _scale_args(out: Tensor, x: Tensor, factor: float) -> structs.ScaleArgs | None:
     if out.ndim == 0 or not _has_geglu_scale():
         return None
     geometry = [_rows(t) for t in (out, x)]
     if None in geometry or not _writes_safely((out,), (x,)):
         return None
     (rows, out_s), (_, x_s) = geometry
-    return _ScaleArgs(_ptr(out), out_s, _ptr(x), x_s, rows, out.shape[-1], factor)
+    return structs.ScaleArgs(_ptr(out), out_s, _ptr(x), x_s, rows, out.shape[-1], factor)
 
 
 def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """The F32 ``geglu`` kernel: native where it applies, else ``elementwise.geglu``."""
     out = outputs[0]
     gate, up = inputs
-    e = out.derived("native_ops.geglu", _entry)  # [gate, up, args, address]
-    if e[0] is not gate or e[1] is not up:
-        args = _geglu_args(out, gate, up)
-        e[:4] = [gate, up, args, None if args is None else ctypes.addressof(args)]
-    if e[3] is None:
+    e = out.derived("native_ops.geglu", _GatedEntry.fresh)
+    if e.gate is not gate or e.up is not up:
+        e.gate, e.up, e.args = gate, up, _geglu_args(out, gate, up)
+        e.address = _address(e.args)
+    if e.address is None:
         elementwise.geglu(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_geglu(e[3])
+    status = _lib.llaisys_ops_geglu(e.address)
     if status:
         _failed("geglu", status)
 
@@ -578,14 +630,14 @@ def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs:
 def scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """The F32 ``scale`` kernel: native where it applies, else ``elementwise.scale``."""
     out, x, factor = outputs[0], inputs[0], attrs["factor"]
-    e = out.derived("native_ops.scale", _entry)  # [x, factor, args, address]
-    if e[0] is not x or e[1] != factor:
-        args = _scale_args(out, x, factor)
-        e[:4] = [x, factor, args, None if args is None else ctypes.addressof(args)]
-    if e[3] is None:
+    e = out.derived("native_ops.scale", _ScaleEntry.fresh)
+    if e.x is not x or e.factor != factor:
+        e.x, e.factor, e.args = x, factor, _scale_args(out, x, factor)
+        e.address = _address(e.args)
+    if e.address is None:
         elementwise.scale(outputs, inputs, attrs)
         return
-    status = _lib.llaisys_ops_scale(e[3])
+    status = _lib.llaisys_ops_scale(e.address)
     if status:
         _failed("scale", status)
 
@@ -596,7 +648,7 @@ def native_geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     args = _geglu_args(outputs[0], *inputs)
     if args is None or not native_calls.available():
         return None
-    return _call_of("geglu", "llaisys_ops_geglu_call", _ArgsCall(ctypes.addressof(args)), args)
+    return _call_of("geglu", "llaisys_ops_geglu_call", structs.GegluCall(ctypes.addressof(args)), args)
 
 
 def native_scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
@@ -605,7 +657,7 @@ def native_scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     args = _scale_args(outputs[0], inputs[0], attrs["factor"])
     if args is None or not native_calls.available():
         return None
-    return _call_of("scale", "llaisys_ops_scale_call", _ArgsCall(ctypes.addressof(args)), args)
+    return _call_of("scale", "llaisys_ops_scale_call", structs.ScaleCall(ctypes.addressof(args)), args)
 
 
 geglu.native_call = native_geglu  # type: ignore[attr-defined]

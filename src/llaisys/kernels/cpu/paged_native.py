@@ -9,10 +9,12 @@ call, whatever the thread count, and at every SIMD level (``set_simd``). Where t
 was not built, or a float tensor's last dimension is strided, the NumPy kernels run instead
 (same results to float32 rounding, not bit for bit).
 
-A decoding step calls these twice per layer, so the ctypes argument block of a call is built
-once and kept with the output tensor (``Tensor.derived``), reused while the same tensors come
-back: a direct call then costs a couple of microseconds on top of the C code. The block holds
-its tensors (so its pointers stay valid) until a call with other tensors replaces it.
+A decoding step calls these twice per layer, so the ctypes argument block of a call (a mirror
+of ``llaisys._native.structs``) is built once and kept with the output tensor
+(``Tensor.derived``, an ``_AttentionEntry`` or ``_WriteEntry``), reused while the same tensors
+come back: a direct call then costs a couple of microseconds on top of the C code. The entry
+holds its tensors (so the block's pointers stay valid) until a call with other tensors
+replaces it.
 
 A replayed ``ops.Plan`` does not call them from Python at all: both kernels have a
 ``native_call`` (their own argument block, run by ``llaisys_paged_attention_call`` and
@@ -24,9 +26,11 @@ bad index raises the same ValueError as a direct call.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import _native
+from ..._native import structs
 from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from . import native_calls, paged
@@ -36,50 +40,16 @@ if TYPE_CHECKING:
     from ...tensor import Tensor
 
 
-_I64 = ctypes.c_int64
+_lib: "_native.Library | bool | None" = None  # None until first use; False when not built
 
 
-class _AttentionArgs(ctypes.Structure):
-    """``lp_attention_args`` of paged_attention.c: pointers, then strides in elements."""
-
-    _fields_ = [("out", ctypes.c_void_p), ("out_s0", _I64), ("out_s1", _I64),
-                ("q", ctypes.c_void_p), ("q_s0", _I64), ("q_s1", _I64),
-                ("k_cache", ctypes.c_void_p), ("k_s0", _I64), ("k_s1", _I64), ("k_s2", _I64),
-                ("v_cache", ctypes.c_void_p), ("v_s0", _I64), ("v_s1", _I64), ("v_s2", _I64),
-                ("block_tables", ctypes.c_void_p), ("bt_s0", _I64), ("bt_s1", _I64),
-                ("query_starts", ctypes.c_void_p), ("qs_s0", _I64),
-                ("context_lens", ctypes.c_void_p), ("cl_s0", _I64),
-                ("n", _I64), ("h", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
-                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2), ("window", _I64)]
-
-
-class _WriteArgs(ctypes.Structure):
-    """``lp_write_args`` of paged_attention.c: strides in elements of ``itemsize`` bytes."""
-
-    _fields_ = [("k_cache", ctypes.c_void_p), ("kc_s0", _I64), ("kc_s1", _I64), ("kc_s2", _I64),
-                ("v_cache", ctypes.c_void_p), ("vc_s0", _I64), ("vc_s1", _I64), ("vc_s2", _I64),
-                ("k", ctypes.c_void_p), ("k_s0", _I64), ("k_s1", _I64),
-                ("v", ctypes.c_void_p), ("v_s0", _I64), ("v_s1", _I64),
-                ("slots", ctypes.c_void_p), ("sl_s0", _I64),
-                ("n", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
-                ("itemsize", _I64), ("bad", _I64 * 2)]
-
-
-_lib: "ctypes.CDLL | bool | None" = None  # None until first use; False when not built
-_SIGNATURES = {
-    "llaisys_paged_attention": ([ctypes.c_void_p], ctypes.c_int),
-    "llaisys_paged_kv_write": ([ctypes.c_void_p], ctypes.c_int),
-    "llaisys_paged_simd": ([ctypes.c_int], ctypes.c_int),
-}
-
-
-def _library() -> "ctypes.CDLL | bool":
-    """The native library with the paged signatures declared, or False when it is not built."""
+def _library() -> "_native.Library | bool":
+    """The native library (signatures declared by ``_native``), or False when it is not built."""
     global _lib
-    if _lib is None:  # declaring twice in a race is harmless
-        _lib = _native.declared("kernels", _SIGNATURES, "the native kernels (llaisys._native._kernels) are not built: "
-                                "paged attention runs on the slower NumPy path; reinstall llaisys with a C compiler "
-                                "on PATH") or False
+    if _lib is None:  # loading twice in a race is harmless
+        _lib = _native.optional("kernels", "the native kernels (llaisys._native._kernels) are not built: paged "
+                                "attention runs on the slower NumPy path; reinstall llaisys with a C compiler on "
+                                "PATH") or False
     return _lib
 
 
@@ -104,13 +74,14 @@ def _row_dense(*tensors: Tensor) -> bool:
     return all(t.strides[-1] == 1 or t.shape[-1] == 1 for t in tensors)
 
 
-def _make_attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> _AttentionArgs | None:
+def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
+                         window: int = 0) -> structs.PagedAttentionArgs | None:
     q, kc, vc, bt, qs, cl = inputs
     if out.dtype is not DataType.F32 or not _row_dense(out, q, kc, vc) or not _library():
         return None
     n, h, d = q.shape
     nb, bs, kh, dv = vc.shape
-    args = _AttentionArgs(
+    args = structs.PagedAttentionArgs(
         out.data_ptr, out.strides[0], out.strides[1], q.data_ptr, q.strides[0], q.strides[1],
         kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3], bt.data_ptr, *bt.strides,
         qs.data_ptr, qs.strides[0], cl.data_ptr, cl.strides[0],
@@ -119,27 +90,71 @@ def _make_attention_args(out: Tensor, inputs: tuple, scale: float, window: int =
     return args
 
 
-def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> "list":
-    """[q, k_cache, v_cache, block_tables, query_starts, context_lens, (scale, window), args,
-    address] for this call, kept with ``out`` while the same tensors come back; args None when
-    the native kernel does not apply."""
-    entry = out.derived("paged_attention", _empty_entry)
+@dataclass(slots=True)
+class _AttentionEntry:
+    """A ``paged_attention`` block kept with its output: the tensors and attributes it was made
+    for, the block (None: the NumPy kernel runs for them) and its address."""
+
+    q: "Tensor | None" = None
+    k_cache: "Tensor | None" = None
+    v_cache: "Tensor | None" = None
+    block_tables: "Tensor | None" = None
+    query_starts: "Tensor | None" = None
+    context_lens: "Tensor | None" = None
+    scale: float | None = None
+    window: int | None = None
+    args: "structs.PagedAttentionArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_AttentionEntry":
+        return _AttentionEntry()
+
+
+@dataclass(slots=True)
+class _WriteEntry:
+    """A ``kv_cache_write`` block kept with k_cache (as ``_AttentionEntry``)."""
+
+    v_cache: "Tensor | None" = None
+    k: "Tensor | None" = None
+    v: "Tensor | None" = None
+    slots: "Tensor | None" = None
+    args: "structs.PagedWriteArgs | None" = None
+    address: int | None = None
+
+    @staticmethod
+    def fresh(_: Tensor) -> "_WriteEntry":
+        return _WriteEntry()
+
+
+@dataclass(slots=True)
+class _Kept:
+    """What a recorded call's block points into: the block and its tensors (rebinds replace them)."""
+
+    args: Any
+    outputs: tuple
+    inputs: tuple
+
+
+def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> _AttentionEntry:
+    """The entry of this call, kept with ``out`` while the same tensors come back; its args None
+    when the native kernel does not apply."""
+    entry = out.derived("paged_attention", _AttentionEntry.fresh)
     q, kc, vc, bt, qs, cl = inputs
-    if (entry[0] is not q or entry[1] is not kc or entry[2] is not vc or entry[3] is not bt or entry[4] is not qs
-            or entry[5] is not cl or entry[6] != (scale, window)):
-        args = _make_attention_args(out, inputs, scale, window)
-        entry[:] = [q, kc, vc, bt, qs, cl, (scale, window), args, None if args is None else ctypes.addressof(args)]
+    if (entry.q is not q or entry.k_cache is not kc or entry.v_cache is not vc or entry.block_tables is not bt
+            or entry.query_starts is not qs or entry.context_lens is not cl or entry.scale != scale
+            or entry.window != window):
+        entry.q, entry.k_cache, entry.v_cache, entry.block_tables, entry.query_starts, entry.context_lens = inputs
+        entry.scale, entry.window = scale, window
+        entry.args = _make_attention_args(out, inputs, scale, window)
+        entry.address = None if entry.args is None else ctypes.addressof(entry.args)
     return entry
 
 
-def _empty_entry(_: Tensor) -> list:
-    return [None] * 9
-
-
-def _run_attention(entry: list, inputs: tuple) -> None:
-    status = _lib.llaisys_paged_attention(entry[8])
+def _run_attention(entry: _AttentionEntry, inputs: tuple) -> None:
+    status = _lib.llaisys_paged_attention(entry.address)
     if status:
-        bad = entry[7].bad
+        bad = entry.args.bad
         raise paged.sequence_error(status, bad[0], bad[1], inputs)
 
 
@@ -147,7 +162,7 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
     """The F32 ``paged_attention`` and ``paged_attention_window`` kernel (attrs: scale, and
     window for the latter): native where it applies, else ``paged.paged_attention``."""
     entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
-    if entry[7] is None:
+    if entry.args is None:
         paged.paged_attention(outputs, inputs, attrs)
     else:
         _run_attention(entry, inputs)
@@ -159,36 +174,38 @@ def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | N
     only (tests, benchmarks); RuntimeError when the library is missing, the type is not F32 or
     a float tensor's last dimension is strided."""
     entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
-    if entry[7] is None:
+    if entry.args is None:
         raise RuntimeError("the native paged_attention needs the native library, F32 tensors and contiguous last "
                            "dimensions")
     _run_attention(entry, inputs)
 
 
-def _make_write_args(outputs: tuple, inputs: tuple) -> _WriteArgs | None:
+def _make_write_args(outputs: tuple, inputs: tuple) -> structs.PagedWriteArgs | None:
     kc, vc = outputs
     k, v, slots = inputs
     if not _row_dense(kc, vc, k, v) or not _library():
         return None
     nb, bs, kh, d = kc.shape
-    return _WriteArgs(kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3], k.data_ptr, *k.strides[:2],
-                      v.data_ptr, *v.strides[:2], slots.data_ptr, slots.strides[0],
-                      k.shape[0], kh, d, vc.shape[3], nb, bs, kc.dtype.itemsize)
+    return structs.PagedWriteArgs(kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3],
+                                  k.data_ptr, *k.strides[:2], v.data_ptr, *v.strides[:2],
+                                  slots.data_ptr, slots.strides[0],
+                                  k.shape[0], kh, d, vc.shape[3], nb, bs, kc.dtype.itemsize)
 
 
-def _write_args(outputs: tuple, inputs: tuple) -> list:
-    """[v_cache, k, v, slots, args, address], kept with k_cache (as ``_attention_args``)."""
-    entry = outputs[0].derived("kv_cache_write", _empty_entry)
+def _write_args(outputs: tuple, inputs: tuple) -> _WriteEntry:
+    """The entry of this call, kept with k_cache (as ``_attention_args``)."""
+    entry = outputs[0].derived("kv_cache_write", _WriteEntry.fresh)
     k, v, slots = inputs
-    if entry[0] is not outputs[1] or entry[1] is not k or entry[2] is not v or entry[3] is not slots:
-        args = _make_write_args(outputs, inputs)
-        entry[:6] = [outputs[1], k, v, slots, args, None if args is None else ctypes.addressof(args)]
+    if entry.v_cache is not outputs[1] or entry.k is not k or entry.v is not v or entry.slots is not slots:
+        entry.v_cache, entry.k, entry.v, entry.slots = outputs[1], k, v, slots
+        entry.args = _make_write_args(outputs, inputs)
+        entry.address = None if entry.args is None else ctypes.addressof(entry.args)
     return entry
 
 
-def _run_write(entry: list, outputs: tuple) -> None:
-    if _lib.llaisys_paged_kv_write(entry[5]):
-        bad, (nb, bs) = entry[4].bad, outputs[0].shape[:2]
+def _run_write(entry: _WriteEntry, outputs: tuple) -> None:
+    if _lib.llaisys_paged_kv_write(entry.address):
+        bad, (nb, bs) = entry.args.bad, outputs[0].shape[:2]
         raise paged.slot_error(bad[0], bad[1], nb, bs)
 
 
@@ -199,7 +216,7 @@ def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
         paged.kv_cache_write(outputs, inputs, attrs)
         return
     entry = _write_args(outputs, inputs)
-    if entry[4] is None:
+    if entry.args is None:
         paged.kv_cache_write(outputs, inputs, attrs)
     else:
         _run_write(entry, outputs)
@@ -210,7 +227,7 @@ def native_kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
     """``kv_cache_write`` on the native kernel only (tests, benchmarks); RuntimeError when the
     library is missing or a float tensor's last dimension is strided."""
     entry = _write_args(outputs, inputs)
-    if entry[4] is None:
+    if entry.args is None:
         raise RuntimeError("the native kv_cache_write needs the native library and contiguous last dimensions")
     _run_write(entry, outputs)
 
@@ -237,18 +254,18 @@ def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tenso
     args = None if fn is None else _make_attention_args(outputs[0], inputs, scale, window)
     if args is None:
         return None
-    kept = [args, outputs, inputs]  # the block, and the tensors its pointers point into
+    kept = _Kept(args, outputs, inputs)
 
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
         new = _make_attention_args(outputs2[0], inputs2, scale, window)
         if new is None:
             return False
         ctypes.pointer(args)[0] = new  # the stretch's table keeps the block's address
-        kept[1:] = [outputs2, inputs2]
+        kept.outputs, kept.inputs = outputs2, inputs2
         return True
 
     def fail(status: int) -> None:
-        raise paged.sequence_error(status, args.bad[0], args.bad[1], kept[2])
+        raise paged.sequence_error(status, args.bad[0], args.bad[1], kept.inputs)
 
     return native_calls.NativeCall("paged_attention", fn, args, keep=kept, rebind=rebind, fail=fail)
 
@@ -262,18 +279,18 @@ def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor
     args = None if fn is None else _make_write_args(outputs, inputs)
     if args is None:
         return None
-    kept = [args, outputs, inputs]
+    kept = _Kept(args, outputs, inputs)
 
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
         new = None if len(inputs2) > 3 else _make_write_args(outputs2, inputs2)
         if new is None:
             return False
         ctypes.pointer(args)[0] = new
-        kept[1:] = [outputs2, inputs2]
+        kept.outputs, kept.inputs = outputs2, inputs2
         return True
 
     def fail(status: int) -> None:
-        nb, bs = kept[1][0].shape[:2]
+        nb, bs = kept.outputs[0].shape[:2]
         raise paged.slot_error(args.bad[0], args.bad[1], nb, bs)
 
     return native_calls.NativeCall("kv_cache_write", fn, args, keep=kept, rebind=rebind, fail=fail)

@@ -13,6 +13,7 @@ still holds: the same results up to rounding, far slower, said once in the log.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -108,6 +109,17 @@ def _no_calls(out_t: "Tensor") -> dict:
     return {}
 
 
+@dataclass(slots=True)
+class _BoundLinear:
+    """A linear call kept with its output (by its inputs' ids): the tensors, which keep their
+    ids theirs, and the native call bound to their memory (None: the general path runs)."""
+
+    x: "Tensor"
+    w: "Tensor"
+    bias: "Tensor | None"
+    call: "Callable[[], None] | None"
+
+
 def _rows(a: np.ndarray) -> np.ndarray:
     """``a`` (..., C) as float32 (M, C), C-contiguous (a view when it already is)."""
     a2 = a.reshape(-1, a.shape[-1])
@@ -172,12 +184,12 @@ def linear(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs
     to them the first time, kept with the output tensor by its input tensors."""
     out_t = outputs[0]
     x_t, w_t, b_t = inputs
-    bound = out_t.derived("quant.linear", _no_calls)
-    entry = bound.get((id(x_t), id(w_t), id(b_t)))  # the entry keeps the tensors, so their ids stay theirs
+    bound = out_t.derived("quant.linear", _no_calls)  # (ids of x, w, bias) -> _BoundLinear
+    entry = bound.get((id(x_t), id(w_t), id(b_t)))
     if entry is None:
-        entry = bound[(id(x_t), id(w_t), id(b_t))] = (x_t, w_t, b_t, _bound_call(out_t, x_t, w_t, b_t))
-    if entry[3] is not None:
-        entry[3]()
+        entry = bound[(id(x_t), id(w_t), id(b_t))] = _BoundLinear(x_t, w_t, b_t, _bound_call(out_t, x_t, w_t, b_t))
+    if entry.call is not None:
+        entry.call()
         return
     qw = w_t.derived("quant", _prepare)
     x, out = x_t.host_array(), out_t.host_array()  # (..., K), (..., N)

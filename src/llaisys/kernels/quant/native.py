@@ -27,61 +27,34 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 import time
 from typing import Callable
 
 import numpy as np
 
 from ... import _native
+from ..._native.structs import LinearCall
 from .formats import BlockFormat, get_format
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
 log = logging.getLogger(__name__)
 
-_lib: ctypes.CDLL | None = None
-_lib_lock = threading.Lock()
+_lib: "_native.Library | None" = None  # None until first use
 
 
-def _library() -> ctypes.CDLL:
-    """The native library with its signatures declared (loaded once)."""
+def _library() -> _native.Library:
+    """The native library (signatures declared by ``_native``, loaded once); RuntimeError
+    saying how to build it when it is not built."""
     global _lib
-    if _lib is None:
-        with _lib_lock:
-            if _lib is None:
-                lib = _native.require("kernels")
-                ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                signatures = {
-                    "llaisys_quant_dequantize": [cint, ptr, i64, i64, ptr],
-                    "llaisys_quant_linear": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr],
-                    "llaisys_quant_int_pack": [cint, ptr, i64, i64, ptr],
-                    "llaisys_quant_linear_call": [ptr],
-                    "llaisys_quant_linear_f32": [cint, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr],
-                    "llaisys_quant_set_threads": [cint],
-                    "llaisys_quant_threads": [],
-                    "llaisys_quant_simd_available": [],
-                    "llaisys_quant_set_simd_level": [ctypes.c_char_p],
-                    "llaisys_quant_set_math": [ctypes.c_char_p],
-                    "llaisys_quant_block_size": [cint],
-                    "llaisys_quant_block_bytes": [cint],
-                    "llaisys_quant_int_amx": [],
-                }
-                for name, args in signatures.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = args, cint
-                lib.llaisys_quant_simd_level.argtypes, lib.llaisys_quant_simd_level.restype = [], ctypes.c_char_p
-                lib.llaisys_quant_math.argtypes, lib.llaisys_quant_math.restype = [], ctypes.c_char_p
-                lib.llaisys_quant_int_level.argtypes, lib.llaisys_quant_int_level.restype = [], ctypes.c_char_p
-                lib.llaisys_quant_fma_loop.argtypes, lib.llaisys_quant_fma_loop.restype = [i64, i64], i64
-                lib.llaisys_quant_int_packed_bytes.argtypes = [cint, i64, i64]
-                lib.llaisys_quant_int_packed_bytes.restype = i64
-                wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
-                if wanted and wanted != level:
-                    mask = lib.llaisys_quant_simd_available()
-                    runs = ", ".join(name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1)
-                    log.warning("LLAISYS_SIMD=%s ignored: this CPU runs %s; using %s", wanted, runs, level)
-                _lib = lib
+    if _lib is None:  # loading twice in a race is harmless: _native keeps one copy
+        lib = _native.require("kernels")
+        wanted, level = os.environ.get("LLAISYS_SIMD"), lib.llaisys_quant_simd_level().decode()
+        if wanted and wanted != level:
+            mask = lib.llaisys_quant_simd_available()
+            runs = ", ".join(name for i, name in enumerate(SIMD_LEVELS) if mask >> i & 1)
+            log.warning("LLAISYS_SIMD=%s ignored: this CPU runs %s; using %s", wanted, runs, level)
+        _lib = lib
     return _lib
 
 
@@ -255,17 +228,7 @@ class QuantWeight:
         self._checked(x, bias, out)
         if x.shape[0] == 0 or self.n == 0:
             return None
-        lib = _library()
-        return (ctypes.cast(lib.llaisys_quant_linear_call, ctypes.c_void_p).value,
-                LinearCall(*self._arguments(x, bias, out)))
-
-
-class LinearCall(ctypes.Structure):
-    """``lq_linear_call`` of csrc/kernels/quant.c: llaisys_quant_linear's arguments in one block."""
-
-    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("m", ctypes.c_int64), ("y", ctypes.c_void_p),
-                ("ldy", ctypes.c_int64), ("bias", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
+        return (_native.address(_library(), "llaisys_quant_linear_call"), LinearCall(*self._arguments(x, bias, out)))
 
 
 def _pack(fmt: BlockFormat, raw: np.ndarray, n: int, k: int) -> np.ndarray | None:
@@ -406,13 +369,10 @@ def set_quant_math(name: str) -> None:
 INT8_UNITS = ("avx512_vnni", "avx_vnni", "amx_int8")  # peak.c's unit numbers, in order
 
 
-def _peak_library() -> ctypes.CDLL:
-    """The native library with the peak probes' signatures declared."""
-    lib, i64 = _library(), ctypes.c_int64
-    lib.llaisys_peak_int8_units.argtypes, lib.llaisys_peak_int8_units.restype = [], ctypes.c_int
-    lib.llaisys_peak_int8_loop.argtypes, lib.llaisys_peak_int8_loop.restype = [ctypes.c_int, i64, i64], i64
-    lib.llaisys_peak_read.argtypes, lib.llaisys_peak_read.restype = [ctypes.c_void_p, i64, i64], ctypes.c_uint64
-    return lib
+def _peak_library() -> _native.Library:
+    """The native library, whose peak probes (``csrc/kernels/peak.c``) ``_native`` declared
+    with the rest of its table."""
+    return _library()
 
 
 def int8_peak(unit: str, repeat: int = 7, rounds: int = 200_000) -> float | None:

@@ -321,8 +321,6 @@ class _Parser:
         return GGUFTensor(t.name, kind, t.dims, n_bytes, start, view)
 
 
-_SIGNATURES = {"llaisys_gguf_strings": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                         ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int64)}
 _library: list = []  # [the library or None], once looked up
 
 
@@ -331,7 +329,7 @@ def _gather_strings(buf: mmap.mmap, size: int, offs: int, count: int, big_endian
     csrc/gguf in one pass and decoded at once; None when that library is not built or the
     array needs the one-by-one loop (it runs past the end, is not UTF-8, or holds 0 bytes)."""
     if not _library:
-        _library.append(_native.declared("gguf", _SIGNATURES, "the native GGUF reader (llaisys._native._gguf) is not "
+        _library.append(_native.optional("gguf", "the native GGUF reader (llaisys._native._gguf) is not "
                                          "built: GGUF vocabularies are read in Python, more slowly"))
     lib = _library[0]
     if lib is None or count > (size - offs) // 8:
