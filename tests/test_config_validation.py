@@ -127,7 +127,7 @@ def test_yarn_values_transformers_takes_are_taken_as_it_takes_them(changes):
 def test_gemma3_sliding_window_pattern_gives_transformers_layer_types(pattern):
     raw = {**GEMMA, "num_hidden_layers": 7, "sliding_window_pattern": pattern}
     want = transformers.Gemma3TextConfig(**{k: v for k, v in raw.items() if k != "model_type"}).layer_types
-    assert config_from_hf(raw, "config.json").layer_types == want
+    assert config_from_hf(raw, "config.json").arch_args.layer_types == want
 
 
 def test_gemma3_without_rope_theta_takes_transformers_global_base():
@@ -135,7 +135,7 @@ def test_gemma3_without_rope_theta_takes_transformers_global_base():
     want = transformers.Gemma3TextConfig(**{k: v for k, v in raw.items() if k != "model_type"}).rope_parameters
     config = config_from_hf(raw, "config.json")
     assert config.rope_theta == want["full_attention"]["rope_theta"] == 1e6
-    assert config.rope_local_theta == want["sliding_attention"]["rope_theta"] == 1e4
+    assert config.arch_args.rope_local_theta == want["sliding_attention"]["rope_theta"] == 1e4
 
 
 # ---- partial_rotary_factor on architectures that rotate whole heads ----------------------------------

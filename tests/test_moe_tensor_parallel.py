@@ -118,11 +118,13 @@ def test_column_range_of_a_stack_keeps_blocks_on_their_edges_else_dequantizes(ca
 
 
 def moe_config(**changes) -> ModelConfig:
+    from llaisys.models.architectures.qwen3_moe import Qwen3MoeArgs
+
     values = dict(architecture="qwen3_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32)
     values.update(changes)
-    return ModelConfig(**values)
+    return ModelConfig.from_dict(values, Qwen3MoeArgs)
 
 
 def test_a_rank_count_that_does_not_divide_the_experts_width_is_refused_with_the_numbers():
@@ -134,7 +136,7 @@ def test_a_rank_count_that_does_not_divide_the_experts_width_is_refused_with_the
         Shard(0, 3, moe_config(num_attention_heads=6, num_key_value_heads=3))
     check_fits(moe_config(), 2)
     local = Shard(1, 2, moe_config()).local_config()
-    assert (local.moe_intermediate_size, local.num_experts, local.intermediate_size) == (16, EXPERTS, 48)
+    assert (local.arch_args.moe_intermediate_size, local.arch_args.num_experts, local.intermediate_size) == (16, EXPERTS, 48)
 
 
 # ---- split models equal one process ----------------------------------------------------------

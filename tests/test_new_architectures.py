@@ -86,14 +86,14 @@ def _hf_logits(hf, ids: list[int]) -> np.ndarray:
 def test_config_read_as_transformers_reads_it(case):
     name, hf, ours = case
     c, want = ours.config, hf.config
-    assert c.qk_norm == (name.startswith("qwen3") or name == "gemma3")
+    assert (ours.params.layers[0].q_norm is not None) == (name.startswith("qwen3") or name == "gemma3")
     types = getattr(want, "layer_types", None) or ["sliding_attention"] * want.num_hidden_layers
     window = want.sliding_window or 0
     assert [c.layer_window(i) for i in range(c.num_hidden_layers)] == [
         window if t == "sliding_attention" else 0 for t in types]
     if name == "gemma3":
-        assert c.hidden_act == "gelu_tanh" and c.attention_scale == want.query_pre_attn_scalar ** -0.5
-        assert c.embedding_multiplier == pytest.approx(64 ** 0.5) and c.rope_local_theta == 500.0
+        assert c.arch_args.hidden_act == "gelu_tanh" and c.attention_scale == want.query_pre_attn_scalar ** -0.5
+        assert c.arch_args.embedding_multiplier == pytest.approx(64 ** 0.5) and c.arch_args.rope_local_theta == 500.0
 
 
 def test_logits_match_transformers(case):
@@ -132,7 +132,7 @@ def test_qwen3_gguf_matches_transformers(tmp_path):
     write_gguf(path, "qwen3", hf_to_gguf_tensors(state, hf.config, "qwen3"), config=hf.config,
                meta={"key_length": 24, "value_length": 24, "rope_dimension_count": 24})
     ours = load_model(path)
-    assert ours.config.qk_norm and ours.config.head_dim == 24
+    assert ours.params.layers[0].q_norm is not None and ours.config.head_dim == 24
     ids = _prompt()
     np.testing.assert_allclose(ours.forward(ids, ours.new_cache(32), all_logits=True), _hf_logits(hf, ids),
                                atol=ATOL, rtol=0)
@@ -159,7 +159,7 @@ def test_mistral_bad_window_and_llama_window_refused(tmp_path):
     raw = _mistral().config.to_dict()
     with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer or null, got -3"):
         config_from_hf({**raw, "sliding_window": -3}, "config.json")
-    assert config_from_hf({**raw, "sliding_window": None}, "config.json").sliding_window == 0
+    assert config_from_hf({**raw, "sliding_window": None}, "config.json").arch_args.sliding_window == 0
     llama = {**raw, "model_type": "llama", "use_sliding_window": True}
     with pytest.raises(ModelLoadError, match="use_sliding_window=true is not supported for model_type 'llama'"):
         config_from_hf(llama, "config.json")
@@ -174,7 +174,7 @@ def hf_gemma3_270m(gemma3_gguf_path):
 
 def test_gemma3_270m_greedy_tokens_equal_transformers(gemma3_gguf_path, hf_gemma3_270m):
     ours = load_model(gemma3_gguf_path)
-    assert ours.config.architecture == "gemma3" and ours.config.sliding_window == 512
+    assert ours.config.architecture == "gemma3" and ours.config.arch_args.sliding_window == 512
     prompt = ours.tokenizer.encode("The capital of France is")
     with torch.no_grad():
         want = hf_gemma3_270m.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,

@@ -205,7 +205,7 @@ def cpu_model():
 def test_single_sequence_decodes_through_the_paged_pass(plugin, paged_kernels_used, cpu_model, f32_quant_math):
     """The bundled model on the plugin's device runs its single sequence through recorded
     paged passes on the plugin's paged kernels, with the CPU's greedy tokens."""
-    from llaisys.models.runner import BatchPass
+    from llaisys.models.passes import BatchPass
 
     model = load_model(default_model_path(), device=DEV)
     assert model.runner.paged

@@ -373,7 +373,7 @@ def test_plan_runs_plugin_kernels_in_native_stretches(plugin, rows_pass, no_fall
     """A decode step recorded on the plugin's device with its contiguous ops (``RowsPass``,
     every op a plugin kernel) replays as one native call with no kernel called from Python,
     bit for bit as the calls run one by one from Python."""
-    from llaisys.models.runner import RowsPass
+    from llaisys.models.passes import RowsPass
 
     kernel_calls = []  # the Python wrapper of a plugin kernel checks each call's status
     check = plugin.backend.check_status
@@ -403,7 +403,7 @@ def test_decoding_moves_cache_rows_from_c(plugin, rows_pass, no_fallback, monkey
     (no rebind from Python) and still gives, token after token, the logits of the calls run
     one by one from Python; after the plan compiles again it goes back to rebinding the new
     descriptors from the recorded tensors and stays equal."""
-    from llaisys.models.runner import RowFields
+    from llaisys.models.passes import RowFields
 
     steps = 12
     want, _ = decode_logits(DEV, steps=steps, python_replay=True)

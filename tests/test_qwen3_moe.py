@@ -300,9 +300,10 @@ def case(request, tmp_path_factory):
 def test_config_and_layers(case):
     hf, ours = case
     c = ours.config
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (EXPERTS, TOP_K, EXPERT_WIDTH)
-    assert c.norm_topk_prob == hf.config.norm_topk_prob
-    assert [c.layer_is_sparse(i) for i in range(3)] == [False, True, True]
+    args = c.arch_args
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (EXPERTS, TOP_K, EXPERT_WIDTH)
+    assert args.norm_topk_prob == hf.config.norm_topk_prob
+    assert [args.layer_is_sparse(i) for i in range(3)] == [False, True, True]
     layers = ours.params.layers
     assert layers[0].router is None and layers[0].gate_up is not None
     assert layers[1].gate_up is None and layers[1].gate_exps.shape == (EXPERTS * EXPERT_WIDTH, 64)
@@ -396,8 +397,8 @@ def test_gguf_matches_transformers_on_its_weights(tmp_path, qtype):
                meta={"key_length": 16, "value_length": 16, "rope_dimension_count": 16, "expert_count": EXPERTS,
                      "expert_used_count": TOP_K, "expert_feed_forward_length": EXPERT_WIDTH})
     ours = load_model(path)
-    assert ours.config.architecture == "qwen3moe" and ours.config.mlp_only_layers == [0]
-    assert ours.config.norm_topk_prob
+    assert ours.config.architecture == "qwen3moe" and ours.config.arch_args.mlp_only_layers == [0]
+    assert ours.config.arch_args.norm_topk_prob
     types_held = ours.weight_types()
     for role in ("gate_exps", "up_exps", "down_exps"):
         assert types_held[role] == qtype, types_held

@@ -19,7 +19,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from ..generation import GenerationConfig, Timings, stream
+from ..engine import LLMEngine, stream
+from ..generation import GenerationConfig, Timings
 from .common import add_model_options, load_from_args, non_negative_int, positive_int
 
 DESCRIPTION = """Measure load time, time to first token, prefill and decode speed and peak memory.
@@ -49,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="measured runs (default 3)")
     p.add_argument("--warmup", type=non_negative_int, default=1, metavar="N", help="unmeasured runs first (default 1)")
     p.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
-                   help="run N sequences of the workload at once through the serving engine and report "
-                        "aggregate figures (default 1: one sequence, no engine)")
+                   help="run N sequences of the workload at once and report aggregate figures "
+                        "(default 1: one sequence)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_model_options(p)
     p.set_defaults(func=run)
@@ -92,8 +93,6 @@ def run_concurrent(model: Any, prompts: list[list[int]], gen_tokens: int) -> dic
     """All ``prompts`` at once through a fresh LLMEngine, ``gen_tokens`` greedy tokens each
     (end-of-sequence ignored). Prefill rate: prompt tokens over the time until every sequence
     had its first token; decode rate: tokens picked by steps after that, over their time."""
-    from ..engine import LLMEngine
-
     engine = LLMEngine(model, max_seqs=max(len(prompts), 1))
     config = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -163,14 +162,14 @@ def weight_bytes_per_step(model: Any) -> int:
     matrices at their encoded size): every layer's matrices, biases and norms, a sparse layer's
     router and k / E of each expert matrix (its top-k experts of E), the final norm, the output
     head whole, and one row of the embedding table (besides the whole table when the head is tied)."""
-    p, c = model.params, model.config
+    p, (count, chosen) = model.params, model.config.arch_args.routed_experts()
     total = p.norm.nbytes + p.lm_head.nbytes + p.embed.nbytes // p.embed.shape[0]
     for lp in p.layers:
         dense = (lp.attn_norm, lp.qkv, lp.qkv_bias, lp.o, lp.o_bias, lp.ffn_norm, lp.gate_up, lp.down, lp.q_norm,
                  lp.k_norm, lp.post_attn_norm, lp.post_ffn_norm, lp.router, *lp.qkv_parts, *lp.gate_up_parts)
         total += sum(t.nbytes for t in dense if t is not None)
         experts = (lp.gate_exps, lp.up_exps, lp.down_exps)
-        total += sum(t.nbytes * c.num_experts_per_tok // c.num_experts for t in experts if t is not None)
+        total += sum(t.nbytes * chosen // count for t in experts if t is not None)
     return total
 
 

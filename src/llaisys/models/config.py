@@ -1,10 +1,11 @@
 """The model configuration shared by both file formats, with Hugging Face field names.
 
-``ModelConfig`` holds the hyper-parameters the shared blocks read (``models.layers``). Which
-of them a file sets, and how (Qwen2's fixed q/k/v biases, Llama's ``attention_bias``, Gemma 3's
-sliding layers), is the business of the architecture's module (``models.architectures``),
-which also checks what only it knows; this module reads the keys every architecture shares
-and checks the values.
+``ModelConfig`` holds what every architecture has (sizes, heads, context, rope, norm epsilon,
+tied head, q/k/v biases, special tokens) and, in ``arch_args``, what only its architecture has:
+an ``ArchArgs`` subclass that the architecture's module (``models.architectures``) declares and
+fills from a file (Gemma 3's windows and scales, Qwen3-MoE's experts) and checks. Code outside
+that module asks the args only through ``ArchArgs``'s methods (``layer_window`` ...). This
+module reads the keys every architecture shares and checks the values.
 """
 from __future__ import annotations
 
@@ -19,8 +20,57 @@ from .errors import ModelLoadError, read_json
 
 
 @dataclass(slots=True)
+class ArchArgs:
+    """An architecture's own hyper-parameters, beyond ``ModelConfig``'s. This base has none and
+    answers the shared code's questions as the Llama family's layer would; an architecture's
+    subclass adds the fields its module reads from ``config.json`` and GGUF metadata (named as
+    ``config.json`` names them) and overrides the answers that differ."""
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ArchArgs":
+        """Args from ``values``, ignoring keys that are not fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def validate(self, config: "ModelConfig", source: str) -> None:
+        """Check the values (with ``config``, whose checks passed); ModelLoadError naming
+        ``source`` and the key as the file spells it (``config.key_name``)."""
+
+    def layer_window(self, layer: int) -> int:
+        """Keys layer ``layer`` attends to, its own included (0: all before it)."""
+        return 0
+
+    def layer_rope_theta(self, layer: int) -> float | None:
+        """The base of the plain, unscaled rope layer ``layer`` rotates with instead of the
+        model's; None: the model's (``rope_theta`` and ``rope_scaling``)."""
+        return None
+
+    def attention_scale(self, head_dim: int) -> float:
+        """The factor of the attention scores: 1/sqrt(head_dim)."""
+        return 1.0 / math.sqrt(head_dim)
+
+    def embedding_scale(self) -> float:
+        """The factor of the token embeddings (1: none)."""
+        return 1.0
+
+    def routed_experts(self) -> tuple[int, int]:
+        """(E, k): the experts of a routed layer and how many each token runs; (0, 0): dense."""
+        return 0, 0
+
+    def shard_widths(self) -> dict[str, int]:
+        """Widths of its own blocks that a tensor-parallel rank count must divide, by what
+        they are (``tensor_parallel.check_fits``)."""
+        return {}
+
+    def sharded(self, size: int) -> "ArchArgs":
+        """The args of one rank's part of ``size`` (those widths divided by ``size``)."""
+        return self
+
+
+@dataclass(slots=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder. Field names follow ``config.json``."""
+    """Hyper-parameters of a decoder: those every architecture has (field names follow
+    ``config.json``), and the architecture's own in ``arch_args``."""
 
     architecture: str  # a registered architecture's name, "llama" | "qwen2" | ... (config.json: model_type)
     vocab_size: int  # V
@@ -41,21 +91,7 @@ class ModelConfig:
     attention_out_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    # Set by the architectures whose blocks use them (the defaults are Llama's):
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
-    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotary embedding
-    sliding_window: int = 0  # keys a sliding-window layer attends to (its own included); 0: none
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
-    query_pre_attn_scalar: float | None = None  # attention scores times 1/sqrt(this); None: head_dim
-    embedding_multiplier: float = 1.0  # the token embeddings times this (Gemma: sqrt(hidden_size))
-    rope_local_theta: float | None = None  # the rope base of sliding-window layers; None: rope_theta
-    # A routed mixture of experts in place of the MLP (Qwen3-MoE) on the sparse layers:
-    num_experts: int = 0  # E; 0: every layer dense
-    num_experts_per_tok: int = 0  # k experts chosen per token
-    norm_topk_prob: bool = False  # the chosen experts' weights divided by their sum
-    moe_intermediate_size: int = 0  # an expert's MLP width
-    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
-    mlp_only_layers: list[int] = field(default_factory=list)  # ... and it is not listed here
+    arch_args: ArchArgs = field(default_factory=ArchArgs)  # the architecture's own (Architecture.args)
     # How the file spells a field or rope parameter, for messages: "head_dim" ->
     # "llama.attention.key_length", "rope_scaling" -> "rope_parameters" (its parameters follow)
     key_names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -74,10 +110,10 @@ class ModelConfig:
             self.eos_token_id = list(self.eos_token_id)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        """A config from ``values``, ignoring keys that are not fields."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+    def from_dict(cls, values: Mapping[str, Any], args: type[ArchArgs] = ArchArgs) -> "ModelConfig":
+        """A config from ``values``: its own fields, and ``arch_args`` of type ``args`` (the
+        architecture's) from the keys that are its fields; other keys are ignored."""
+        return cls(**{k: v for k, v in values.items() if k in SHARED_FIELDS}, arch_args=args.from_dict(values))
 
     def key_name(self, name: str) -> str:
         """How the file this config came from spells field or rope parameter ``name``
@@ -89,8 +125,8 @@ class ModelConfig:
 
     def validate(self, source: str) -> "ModelConfig":
         """Check the values describe a model the shared blocks can run; raises ModelLoadError
-        naming ``source`` and the key as the file spells it. (What only an architecture
-        knows, its module checks.)"""
+        naming ``source`` and the key as the file spells it; then the architecture's own
+        (``ArchArgs.validate``)."""
         if not isinstance(self.architecture, str) or not self.architecture:
             raise ModelLoadError(f"{source}: architecture must be a non-empty name, got {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -123,10 +159,10 @@ class ModelConfig:
         from .rope import rope_frequencies  # here: models.rope imports this module's type
 
         rope_frequencies(self, source)  # refuses a rope type or parameter llaisys does not apply
-        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelLoadError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
-        self._validate_blocks(source)
+        self.arch_args.validate(self, source)
         if self.bos_token_id is not None and not is_token_id(self.bos_token_id):
             raise ModelLoadError(
                 f"{source}: bos_token_id must be a token id (an integer >= 0), got {self.bos_token_id!r}"
@@ -134,59 +170,9 @@ class ModelConfig:
         self.eos_token_id = token_ids(self.eos_token_id, source, "eos_token_id")
         return self
 
-    def _validate_blocks(self, source: str) -> None:
-        """Checks of the fields the architectures set for their blocks."""
-        self._validate_experts(source)
-        if self.hidden_act not in ACTIVATIONS:
-            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported; expected one of "
-                                 f"{', '.join(map(repr, ACTIVATIONS))}")
-        if not is_int(self.sliding_window) or self.sliding_window < 0:
-            raise ModelLoadError(f"{source}: sliding_window must be a positive integer or absent, "
-                                 f"got {self.sliding_window!r}")
-        if self.layer_types is not None:
-            types = self.layer_types
-            if (not isinstance(types, list) or len(types) != self.num_hidden_layers
-                    or any(t not in LAYER_TYPES for t in types)):
-                raise ModelLoadError(f"{source}: layer_types must list one of {', '.join(map(repr, LAYER_TYPES))} per "
-                                     f"layer ({self.num_hidden_layers}), got {types!r:.200}")
-            if "sliding_attention" in types and not self.sliding_window:
-                raise ModelLoadError(f"{source}: layer_types names sliding_attention layers but sliding_window "
-                                     f"is not set")
-        for name in ("query_pre_attn_scalar", "rope_local_theta", "embedding_multiplier"):
-            value = getattr(self, name)
-            if not is_positive(value) and not (value is None and name != "embedding_multiplier"):
-                raise ModelLoadError(f"{source}: {self.key_name(name)} must be a positive number, got {value!r}")
-
-    def _validate_experts(self, source: str) -> None:
-        """Checks of the mixture-of-experts fields."""
-        if not is_int(self.num_experts) or not 0 <= self.num_experts <= 1 << 16:
-            raise ModelLoadError(f"{source}: num_experts must be an integer in [0, 65536], got {self.num_experts!r}")
-        if not self.num_experts:
-            return
-        for name in ("moe_intermediate_size", "decoder_sparse_step"):
-            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                raise ModelLoadError(f"{source}: {name} must be a positive integer, got {getattr(self, name)!r}")
-        k = self.num_experts_per_tok
-        if not is_int(k) or not 1 <= k <= self.num_experts:
-            raise ModelLoadError(f"{source}: num_experts_per_tok must be an integer in [1, num_experts="
-                                 f"{self.num_experts}], got {k!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
-        layers = self.mlp_only_layers
-        if not isinstance(layers, list) or not all(is_int(i) and 0 <= i < self.num_hidden_layers for i in layers):
-            raise ModelLoadError(f"{source}: mlp_only_layers must list layer indices in [0, "
-                                 f"{self.num_hidden_layers}), got {layers!r:.200}")
-
-    def layer_is_sparse(self, layer: int) -> bool:
-        """Whether layer ``layer`` runs the routed experts rather than the dense MLP."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
-
     def layer_window(self, layer: int) -> int:
         """Keys layer ``layer`` attends to, its own included (0: all before it)."""
-        if self.layer_types is None:
-            return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+        return self.arch_args.layer_window(layer)
 
     def kv_window(self) -> int:
         """Keys behind a new token that some layer still attends to, when every layer has a
@@ -196,13 +182,12 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor of the attention scores: 1/sqrt(query_pre_attn_scalar or head_dim)."""
-        return 1.0 / math.sqrt(self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar)
+        """The factor of the attention scores (1/sqrt(head_dim) unless the architecture says)."""
+        return self.arch_args.attention_scale(self.head_dim)
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")
 MAX_POSITIONS = 2**32 - 1  # llama.cpp reads a context length as a 32-bit unsigned integer
-LAYER_TYPES = ("full_attention", "sliding_attention")
+SHARED_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - {"arch_args"}  # read from a file
 
 
 def is_int(value: Any) -> bool:
@@ -320,17 +305,10 @@ def hf_common_fields(raw: Any, source: str) -> dict[str, Any]:
         raise ModelLoadError(f"{source}: missing required key(s) {', '.join(missing)}")
     if json_flag(raw, "mlp_bias", False, source):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported; expected MLP projections without bias")
-    values = {k: v for k, v in raw.items() if k not in BLOCK_FIELDS and k != "key_names"}  # those the architecture sets
+    values = {k: v for k, v in raw.items() if k in SHARED_FIELDS and k != "key_names"}  # the architecture sets its own
     values.update(_rope_parameters(raw, source))
     values["tie_word_embeddings"] = json_flag(raw, "tie_word_embeddings", False, source)
     return values
-
-
-# Fields only an architecture's module sets from a file (a key of the same name in config.json
-# means what that architecture says, if anything).
-BLOCK_FIELDS = ("hidden_act", "qk_norm", "sliding_window", "layer_types", "query_pre_attn_scalar",
-                "embedding_multiplier", "rope_local_theta", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-                "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 def read_config_json(path: "str | os.PathLike[str]") -> Any:

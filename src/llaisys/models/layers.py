@@ -1,9 +1,10 @@
 """The shared blocks of the decoders, written with ``llaisys.ops`` only, over the buffers of a
-``Workspace``: the q/k/v projection (with its optional per-head norms and the rotary
-embedding), attention over one sequence's cache or a paged pool (with an optional sliding
-window), the gated MLP (SiLU or tanh-GELU) or a routed mixture of experts, and the pre-norm
-layer the Llama family runs. An architecture module (``models.architectures``) names the layer
-it runs, built from these.
+``Workspace``: the q/k/v projection (with the per-head norms of a layer that holds them, and
+the rotary embedding), attention over one sequence's cache or a paged pool (with the layer's
+sliding window), the gated MLP (SiLU or tanh-GELU) or a routed mixture of experts, and the
+pre-norm layer the Llama family runs (and the pre-and-post-norm one). They read the shared
+config fields only: an architecture module (``models.architectures``) names the layer it runs,
+built from these, and passes them what is its own (Gemma 3's activation, Qwen3-MoE's top-k).
 
 Shapes: S tokens in the pass, T = cache length after it, D hidden, H/KH query/kv heads,
 Dh head dim, Dq = H*Dh, Dkv = KH*Dh, I MLP width, E experts, V vocabulary.
@@ -21,7 +22,7 @@ from .config import ModelConfig
 from .params import LayerParams
 
 if TYPE_CHECKING:
-    from .runner import BatchIndex
+    from .passes import BatchIndex
 
 
 class Workspace:
@@ -34,6 +35,8 @@ class Workspace:
     def __init__(self, config: ModelConfig, s: int, dtype: DataType, device: Device,
                  comm: Communicator | None = None):
         self.comm = comm if comm is not None and comm.size > 1 else None
+        self.dtype, self.device = dtype, device
+        self._extra: dict[str, Tensor] = {}  # buffers only some layers use (``extra``)
         d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
         h, kh = config.num_attention_heads, config.num_key_value_heads
         dq, dkv = h * dh, kh * dh
@@ -46,8 +49,6 @@ class Workspace:
         self.qk_in = self.qkv.slice(1, 0, dq + dkv).view(s, h + kh, dh)  # (S, H+KH, Dh) strided view
         self.v_in = self.qkv.slice(1, dq + dkv, dq + 2 * dkv).view(s, kh, dh)  # (S, KH, Dh)
         self.qk = new(s, h + kh, dh)  # (S, H+KH, Dh) q and k heads after rope (one rope call for both)
-        # (S, H+KH, Dh) q and k heads after their norms, the rope's input (config.qk_norm)
-        self.qk_normed = new(s, h + kh, dh) if config.qk_norm else None
         self.q = self.qk.slice(1, 0, h)  # (S, H, Dh)
         self.k = self.qk.slice(1, h, h + kh)  # (S, KH, Dh)
         self.attn = new(s, h, dh)  # (S, H, Dh)
@@ -58,9 +59,18 @@ class Workspace:
         self.gate = self.gate_up.slice(1, 0, inter)  # (S, I) strided view
         self.up = self.gate_up.slice(1, inter, 2 * inter)  # (S, I)
         self.act = new(s, inter)  # (S, I)
-        self.router_logits = new(s, config.num_experts) if config.num_experts else None  # (S, E)
         self.h_last = self.h.slice(0, s - 1, s)  # (1, D) the last row, finally normalised
         self.logits = new(1, config.vocab_size)  # (1, V)
+
+    def extra(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """The buffer ``name`` of ``shape`` in the workspace's dtype, made when a block first
+        records a call on it and kept, as the others are, for every pass of this size: the
+        normed q/k heads (S, H+KH, Dh) of layers with head norms, the router logits (S, E)."""
+        buf = self._extra.get(name)
+        if buf is None:
+            buf = self._extra[name] = Tensor.empty(shape, self.dtype, self.device)
+        assert buf.shape == tuple(shape), (name, buf.shape, shape)
+        return buf
 
 
 def sum_over_ranks(ws: Workspace, partial: Tensor, plan: ops.Plan) -> None:
@@ -91,10 +101,11 @@ def project_qkv(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.P
     qk = ws.qk_in  # (S, H+KH, Dh) strided view of the projection
     if lp.q_norm is not None:
         h, eps = ws.q.shape[1], config.rms_norm_eps  # this rank's query heads
-        ops.rms_norm(ws.qk_normed.slice(1, 0, h), qk.slice(1, 0, h), lp.q_norm, eps, plan=plan)  # (S, H, Dh)
-        ops.rms_norm(ws.qk_normed.slice(1, h, qk.shape[1]), qk.slice(1, h, qk.shape[1]), lp.k_norm, eps,
+        normed = ws.extra("qk_normed", ws.qk.shape)  # (S, H+KH, Dh) the rope's input
+        ops.rms_norm(normed.slice(1, 0, h), qk.slice(1, 0, h), lp.q_norm, eps, plan=plan)  # (S, H, Dh)
+        ops.rms_norm(normed.slice(1, h, qk.shape[1]), qk.slice(1, h, qk.shape[1]), lp.k_norm, eps,
                      plan=plan)  # (S, KH, Dh)
-        qk = ws.qk_normed
+        qk = normed
     ops.rope(ws.qk, qk, ws.pos, lp.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (S, H+KH, Dh)
 
 
@@ -134,11 +145,14 @@ def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor],
     sum_over_ranks(ws, ws.proj, plan)
 
 
-def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
-    """ws.proj = down(act(gate) * up) of ws.h, the normalised input; act is SiLU (SwiGLU) or
-    tanh-approximated GELU (GeGLU), as ``config.hidden_act`` says."""
+ACTIVATIONS = ("silu", "gelu_tanh")  # of ``mlp``
+
+
+def mlp(ws: Workspace, lp: LayerParams, act: str, plan: ops.Plan) -> None:
+    """ws.proj = down(act(gate) * up) of ws.h, the normalised input; ``act`` is "silu" (SwiGLU)
+    or "gelu_tanh", the tanh-approximated GELU (GeGLU)."""
     fused_linear(ws.gate_up, ws.h, lp.gate_up, lp.gate_up_parts, None, plan)  # (S, 2I)
-    if config.hidden_act == "gelu_tanh":
+    if act == "gelu_tanh":
         ops.geglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
     else:
         ops.swiglu(ws.act, ws.gate, ws.up, plan=plan)  # (S, I)
@@ -146,45 +160,48 @@ def mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> 
     sum_over_ranks(ws, ws.proj, plan)
 
 
-def routed_mlp(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
+def routed_mlp(ws: Workspace, lp: LayerParams, top_k: int, norm_topk_prob: bool, plan: ops.Plan) -> None:
     """ws.proj = the routed mixture of SwiGLU experts of ws.h (``ops.moe_mlp``): the router's
-    logits, then each token's ``num_experts_per_tok`` experts weighted by their probabilities.
-    Under tensor parallelism every rank routes with the whole router and holds I/N of each
-    expert's width, so its output is a partial sum, added over the ranks like ``mlp``'s."""
-    ops.linear(ws.router_logits, ws.h, lp.router, plan=plan)  # (S, E)
-    ops.moe_mlp(ws.proj, ws.h, ws.router_logits, lp.gate_exps, lp.up_exps, lp.down_exps, config.num_experts_per_tok,
-                config.norm_topk_prob, plan=plan)  # (S, D)
+    logits, then each token's ``top_k`` experts weighted by their probabilities (divided by
+    their sum with ``norm_topk_prob``). Under tensor parallelism every rank routes with the
+    whole router and holds I/N of each expert's width, so its output is a partial sum, added
+    over the ranks like ``mlp``'s."""
+    logits = ws.extra("router_logits", (ws.h.shape[0], lp.router.shape[0]))  # (S, E)
+    ops.linear(logits, ws.h, lp.router, plan=plan)  # (S, E)
+    ops.moe_mlp(ws.proj, ws.h, logits, lp.gate_exps, lp.up_exps, lp.down_exps, top_k, norm_topk_prob,
+                plan=plan)  # (S, D)
     sum_over_ranks(ws, ws.proj, plan)
 
 
-def feed_forward(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.Plan) -> None:
-    """ws.proj = the layer's MLP block of ws.h: its routed experts where it has them, else ``mlp``."""
-    (mlp if lp.router is None else routed_mlp)(ws, lp, config, plan)
-
-
 def decoder_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
-                  config: ModelConfig, plan: ops.Plan) -> None:
+                  config: ModelConfig, plan: ops.Plan, ffn: Callable[[], None] | None = None) -> None:
     """One pre-norm decoder layer applied to ws.x in place. Takes ws.h = rms_norm(ws.x) by
     the layer's attention norm; ``attend()`` puts the attention block's output in ws.proj
-    (``attention`` over one sequence's cache, or ``paged_attention`` over many); leaves ws.h
-    normalised by ``next_norm`` (the next layer's attention norm, or the final norm), each
-    residual add fused with the norm after it."""
+    (``attention`` over one sequence's cache, or ``paged_attention`` over many), ``ffn()`` the
+    MLP block's (default: the SwiGLU ``mlp``); leaves ws.h normalised by ``next_norm`` (the next
+    layer's attention norm, or the final norm), each residual add fused with the norm after it."""
     eps = config.rms_norm_eps
     attend()
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, lp.ffn_norm, eps, plan=plan)  # (S, D) x += proj; h = norm(x)
-    feed_forward(ws, lp, config, plan)
+    if ffn is None:
+        mlp(ws, lp, "silu", plan)
+    else:
+        ffn()
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj, next_norm, eps, plan=plan)  # (S, D)
 
 
 def sandwich_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
-                   config: ModelConfig, plan: ops.Plan) -> None:
-    """``decoder_layer`` with each block's output normalised before its residual add (Gemma's
-    post-attention and post-MLP norms): x += norm(attn); h = norm(x); x += norm(mlp);
-    h = next_norm(x)."""
+                   config: ModelConfig, plan: ops.Plan, ffn: Callable[[], None] | None = None) -> None:
+    """``decoder_layer`` (``ffn`` as there) with each block's output normalised before its
+    residual add (Gemma's post-attention and post-MLP norms): x += norm(attn); h = norm(x);
+    x += norm(ffn); h = next_norm(x)."""
     eps = config.rms_norm_eps
     attend()
     ops.rms_norm(ws.proj_normed, ws.proj, lp.post_attn_norm, eps, plan=plan)  # (S, D)
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj_normed, lp.ffn_norm, eps, plan=plan)  # (S, D)
-    mlp(ws, lp, config, plan)
+    if ffn is None:
+        mlp(ws, lp, "silu", plan)
+    else:
+        ffn()
     ops.rms_norm(ws.proj_normed, ws.proj, lp.post_ffn_norm, eps, plan=plan)  # (S, D)
     ops.add_rms_norm(ws.h, ws.x, ws.x, ws.proj_normed, next_norm, eps, plan=plan)  # (S, D)

@@ -49,7 +49,7 @@ class LayerParams:
     rope_factor: float = 1.0  # multiplies rope's cos and sin (YaRN's attention factor)
     rope_theta: float = 10000.0  # the plain rope's base (when rope_freqs is None)
     window: int = 0  # keys each query attends to, its own included; 0: every key before it
-    q_norm: Tensor | None = None  # (Dh,) RMSNorm weight of each query head (config.qk_norm)
+    q_norm: Tensor | None = None  # (Dh,) RMSNorm weight of each query head (Qwen3, Gemma 3)
     k_norm: Tensor | None = None  # (Dh,) of each key head
     post_attn_norm: Tensor | None = None  # (D,) norm of the attention block's output (Gemma 3)
     post_ffn_norm: Tensor | None = None  # (D,) norm of the MLP block's output (Gemma 3)
@@ -57,7 +57,7 @@ class LayerParams:
     # stored in different block formats: each kept as stored rather than all converted to floats
     qkv_parts: tuple[Tensor, ...] = ()
     gate_up_parts: tuple[Tensor, ...] = ()
-    # A sparse layer's routed experts (config.layer_is_sparse), in place of gate_up and down:
+    # A sparse layer's routed experts (it holds a router; Qwen3-MoE), in place of gate_up and down:
     router: Tensor | None = None  # (E, D) the router's logits projection
     gate_exps: Tensor | None = None  # (E*I, D): expert e's gate rows e*I:(e+1)*I
     up_exps: Tensor | None = None  # (E*I, D)
@@ -292,11 +292,11 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
-        window = config.layer_window(i)
-        # a sliding layer of a model with a local rope base (Gemma 3) rotates with that base, unscaled
-        local = bool(window and config.rope_local_theta)
+        # a layer with a rope base of its own (Gemma 3's sliding ones) rotates with it, unscaled
+        local_theta = config.arch_args.layer_rope_theta(i)
+        local = local_theta is not None
         qkv, qkv_parts = b.fused([p + "q", p + "k", p + "v"])
-        sparse = config.layer_is_sparse(i)
+        sparse = p + "router" in b.weights  # checked against the architecture's layer_shapes
         gate_up, gate_up_parts = (None, ()) if sparse else b.fused([p + "gate", p + "up"])
         layers.append(LayerParams(
             attn_norm=b.one(p + "attn_norm"),
@@ -311,8 +311,8 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             down=None if sparse else b.one(p + "down"),
             rope_freqs=None if local else rope_freqs,
             rope_factor=1.0 if local else rope_factor,
-            rope_theta=config.rope_local_theta if local else config.rope_theta,
-            window=window,
+            rope_theta=local_theta if local else config.rope_theta,
+            window=config.layer_window(i),
             q_norm=b.maybe(p + "q_norm"),
             k_norm=b.maybe(p + "k_norm"),
             post_attn_norm=b.maybe(p + "post_attn_norm"),

@@ -8,8 +8,8 @@ Rope types: "default", "linear" (frequencies / factor), "llama3" (long wavelengt
 a smooth blend between), "yarn" (a ramp between interpolated and extrapolated frequencies,
 attention factor from ``factor``, ``mscale``/``mscale_all_dim`` or given), and "dynamic"
 (NTK: transformers rescales the base once a forward call reaches past
-``max_position_embeddings``; llaisys never runs a context that long, the generation loop and
-the engine stop there, and up to it the frequencies are the default ones, which is what
+``max_position_embeddings``; llaisys never runs a context that long (the engine stops
+there), and up to it the frequencies are the default ones, which is what
 transformers uses there too). ``partial_rotary_factor`` < 1 rotates the first
 R = int(Dh * factor) dims of each head only. A GGUF file's ``rope_freqs.weight`` (Llama 3.x)
 divides each pair's frequency, as llama.cpp applies it. Anything else ("longrope",

@@ -1,248 +1,221 @@
-"""The model runner: the one place a model's layers run on tensors, for every caller.
+"""The model runner: every pass of a model runs here, for every caller.
 
-A single sequence (``CausalLM.forward`` over a ``KVCache``: one block of ``max_tokens``
-slots) and a serving step (``forward_batch`` over a ``PagedKVCache`` shared by many
-sequences) are the same thing here: a flat batch of tokens (``TokenBatch``) run by one
-recorded paged pass (``BatchPass``), the paged ops inside the pass's native stretch.
+A ``ModelRunner`` is made once per loaded model (``CausalLM``, the record of what was loaded:
+config, weights, tokenizer) and owns how it runs: its caches (``new_cache``, a contiguous
+``KVCache`` of one sequence; ``new_paged_cache``, the engine's block pools), the checked entry
+points (``forward`` for one sequence, ``forward_batch`` for a flat batch of many, as the engine
+steps), one pass at a time under its lock, and under tensor parallelism rank 0's leading of
+the other ranks (``tensor_parallel.Leader``).
 
-The runner owns what a pass needs besides the weights: the work buffers of each token count
-(``Workspace``), the recorded passes of each batch shape, their index buffers, and, on an
-nvidia device, the CUDA graphs that replay decoding steps. A pass is recorded once per shape
-(N tokens, B sequences, R logit rows) and cache; later steps of that shape only load their
-index arrays into its static buffers and replay it.
+A single sequence and a serving step are the same thing here: a flat batch of tokens
+(``TokenBatch``) run by one recorded paged pass (``passes.BatchPass``), the paged ops inside
+the pass's native stretch. The runner keeps what a pass needs besides the weights: the work
+buffers of each token count (``Workspace``), the recorded passes of each batch shape (N tokens,
+B sequences, R logit rows) per cache, and, on an nvidia device, the CUDA graphs that replay
+decoding steps. Later steps of a shape only load their index arrays and replay.
 
-A device without paged kernels (a device plugin that registers only the nine ops; the
-reference plugin has them) runs single sequences with its own contiguous ops instead
-(``RowsPass``: the cache calls of a recorded pass moved to the rows of each new position),
-since the CPU fallback of a paged op would copy a whole layer's pool to the host and back at
-each call.
+A device without paged kernels (a device plugin that registers only the nine ops) runs single
+sequences with its own contiguous ops instead (``passes.RowsPass``), since the CPU fallback of
+a paged op would copy a whole layer's pool to the host and back at each call.
 
-Shapes: N tokens in a pass, B sequences, MB block-table width, R logit rows, S tokens of one
-sequence, D hidden, V vocabulary (V or c: this rank's slice under tensor parallelism).
+Shapes: N tokens in a pass, B sequences, R logit rows, S tokens of one sequence, D hidden,
+V vocabulary (V or c: this rank's slice under tensor parallelism).
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .. import ops
 from ..kernels.registry import find_kernel
-from ..parallel.comm import record_all_reduce
-from ..runtime.device import Device
-from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .kv_cache import KVCache
-from .layers import Workspace, attention, paged_attention
+from .layers import Workspace
 from .paged_cache import PagedKVCache, TokenBatch
-from .params import LayerParams
+from .passes import BatchPass, RowsPass, pad_decode_batch, sequence_batch
+from .tensor_parallel import Leader
 
 if TYPE_CHECKING:
     from .decoder import CausalLM
 
+PREFILL_CHUNK = 256  # ``forward``'s longer inputs run in chunks: less masked attention work, bounded score memory
+MAX_DEFAULT_CACHE = 4096
 PASSES_KEPT = 32  # recorded passes kept per cache (by N, B, R), least recently used dropped
 WORKSPACES_KEPT = 8  # work buffers kept per cache (by N)
 
 
-def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
-                  attend: Callable[[int, LayerParams], None]) -> None:
-    """Record embedding, every layer (``attend(i, lp)`` records layer i's attention block) and
-    the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
-    p, layer, c = model.params, model.architecture.decoder_layer, model.config
-    ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (N, D)
-    if ws.comm is not None:  # each rank looked up the ids of its vocabulary range, zeros for the rest
-        record_all_reduce(plan, ws.comm, ws.x)
-    if c.embedding_multiplier != 1.0:
-        ops.scale(ws.x, ws.x, c.embedding_multiplier, plan=plan)  # (N, D)
-    ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (N, D)
-    next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
-    for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
-        layer(ws, lp, next_norm, lambda: attend(i, lp), model.config, plan)
-
-
-class BatchIndex:
-    """Device index tensors of a batched pass over a paged cache (see ``TokenBatch``): N
-    tokens, B sequences, block tables MB wide, R rows of logits."""
-
-    def __init__(self, n: int, b: int, mb: int, r: int, device: Device):
-        new = lambda *shape: Tensor.empty(shape, DataType.I64, device)  # noqa: E731
-        self.slots = new(n)  # (N,)
-        self.block_tables = new(b, mb)  # (B, MB)
-        self.query_starts = new(b + 1)  # (B+1,)
-        self.context_lens = new(b)  # (B,)
-        self.logit_rows = new(r)  # (R,)
-
-    def load(self, batch: TokenBatch) -> None:
-        self.slots.load(batch.slots)
-        self.block_tables.load(batch.block_tables)
-        self.query_starts.load(batch.query_starts)
-        self.context_lens.load(batch.context_lens)
-        self.logit_rows.load(batch.logit_rows)
-
-
-class BatchPass:
-    """The recorded op calls of a batched pass of one shape (N, B, R) over paged block pools
-    (per layer (K, V), each (NB, BS, KH, Dh), block tables ``max_blocks`` wide), the head
-    included: the rows whose logits are wanted are gathered, normalised, then projected. Its
-    inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
-    so a run can be replayed from a graph."""
-
-    def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
-                 n: int, b: int, r: int):
-        self.ws = ws
-        self.idx = BatchIndex(n, b, max_blocks, r, model.device)
-        self.plan = plan = ops.Plan()
-        self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
-        self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
-
-        def attend(i: int, lp: LayerParams) -> None:
-            paged_attention(ws, lp, pools[i], self.idx, model.config, plan)
-
-        record_layers(model, ws, plan, attend)
-        if r:
-            ops.embedding(self.h_rows, self.idx.logit_rows, ws.h, plan=plan)  # (R, D): gather the rows
-            ops.linear(self.logits, self.h_rows, model.params.lm_head, plan=plan)  # (R, V)
-
-
-class RowsPass:
-    """A pass of S tokens of one sequence over a ``KVCache`` with contiguous ops (for devices
-    without paged kernels), recorded once and replayed.
-
-    Everything but the cache rows stays put between passes of one size, so only the three
-    calls per layer that touch the cache move to the rows of each new position (``move``):
-    where all of them run as native calls with descriptors of their own (a plugin's kernels),
-    one C call rewrites the descriptors' data pointers and lengths; otherwise each call is
-    rebound from Python. ``head`` is the output head of the last row, a plan of its own."""
-
-    def __init__(self, model: "CausalLM", ws: Workspace, cache: KVCache, start: int, end: int):
-        self.ws = ws
-        self.plan = plan = ops.Plan()
-        self.kv_at: list[int] = []  # per layer: index of its first call that touches the cache
-
-        def attend(i: int, lp: LayerParams) -> None:
-            self.kv_at.append(attention(ws, lp, cache.rows(i, start, end), model.config, plan))
-
-        record_layers(model, ws, plan, attend)
-        self.span = (start, end)  # the rows the cache calls point at
-        self.recorded_span = self.span  # the rows the plan's recorded tensors name
-        self._fields: Any = None  # the C rewrite of the cache rows (RowFields), False where there is none
-        self._compiled_for: Any = None  # the plan's compiled replay the rewrite's addresses belong to
-        self.head = ops.Plan()  # (1, V or c) logits of the last row
-        ops.linear(ws.logits, ws.h_last, model.params.lm_head, plan=self.head)
-
-    def move(self, cache: KVCache, start: int, end: int) -> None:
-        """Point the cache calls at positions ``start:end`` (end - start = S)."""
-        if self.span == (start, end):
-            return
-        plan = self.plan
-        if self._fields is None and plan.compiled is not None:
-            self._fields = RowFields.of(plan, cache, self.kv_at, *self.span) or False
-            self._compiled_for = plan.compiled
-        if self._fields and plan.compiled is self._compiled_for:
-            self._fields.move(start, end)
-        else:
-            if self._fields:  # compiled again: the new descriptors were made from the recorded tensors
-                self.span, self._fields = self.recorded_span, None
-            self._rebind(cache, start, end)
-        self.span = (start, end)
-
-    def _rebind(self, cache: KVCache, start: int, end: int) -> None:
-        plan, q = self.plan, self.ws.q
-        for layer, at in enumerate(self.kv_at):
-            k_new, v_new, k_seen, v_seen = cache.rows(layer, start, end)
-            plan.rebind(at, outputs=(k_new,))
-            plan.rebind(at + 1, outputs=(v_new,))
-            plan.rebind(at + 2, inputs=(q, k_seen, v_seen))
-        self.recorded_span = (start, end)
-
-
-class _RowField(ctypes.Structure):
-    """``lo_row_field`` of csrc/ops/plugin_calls.c: *field = base + per_start * start + per_end * end."""
-
-    _fields_ = [("field", ctypes.c_void_p), ("base", ctypes.c_int64), ("per_start", ctypes.c_int64),
-                ("per_end", ctypes.c_int64)]
-
-
-class RowFields:
-    """The descriptor fields of a ``RowsPass``'s cache calls that change with the position,
-    rewritten by one C call (``llaisys_ops_move_rows``): each layer's K and V writes start at
-    row ``start`` (data pointer), its attention reads rows ``0:end`` (first dimension)."""
-
-    def __init__(self, fields: list[tuple[int, int, int, int]], keep: list[Any], fn: Any):
-        self.array = (_RowField * len(fields))(*(_RowField(*f) for f in fields))
-        self.keep, self.fn = keep, fn  # the native calls own the memory the fields point into
-
-    @classmethod
-    def of(cls, plan: ops.Plan, cache: KVCache, kv_at: list[int], start: int, end: int) -> "RowFields | None":
-        """The fields of ``plan``'s cache calls (compiled, pointing at rows ``start:end``), or
-        None unless every one of them is a native call that exposes its descriptors."""
-        from .. import _native
-
-        lib = _native.load("ops")
-        fn = getattr(lib, "llaisys_ops_move_rows", None) if lib is not None else None
-        if fn is None:
-            return None
-        fields, keep = [], []
-        for layer, at in enumerate(kv_at):
-            k, v = cache.k_layers[layer], cache.v_layers[layer]  # (1, Tmax, KH, Dh)
-            row = k.strides[1] * k.dtype.itemsize  # bytes per position
-            calls = [plan.native(at), plan.native(at + 1), plan.native(at + 2)]
-            if not all(c is not None and c.fields is not None for c in calls):
-                return None
-            where = [calls[0].fields("outputs", 0), calls[1].fields("outputs", 0),
-                     calls[2].fields("inputs", 1), calls[2].fields("inputs", 2)]
-            if any(w is None for w in where):
-                return None
-            (k_data, _), (v_data, _), (_, k_len), (_, v_len) = where
-            fields += [(k_data, k.data_ptr, row, 0), (v_data, v.data_ptr, row, 0), (k_len, 0, 0, 1), (v_len, 0, 0, 1)]
-            keep += calls
-        return cls(fields, keep, fn)
-
-    def move(self, start: int, end: int) -> None:
-        """Point the fields at rows ``start:end``."""
-        self.fn(self.array, ctypes.c_int64(len(self.array)), ctypes.c_int64(start), ctypes.c_int64(end))
-
-
-def pad_decode_batch(batch: TokenBatch, size: int) -> TokenBatch:
-    """A decoding batch (one token per sequence, B of them) grown to ``size`` sequences and
-    ``size`` logit rows, for a graph captured at that bucket. The extra sequences repeat the
-    first one (its token, position, slot and block table), so every index stays valid and the
-    extra K/V writes put the same values in the same slot; extra logit rows repeat row 0.
-    The caller keeps the first R rows of the logits."""
-    b, r = batch.num_seqs, int(batch.logit_rows.shape[0])
-    if b == size and r == size:
-        return batch
-    more = lambda a: np.concatenate([a, np.repeat(a[:1], size - b, axis=0)])  # noqa: E731
-    rows = np.concatenate([batch.logit_rows, np.zeros(size - r, np.int64)]).astype(np.int64)
-    return TokenBatch(more(batch.token_ids), more(batch.positions), more(batch.slots), more(batch.block_tables),
-                      np.arange(size + 1, dtype=np.int64), more(batch.context_lens), rows)
-
-
-def sequence_batch(ids: np.ndarray, start: int, logit_rows: str) -> TokenBatch:
-    """The batch of one sequence's tokens ``ids`` (S,) at positions ``start:start+S`` of a
-    ``KVCache`` (one block whose slot i holds position i); ``logit_rows`` is "all", "last"
-    or "none"."""
-    s = len(ids)
-    end = start + s
-    positions = np.arange(start, end, dtype=np.int64)  # (S,) also the slots
-    rows = {"all": np.arange(s, dtype=np.int64), "last": np.array([s - 1], np.int64),
-            "none": np.empty(0, np.int64)}[logit_rows]
-    return TokenBatch(ids, positions, positions, np.zeros((1, 1), np.int64), np.array([0, s], np.int64),
-                      np.array([end], np.int64), rows)
-
-
 class ModelRunner:
-    """Runs ``model``'s layers: ``run_batch`` for a flat batch over a paged cache,
-    ``run_sequence`` for one sequence's tokens over a ``KVCache``. Not thread-safe: the
-    model serializes its calls (its passes share work buffers)."""
+    """Runs ``model`` (a ``CausalLM``): its caches, its checked passes, their recordings.
+
+    Thread-safe by a lock, the simplest correct choice: a model's passes share its work
+    buffers, so each pass runs under the runner's lock and threads sharing a model take turns
+    (each with its own cache; load a model per thread to run them in parallel)."""
 
     def __init__(self, model: "CausalLM"):
         self.model = model
+        self.lock = threading.RLock()  # one pass at a time: a cache's passes share work buffers
+        # rank 0 of several sends each call to the other ranks first (tensor_parallel.follow)
+        self.leader = Leader(model.comm, self.lock) if model.shard is not None and model.comm.is_driver else None
         self._graph_caches: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # per cache
         name, dtype = model.device.type.name, model.dtype
         self.paged = all(find_kernel(op, name, dtype) is not None for op in ("kv_cache_write", "paged_attention"))
+
+    # ---- caches ------------------------------------------------------------------------
+    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+        """An empty KV cache for this model (default size: the context length, at most 4096)."""
+        m, c = self.model, self.model.local_config
+        if max_tokens is None:
+            max_tokens = min(c.max_position_embeddings, MAX_DEFAULT_CACHE)
+        cache = KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, m.dtype, m.device, owner=self)
+        return self._keyed(cache, ("kv", max_tokens))
+
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
+        ``forward_batch`` (block tables as wide as the context length needs)."""
+        c = self.model.local_config
+        max_blocks = -(-c.max_position_embeddings // block_size) if block_size > 0 else 1
+        if not c.kv_window():  # a sequence holds its table's blocks at once (behind a window it hands them back)
+            max_blocks = min(max_blocks, num_blocks)
+        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                             self.model.dtype, self.model.device, max_blocks, owner=self)
+        return self._keyed(cache, ("paged", num_blocks, block_size))
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in a cache of this model (all layers; this
+        rank's KV heads under tensor parallelism)."""
+        c = self.model.local_config
+        return PagedKVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.model.dtype)
+
+    def _keyed(self, cache, spec: tuple):
+        """Name a new cache for the other ranks (which make theirs from ``spec`` when first
+        used and drop it when rank 0 does)."""
+        if self.leader is not None:
+            self.leader.name(cache, spec)
+        return cache
+
+    def _lead(self, *message: Any) -> None:
+        """On rank 0 of several: send the other ranks the call they are to run with it."""
+        if self.leader is not None:
+            self.leader.send(*message)
+
+    def _gathered(self, local: Tensor) -> np.ndarray:
+        """Whole float32 host logits (R, V) from this rank's (R, V or c)."""
+        m = self.model
+        if m.shard is None:
+            return local.numpy().astype(np.float32, copy=False)
+        out = Tensor.empty((m.comm.size, *local.shape), local.dtype, local.device)  # (N, R, c)
+        m.comm.all_gather(out, local)
+        return m.shard.gather_logits(out.numpy().astype(np.float32, copy=False))
+
+    # ---- checked passes ------------------------------------------------------------------
+    def forward(self, token_ids: "Sequence[int] | np.ndarray", cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run ``token_ids`` (S,) after the cache's content and append their K/V to the cache.
+
+        Returns float32 host logits: (V,) for the last position, or (S, V) if ``all_logits``.
+        Raises ValueError for empty or out-of-vocabulary ids, a cache of another model, or a
+        cache that would overflow.
+
+        Serialized by the runner's lock (see ``ModelRunner``).
+        """
+        ids = self._check_ids(token_ids)
+        self._check_cache(cache, len(ids))
+        # Under tensor parallelism the ranks must run the calls in one order: one call at a time.
+        with self.lock if self.model.shard is not None else contextlib.nullcontext():
+            self._lead("forward", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), cache.length,
+                       ids, all_logits)
+            return self._forward_chunks(ids, cache, all_logits)
+
+    def _forward_chunks(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+        """Run ``ids`` in chunks of at most PREFILL_CHUNK tokens (under the model's lock):
+        host logits (S, V) with ``all_logits``, else the last row's (V,)."""
+        outputs = []
+        with self.lock:
+            for begin in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[begin:begin + PREFILL_CHUNK]
+                last = begin + PREFILL_CHUNK >= len(ids)
+                rows = "all" if all_logits else "last" if last else "none"
+                logits = self.run_sequence(chunk, cache, rows)
+                if all_logits:
+                    outputs.append(self._gathered(logits))
+                elif last:
+                    return self._gathered(logits).reshape(-1)  # (V,)
+        return np.concatenate(outputs, axis=0)
+
+    def forward_batch(self, batch: TokenBatch, cache: PagedKVCache) -> np.ndarray:
+        """Run a flat batch of tokens from many sequences (``TokenBatch``) in one pass over the
+        paged ``cache``: each token's K/V go to its slot, each sequence attends to its own
+        keys. Returns float32 host logits (R, V) of ``batch.logit_rows``, in that order.
+
+        Raises ValueError for out-of-vocabulary ids, a cache of another model, or index
+        arrays that do not fit the cache. Serialized by the model's lock, like ``forward``.
+        """
+        with self.lock:
+            return self._gathered(self._forward_batch(batch, cache))  # (R, V)
+
+    def forward_batch_logits(self, batch: TokenBatch, cache: PagedKVCache) -> Tensor:
+        """``forward_batch`` without the copy: the logits (R, V) of ``batch.logit_rows`` as a
+        tensor on the model's device, in the model's dtype, for sampling there. The tensor is
+        the pass's own buffer: valid until the next pass over ``cache``. Raises as
+        ``forward_batch`` does, and ValueError under tensor parallelism (each rank holds a
+        slice of the vocabulary)."""
+        if self.model.shard is not None:
+            raise ValueError("forward_batch_logits: under tensor parallelism the logits are gathered on the host; "
+                             "use forward_batch")
+        with self.lock:
+            return self._forward_batch(batch, cache)
+
+    def _forward_batch(self, batch: TokenBatch, cache: PagedKVCache) -> Tensor:
+        """The pass of ``forward_batch`` (under the model's lock): this rank's logits (R, V or
+        c) on the device."""
+        if not isinstance(cache, PagedKVCache) or not cache.made_by(self):
+            raise ValueError(f"cache {cache!r} was not made for this model; use model.new_paged_cache()")
+        self._check_ids(batch.token_ids)
+        n, b, r = batch.num_tokens, batch.num_seqs, int(batch.logit_rows.shape[0])
+        if batch.block_tables.shape != (b, cache.max_blocks):
+            raise ValueError(f"forward_batch: block_tables has shape {batch.block_tables.shape}; expected "
+                             f"({b}, {cache.max_blocks}) for {b} sequences and this cache")
+        if batch.positions.shape != (n,) or batch.slots.shape != (n,) or batch.query_starts.shape != (b + 1,):
+            raise ValueError(f"forward_batch: positions {batch.positions.shape}, slots {batch.slots.shape} and "
+                             f"query_starts {batch.query_starts.shape} must be ({n},), ({n},) and ({b + 1},)")
+        if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
+            raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
+        self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
+        return self.run_batch(batch, cache)
+
+    def hidden_states(self, cache: PagedKVCache, num_tokens: int) -> np.ndarray:
+        """The final hidden states (N, D) float32 (after the last norm) of the pass of
+        ``num_tokens`` tokens that just ran over ``cache`` (the rows an embedding pools)."""
+        with self.lock:
+            return self.hidden_rows(cache, num_tokens).numpy().astype(np.float32, copy=False)
+
+    def _check_ids(self, token_ids: "Sequence[int] | np.ndarray") -> np.ndarray:
+        try:
+            ids = np.asarray(token_ids)
+        except (TypeError, ValueError):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence of ints; got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"token_ids must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.model.config.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.model.config.vocab_size})")
+        return ids.astype(np.int64, copy=False)
+
+    def _check_cache(self, cache: KVCache, s: int) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
+        if not cache.made_by(self):  # another model's cache, even of the same layout, holds its own keys
+            raise ValueError(f"cache {cache!r} was not made for this model; use model.new_cache()")
+        if cache.length + s > cache.max_tokens:
+            raise ValueError(
+                f"KV cache overflow: {cache.length} tokens held + {s} new > max_tokens={cache.max_tokens}; "
+                f"make a larger cache with new_cache(max_tokens=...) or shorten the input"
+            )
 
     # ---- one sequence --------------------------------------------------------------------
     def run_sequence(self, ids: np.ndarray, cache: KVCache, logit_rows: str) -> "Tensor | None":
@@ -316,7 +289,7 @@ class ModelRunner:
         return step.logits  # (R, V)
 
     # ---- buffers, passes, graphs -----------------------------------------------------------
-    def hidden_states(self, cache: PagedKVCache, num_tokens: int) -> Tensor:
+    def hidden_rows(self, cache: PagedKVCache, num_tokens: int) -> Tensor:
         """The finally normalised rows (N, D) of the last pass of ``num_tokens`` tokens over
         ``cache`` (its work buffer, valid until the next pass of that size); RuntimeError when
         no such pass ran."""
@@ -362,7 +335,7 @@ class ModelRunner:
         m = self.model
         if m.shard is not None or m.device.is_cpu:
             return None
-        if m.config.num_experts and find_kernel("moe_mlp", m.device.type.name, m.dtype) is None:
+        if m.config.arch_args.routed_experts()[0] and find_kernel("moe_mlp", m.device.type.name, m.dtype) is None:
             return None
         try:
             return self._graph_caches[cache]

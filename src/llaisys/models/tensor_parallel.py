@@ -31,8 +31,10 @@ bounds must fall on block edges, else that shard is dequantized to floats, which
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -67,26 +69,22 @@ class Shard:
     @property
     def heads(self) -> tuple[int, int]:
         """This rank's query heads [start, stop)."""
-        n = self.config.num_attention_heads // self.size
-        return self.rank * n, (self.rank + 1) * n
+        return self.part(self.config.num_attention_heads)
 
     @property
     def kv_heads(self) -> tuple[int, int]:
         """This rank's key/value heads [start, stop)."""
-        n = self.config.num_key_value_heads // self.size
-        return self.rank * n, (self.rank + 1) * n
+        return self.part(self.config.num_key_value_heads)
 
     @property
     def ffn(self) -> tuple[int, int]:
         """This rank's columns of the MLP width [start, stop)."""
-        n = self.config.intermediate_size // self.size
-        return self.rank * n, (self.rank + 1) * n
+        return self.part(self.config.intermediate_size)
 
-    @property
-    def expert_ffn(self) -> tuple[int, int]:
-        """This rank's columns of every expert's MLP width [start, stop)."""
-        n = self.config.moe_intermediate_size // self.size
-        return self.rank * n, (self.rank + 1) * n
+    def part(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of ``n`` (a width ``check_fits`` found ``size`` divides)."""
+        k = n // self.size
+        return self.rank * k, (self.rank + 1) * k
 
     @property
     def vocab_rows(self) -> int:
@@ -100,15 +98,15 @@ class Shard:
         return min(v, self.rank * c), min(v, (self.rank + 1) * c)
 
     def local_config(self) -> ModelConfig:
-        """The config of this rank's part: its heads, KV heads, MLP width and experts' width; the
-        vocabulary its c rows (the hidden size, the experts and everything else as the model's)."""
+        """The config of this rank's part: its heads, KV heads, MLP width and the architecture's
+        own widths (``ArchArgs.sharded``: the experts' width); the vocabulary its c rows (the
+        hidden size, the experts and everything else as the model's)."""
         c = self.config
         return dataclasses.replace(
             c, num_attention_heads=c.num_attention_heads // self.size,
             num_key_value_heads=c.num_key_value_heads // self.size,
-            intermediate_size=c.intermediate_size // self.size,
-            moe_intermediate_size=c.moe_intermediate_size // self.size, head_dim=c.head_dim,
-            vocab_size=self.vocab_rows)
+            intermediate_size=c.intermediate_size // self.size, head_dim=c.head_dim,
+            vocab_size=self.vocab_rows, arch_args=c.arch_args.sharded(self.size))
 
     def local_ids(self, ids: np.ndarray) -> np.ndarray:
         """Token ids (S,) as rows of this rank's embedding table: its own range shifted to
@@ -145,10 +143,10 @@ class Shard:
                 out[name] = column_range(src, *q_rows)
             elif short == "down":
                 out[name] = column_range(src, *self.ffn)
-            elif short in ("gate_exps", "up_exps"):
-                out[name] = expert_rows(src, *self.expert_ffn)
-            elif short == "down_exps":
-                out[name] = column_range(src, *self.expert_ffn)
+            elif short in ("gate_exps", "up_exps"):  # (E, I, D)
+                out[name] = expert_rows(src, *self.part(src.shape[1]))
+            elif short == "down_exps":  # (E, D, I)
+                out[name] = column_range(src, *self.part(src.shape[2]))
             elif short == "o_bias":
                 if self.rank == 0:
                     out[name] = src
@@ -159,13 +157,13 @@ class Shard:
 
 def check_fits(config: ModelConfig, size: int) -> None:
     """Raise TensorParallelError unless ``size`` ranks divide the model's query heads, KV heads,
-    MLP width and (a mixture of experts) every expert's width, naming the numbers."""
+    MLP width and the architecture's own widths (``ArchArgs.shard_widths``: a mixture of
+    experts' width of every expert), naming the numbers."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise TensorParallelError(f"tensor-parallel size must be a positive integer, got {size!r}")
     parts = {"key/value heads": config.num_key_value_heads, "attention heads": config.num_attention_heads,
              "MLP width (intermediate_size)": config.intermediate_size}
-    if config.num_experts:
-        parts["experts' MLP width (moe_intermediate_size)"] = config.moe_intermediate_size
+    parts.update(config.arch_args.shard_widths())
     for what, n in parts.items():
         if n % size:
             fits = [d for d in range(1, n + 1) if all(m % d == 0 for m in parts.values())]
@@ -299,6 +297,32 @@ def padded_rows(src: WeightSource, start: int, stop: int, total: int) -> WeightS
                                row_multiple=1, mapped=None, read_matrix_rows=None)
 
 
+class Leader:
+    """Rank 0's side of tensor parallelism: names each cache it makes for the other ranks,
+    tells them which caches it dropped, and sends each call before running it (the other ranks
+    run it in ``follow``). ``lock`` is the runner's (one pass at a time); ``released`` once
+    ``release`` told the other ranks to stop."""
+
+    def __init__(self, comm, lock) -> None:
+        self.comm, self.lock = comm, lock
+        self.released = False
+        self._keys = itertools.count()
+        self._dropped: list[int] = []  # caches dropped since the last call, for the other ranks to drop too
+
+    def name(self, cache, spec: tuple) -> None:
+        """Key ``cache`` (made from ``spec``) for the other ranks; they drop theirs when it goes."""
+        cache.tp_key, cache.tp_spec = next(self._keys), spec
+        weakref.finalize(cache, self._dropped.append, cache.tp_key)
+
+    def send(self, *message) -> None:
+        """Send the other ranks the call they are to run (with the caches dropped since)."""
+        if self.released:
+            raise RuntimeError("this model's other tensor-parallel ranks were released (tensor_parallel.release); "
+                               "it runs no more passes")
+        dropped, self._dropped[:] = list(self._dropped), []
+        self.comm.broadcast_object((dropped, *message))
+
+
 def follow(model) -> None:
     """Run rank 0's calls on this rank's part of ``model`` (a ``CausalLM`` loaded with the
     same communicator) until rank 0 sends ``stop``; keeps a cache for each of rank 0's.
@@ -340,18 +364,19 @@ def release(model, timeout: float = 2.0) -> None:
     a pass this thread left half done (an interrupt inside a collective) counts as in flight;
     when the lock does not come, the other ranks may be inside a collective that will never
     complete, and the whole group is ended (``Communicator.abort``). Later passes are refused."""
-    if getattr(model, "shard", None) is None or not model.comm.is_driver or model.released:
+    leader = getattr(getattr(model, "runner", None), "leader", None)
+    if leader is None or leader.released:
         return
     said = []
 
     def say_stop() -> None:
-        if model._lock.acquire(timeout=timeout):
+        if leader.lock.acquire(timeout=timeout):
             try:
-                model.released = True
-                model.comm.broadcast_object(([], "stop"))
+                leader.released = True
+                leader.comm.broadcast_object(([], "stop"))
                 said.append(True)
             finally:
-                model._lock.release()
+                leader.lock.release()
 
     thread = threading.Thread(target=say_stop, name="llaisys-tp-release", daemon=True)
     thread.start()

@@ -6,10 +6,10 @@ Each architecture (``models.architectures``) names its table per format; ``HF_NA
 
 Our names: ``embed`` (V, D), ``norm`` (D,), ``lm_head`` (V, D) and per layer ``layers.{i}.X``
 with X in attn_norm (D,), q (H*Dh, D), k (KH*Dh, D), v (KH*Dh, D), q_bias/k_bias/v_bias,
-o (D, H*Dh), o_bias (D,), q_norm/k_norm (Dh,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I),
-and post_attn_norm/post_ffn_norm (D,) in the layers that have them; a sparse layer of a mixture of
-experts has router (E, D), gate_exps/up_exps (E, I, D) and down_exps (E, D, I) in place of gate,
-up and down (I: the experts' width).
+o (D, H*Dh), o_bias (D,), ffn_norm (D,), gate (I, D), up (I, D), down (D, I), and in the layers of
+the architectures that have them q_norm/k_norm (Dh,) and post_attn_norm/post_ffn_norm (D,); a
+sparse layer of a mixture of experts has router (E, D), gate_exps/up_exps (E, I, D) and
+down_exps (E, D, I) in place of gate, up and down (I: the experts' width).
 """
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """The weights of layer ``layer`` that the config implies, by our name, with their shapes."""
+    """The weights of the Llama family's layer ``layer`` that the config implies, by our name,
+    with their shapes (an architecture adds its own: Qwen3's q/k norms ...)."""
     d, dh, i = config.hidden_size, config.head_dim, config.intermediate_size
     nq, nkv = config.num_attention_heads * dh, config.num_key_value_heads * dh
     p = f"layers.{layer}."
@@ -173,8 +174,6 @@ def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         shapes.update({p + "q_bias": (nq,), p + "k_bias": (nkv,), p + "v_bias": (nkv,)})
     if config.attention_out_bias:
         shapes[p + "o_bias"] = (d,)
-    if config.qk_norm:
-        shapes.update({p + "q_norm": (dh,), p + "k_norm": (dh,)})
     return shapes
 
 

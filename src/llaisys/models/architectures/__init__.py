@@ -1,15 +1,17 @@
 """The registry of model architectures: one module per architecture, found by name.
 
-An ``Architecture`` holds everything that differs between architectures: how a Hugging Face
-``config.json`` and GGUF metadata set its config fields (and what it refuses), its weight names
-in each file format and the weights each layer has, the fix-ups its tensors need, and the
-decoder layer it runs, built from the shared blocks of ``models.layers``. Its name is the
-config's ``model_type`` and the GGUF file's ``general.architecture`` (and so the prefix of the
-GGUF's hyper-parameter keys, ``{name}.block_count`` ...). Each module (``llama``, ``qwen2``,
-``qwen3``, ``qwen3_moe``, ``gemma3``) builds one and calls ``register``; ``ALIASES`` maps a model type that is
-another's with a flag (``mistral``: Llama with its sliding window). The loaders look one up
-with ``get`` and read a ``config.json`` through ``config_from_hf``. Adding an architecture is
-one new module here plus its import below (docs/models.md shows one).
+An ``Architecture`` holds everything that differs between architectures: its own
+hyper-parameters (``args``, an ``ArchArgs`` dataclass, the config's ``arch_args``), how a
+Hugging Face ``config.json`` and GGUF metadata set them and the shared config fields it decides
+(and what it refuses), its weight names in each file format and the weights each layer has, the
+fix-ups its tensors need, and the decoder layer it runs, built from the shared blocks of
+``models.layers``. Its name is the config's ``model_type`` and the GGUF file's
+``general.architecture`` (and so the prefix of the GGUF's hyper-parameter keys,
+``{name}.block_count`` ...). Each module (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``,
+``gemma3``) builds one and calls ``register``; ``ALIASES`` maps a model type that is another's
+with a flag (``mistral``: Llama with its sliding window). The loaders look one up with ``get``
+and read a ``config.json`` through ``config_from_hf``. Adding an architecture is one new module
+here plus its import below (docs/architecture.md, "Adding an architecture", walks through Qwen3).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, hf_common_fields, is_number, json_flag, read_config_json
+from ..config import ArchArgs, ModelConfig, hf_common_fields, is_int, is_number, json_flag, read_config_json
 from ..errors import ModelLoadError
 from ..layers import decoder_layer
 from ..weights import GGUF_NAMES, HF_NAMES, LayerShapes, NameTable, WeightSource, layer_shapes
@@ -42,16 +44,21 @@ class Architecture:
     """What makes one architecture: its config fix-ups, weight names and layer function."""
 
     name: str  # config.json model_type == GGUF general.architecture == GGUF key prefix
-    # (raw config.json, source for messages, the alias's flags) -> the ModelConfig fields it
-    # sets (attention_bias ...); raises ModelLoadError for what it does not apply
+    # (raw config.json, source for messages, the alias's flags) -> the values it sets: shared
+    # ModelConfig fields (attention_bias ...) and its ``args``' fields; keys that are neither
+    # are dropped. Raises ModelLoadError for what it does not apply
     hf_config: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] = field(repr=False)
-    # (GGUF metadata, the file's tensor names, source) -> the ModelConfig fields it sets
+    # (GGUF metadata, the file's tensor names, source) -> the same from a GGUF file
     gguf_config: Callable[[Mapping[str, Any], Collection[str], str], dict[str, Any]] = field(repr=False)
+    # its own hyper-parameters (``ModelConfig.arch_args``), filled from the values above and
+    # checked by their ``validate``; default: none (the base ``ArchArgs``)
+    args: type[ArchArgs] = field(default=ArchArgs, repr=False)
     hf_names: NameTable = field(default=HF_NAMES, repr=False)  # safetensors names -> ours (default: the Llama family's)
     gguf_names: NameTable = field(default=GGUF_NAMES, repr=False)  # GGUF names -> ours
     # (our weight name, config) -> the fix its GGUF rows need, or None when stored as we use it
     gguf_row_fix: Callable[[str, ModelConfig], RowFix | None] = field(default=no_row_fix, repr=False)
-    decoder_layer: Callable[..., None] = field(default=decoder_layer, repr=False)  # the layer the decoder runs
+    # (ws, layer params, next norm, attend, config, plan) -> None: the layer the decoder runs
+    decoder_layer: Callable[..., None] = field(default=decoder_layer, repr=False)
     # (config, layer index) -> that layer's weights by our name, with their shapes
     layer_shapes: LayerShapes = field(default=layer_shapes, repr=False)
     # (raw config.json, source) -> the same put in the form the shared reading takes (Gemma 3:
@@ -126,7 +133,8 @@ def get(name: Any, source: str | None = None, key: str = "architecture") -> Arch
 def config_from_hf(raw: Any, source: str) -> ModelConfig:
     """The config of a Hugging Face ``config.json`` already parsed into ``raw``: the fields
     every architecture reads alike (``config.hf_common_fields``), then those its
-    ``model_type``'s architecture sets; checked. Raises ModelLoadError naming ``source``."""
+    ``model_type``'s architecture sets, its own args among them; checked. Raises
+    ModelLoadError naming ``source``."""
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     arch = get(raw.get("model_type"), source, key="model_type")
@@ -139,7 +147,7 @@ def config_from_hf(raw: Any, source: str) -> ModelConfig:
     if not arch.partial_rotary:
         values = whole_heads(values, source)
     try:
-        config = ModelConfig.from_dict(values)
+        config = ModelConfig.from_dict(values, arch.args)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: bad value in config: {exc}") from exc
     return config.validate(source)
@@ -185,18 +193,40 @@ def silu_only(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {"hidden_act": "silu"}
 
 
-def qwen_sliding_layers(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Qwen2/Qwen3's sliding window as transformers reads it: with ``use_sliding_window``, the
-    layers from ``max_window_layers`` on (or those ``layer_types`` names) attend to the last
-    ``sliding_window`` keys; without it, every layer to all keys."""
-    if not json_flag(raw, "use_sliding_window", False, source):
-        return {}
-    window, first = raw.get("sliding_window"), raw.get("max_window_layers", 0)
-    layers = raw.get("num_hidden_layers")
-    types = raw.get("layer_types")
-    if types is None and isinstance(first, int) and isinstance(layers, int) and 0 <= layers <= 1 << 20:
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    return {"sliding_window": window, "layer_types": types}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(slots=True)
+class WindowArgs(ArchArgs):
+    """Sliding-window attention, the args of Llama (Mistral's window), Qwen2 and Qwen3, and the
+    base of Qwen3-MoE's and Gemma 3's: the layers ``layer_types`` names "sliding_attention"
+    (every layer when it is None) attend to the last ``sliding_window`` keys, their own
+    included; the others to every key."""
+
+    sliding_window: int = 0  # W; 0: no window
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all alike
+
+    def validate(self, config: ModelConfig, source: str) -> None:
+        """A window of 0 or more keys; a type per layer, a window for the sliding ones."""
+        if not is_int(self.sliding_window) or self.sliding_window < 0:
+            raise ModelLoadError(f"{source}: sliding_window must be a positive integer or absent, "
+                                 f"got {self.sliding_window!r}")
+        types = self.layer_types
+        if types is None:
+            return
+        if (not isinstance(types, list) or len(types) != config.num_hidden_layers
+                or any(t not in LAYER_TYPES for t in types)):
+            raise ModelLoadError(f"{source}: layer_types must list one of {', '.join(map(repr, LAYER_TYPES))} per "
+                                 f"layer ({config.num_hidden_layers}), got {types!r:.200}")
+        if "sliding_attention" in types and not self.sliding_window:
+            raise ModelLoadError(f"{source}: layer_types names sliding_attention layers but sliding_window "
+                                 f"is not set")
+
+    def layer_window(self, layer: int) -> int:
+        """W on a sliding layer (on every layer without ``layer_types``), else 0."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
 
 
 from . import gemma3, llama, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself; they import the names above)

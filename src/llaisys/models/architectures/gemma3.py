@@ -1,8 +1,9 @@
 """Gemma 3 (text): sliding-window layers interleaved with global ones (every sixth global by
 default), the sliding ones rotating with a local rope base (10000) and the global ones with
 ``rope_theta`` (and its scaling); per-head q/k norms; a norm after each block as well as before
-it (``layers.sandwich_layer``); a tanh-GELU gated MLP; embeddings scaled by sqrt(hidden_size);
-attention scores scaled by 1/sqrt(``query_pre_attn_scalar``); a tied head.
+it (``gemma3_layer``, over ``layers.sandwich_layer``); a tanh-GELU gated MLP; embeddings scaled
+by sqrt(hidden_size); attention scores scaled by 1/sqrt(``query_pre_attn_scalar``); a tied head.
+Its args (``Gemma3Args``) hold the windows, the scales, the local rope base and the activation.
 
 Its RMSNorm multiplies by (1 + w): Hugging Face files store w (``hf_value_fix`` adds the 1 as
 the weights are read, in float32 as transformers does), GGUF files store 1 + w already. GGUF
@@ -11,15 +12,19 @@ inside) and the logit soft-capping of Gemma 2 are refused by name."""
 from __future__ import annotations
 
 import math
-from typing import Any, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, is_number, json_flag
+from ... import ops
+from ...tensor import Tensor
+from ..config import ModelConfig, is_number, is_positive, json_flag
 from ..errors import ModelLoadError
-from ..layers import sandwich_layer
+from ..layers import ACTIVATIONS, Workspace, mlp, sandwich_layer
+from ..params import LayerParams
 from ..weights import GGUF_NAMES, HF_NAMES, NameTable, layer_shapes
-from . import Architecture, register
+from . import Architecture, WindowArgs, register
 
 PATTERN = 6  # every sixth layer is global unless layer_types says otherwise
 LOCAL_ROPE_THETA = 10000.0  # transformers' default rope base of the sliding layers
@@ -36,6 +41,38 @@ HF_TABLE = NameTable(HF_NAMES.globals, HF_NAMES.layer_prefix, HF_LAYER, HF_NAMES
 GGUF_TABLE = NameTable(GGUF_NAMES.globals, GGUF_NAMES.layer_prefix, GGUF_LAYER, GGUF_NAMES.ignored,
                        GGUF_NAMES.layer_count_key, GGUF_NAMES.refused)
 NORMS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")
+
+
+@dataclass(slots=True)
+class Gemma3Args(WindowArgs):
+    """The sliding layers (``WindowArgs``) and what else Gemma 3 sets (``config.json`` names)."""
+
+    hidden_act: str = "gelu_tanh"  # the gated MLP's activation: "gelu_tanh" (GeGLU) | "silu" (SwiGLU)
+    query_pre_attn_scalar: float | None = None  # attention scores times 1/sqrt(this); None: head_dim
+    embedding_multiplier: float = 1.0  # the token embeddings times this (sqrt(hidden_size))
+    rope_local_theta: float | None = None  # the rope base of sliding-window layers; None: rope_theta
+
+    def embedding_scale(self) -> float:
+        return self.embedding_multiplier
+
+    def validate(self, config: ModelConfig, source: str) -> None:
+        """A known activation, the window's checks, positive scales and base."""
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported; expected one of "
+                                 f"{', '.join(map(repr, ACTIVATIONS))}")
+        WindowArgs.validate(self, config, source)
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "embedding_multiplier"):
+            value = getattr(self, name)
+            if not is_positive(value) and not (value is None and name != "embedding_multiplier"):
+                raise ModelLoadError(f"{source}: {config.key_name(name)} must be a positive number, got {value!r}")
+
+    def layer_rope_theta(self, layer: int) -> float | None:
+        """A sliding layer rotates with the local base, unscaled (when there is one)."""
+        return self.rope_local_theta if self.rope_local_theta and self.layer_window(layer) else None
+
+    def attention_scale(self, head_dim: int) -> float:
+        """1/sqrt(query_pre_attn_scalar), or of head_dim without it."""
+        return 1.0 / math.sqrt(head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar)
 
 
 def pattern_layers(layers: int, pattern: int = PATTERN) -> list[str]:
@@ -134,7 +171,7 @@ def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -
         if isinstance(layers, int) and 0 <= layers <= 1 << 20:
             types = pattern_layers(layers, pattern)
     hidden = raw.get("hidden_size")
-    return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": bias, "attention_out_bias": bias,
+    return {"hidden_act": "gelu_tanh", "attention_bias": bias, "attention_out_bias": bias,
             "sliding_window": raw.get("sliding_window", 4096), "layer_types": types,
             "query_pre_attn_scalar": given(raw, "query_pre_attn_scalar", 256, source),
             "embedding_multiplier": embedding_multiplier(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0,
@@ -152,7 +189,7 @@ def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) 
     scalar, scalar_key = meta.get("gemma3.attention.key_length"), "gemma3.attention.key_length"
     if layers == 62 and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         scalar, scalar_key = hidden // heads, "gemma3.embedding_length / gemma3.attention.head_count"
-    return {"qk_norm": True, "hidden_act": "gelu_tanh", "attention_bias": False, "attention_out_bias": False,
+    return {"hidden_act": "gelu_tanh", "attention_bias": False, "attention_out_bias": False,
             "sliding_window": meta.get("gemma3.attention.sliding_window", 0),
             "layer_types": pattern_layers(layers) if isinstance(layers, int) and 0 <= layers <= 1 << 20 else None,
             "query_pre_attn_scalar": scalar,  # None (no key_length): head_dim
@@ -163,8 +200,17 @@ def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) 
 
 def gemma3_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Llama's weights with q/k norms, plus the norms after the attention and MLP blocks."""
-    p, d = f"layers.{layer}.", config.hidden_size
-    return {**layer_shapes(config, layer), p + "post_attn_norm": (d,), p + "post_ffn_norm": (d,)}
+    p, d, dh = f"layers.{layer}.", config.hidden_size, config.head_dim
+    return {**layer_shapes(config, layer), p + "q_norm": (dh,), p + "k_norm": (dh,), p + "post_attn_norm": (d,),
+            p + "post_ffn_norm": (d,)}
+
+
+def gemma3_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None],
+                 config: ModelConfig, plan: ops.Plan) -> None:
+    """The pre-and-post-norm layer (``layers.sandwich_layer``) with the args' activation in the
+    MLP (tanh-GELU)."""
+    act = config.arch_args.hidden_act
+    sandwich_layer(ws, lp, next_norm, attend, config, plan, lambda: mlp(ws, lp, act, plan))
 
 
 def hf_value_fix(ours: str, config: ModelConfig):
@@ -177,11 +223,12 @@ def hf_value_fix(ours: str, config: ModelConfig):
 
 GEMMA3 = register(Architecture(
     name="gemma3",
+    args=Gemma3Args,
     hf_config=hf_config,
     gguf_config=gguf_config,
     hf_names=HF_TABLE,
     gguf_names=GGUF_TABLE,
-    decoder_layer=sandwich_layer,
+    decoder_layer=gemma3_layer,
     layer_shapes=gemma3_layer_shapes,
     hf_prepare=hf_prepare,
     hf_key_names=hf_key_names,

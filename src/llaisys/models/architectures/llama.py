@@ -1,6 +1,7 @@
 """Llama: q/k/v and output biases both set by ``attention_bias``; GGUF files store the rows of
 q and k in the order of llama.cpp's interleaved rope, which ``unpermute_rows`` undoes.
-Mistral is Llama with a sliding window on every layer (``ALIASES``: the ``sliding_window`` flag)."""
+Mistral is Llama with a sliding window on every layer (``ALIASES``: the ``sliding_window`` flag),
+so Llama's own args are ``WindowArgs`` (its ``sliding_window``, 0 for Llama itself)."""
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
@@ -10,7 +11,7 @@ import numpy as np
 from ..config import ModelConfig, json_flag
 from ..errors import ModelLoadError
 from ..weights import GGUF_NAMES
-from . import Architecture, RowFix, refuse_sliding_window, register, silu_only
+from . import Architecture, RowFix, WindowArgs, refuse_sliding_window, register, silu_only
 
 
 def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,6 +58,7 @@ def gguf_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
 
 LLAMA = register(Architecture(
     name="llama",
+    args=WindowArgs,
     hf_config=hf_config,
     gguf_config=gguf_config,
     gguf_row_fix=gguf_row_fix,

@@ -1,8 +1,9 @@
 """Qwen3-MoE: Qwen3's layer (per-head q/k norms) whose MLP, on its sparse layers, is a routed
-mixture of SwiGLU experts (``layers.routed_mlp``): softmax of the router's logits, the top
-``num_experts_per_tok`` experts, their weights renormalised when ``norm_topk_prob``. Layer i is
-sparse when it is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the
-others run the dense MLP of ``intermediate_size``.
+mixture of SwiGLU experts (``moe_layer``, over ``layers.routed_mlp``): softmax of the router's
+logits, the top ``num_experts_per_tok`` experts, their weights renormalised when
+``norm_topk_prob``. Layer i is sparse when it is not in ``mlp_only_layers`` and
+(i + 1) % ``decoder_sparse_step`` == 0; the others run the dense MLP of ``intermediate_size``.
+These are its args (``Qwen3MoeArgs``), besides Qwen3's window.
 
 Files: safetensors folders hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight``,
 as ``save_pretrained`` writes them) or transformers' fused stacks (``mlp.experts.gate_up_proj``
@@ -14,16 +15,22 @@ without a router."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from ..config import ModelConfig, json_flag
+from ... import ops
+from ...tensor import Tensor
+from ..config import ModelConfig, is_int, json_flag
 from ..errors import ModelLoadError
-from ..weights import GGUF_NAMES, HF_NAMES, NameTable, WeightSource, layer_shapes
-from . import Architecture, register
+from ..layers import Workspace, decoder_layer, routed_mlp
+from ..params import LayerParams
+from ..weights import GGUF_NAMES, HF_NAMES, NameTable, WeightSource
+from . import Architecture, WindowArgs, register
 from .qwen3 import gguf_config as qwen3_gguf_config
 from .qwen3 import hf_config as qwen3_hf_config
+from .qwen3 import qwen3_layer_shapes
 
 MAX_EXPERTS = 1024  # per-expert tensor names the safetensors table knows
 PROJECTIONS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))  # ours, transformers'
@@ -37,6 +44,58 @@ GGUF_LAYER = {**GGUF_NAMES.layer, "ffn_gate_inp.weight": "router", "ffn_gate_exp
 HF_TABLE = NameTable(HF_NAMES.globals, HF_NAMES.layer_prefix, HF_LAYER, HF_NAMES.ignored, HF_NAMES.layer_count_key)
 GGUF_TABLE = NameTable(GGUF_NAMES.globals, GGUF_NAMES.layer_prefix, GGUF_LAYER, GGUF_NAMES.ignored,
                        GGUF_NAMES.layer_count_key, GGUF_NAMES.refused)
+
+
+@dataclass(slots=True)
+class Qwen3MoeArgs(WindowArgs):
+    """Qwen3's window and the routed experts (``config.json`` names)."""
+
+    num_experts: int = 0  # E; 0: every layer dense
+    num_experts_per_tok: int = 0  # k experts chosen per token
+    norm_topk_prob: bool = False  # the chosen experts' weights divided by their sum
+    moe_intermediate_size: int = 0  # an expert's MLP width
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and it is not listed here
+
+    def routed_experts(self) -> tuple[int, int]:
+        return self.num_experts, self.num_experts_per_tok
+
+    def validate(self, config: ModelConfig, source: str) -> None:
+        """The experts' fields (when there are experts), then the window's."""
+        self._validate_experts(config, source)
+        WindowArgs.validate(self, config, source)
+
+    def _validate_experts(self, config: ModelConfig, source: str) -> None:
+        if not is_int(self.num_experts) or not 0 <= self.num_experts <= 1 << 16:
+            raise ModelLoadError(f"{source}: num_experts must be an integer in [0, 65536], got {self.num_experts!r}")
+        if not self.num_experts:
+            return
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ModelLoadError(f"{source}: {name} must be a positive integer, got {getattr(self, name)!r}")
+        k = self.num_experts_per_tok
+        if not is_int(k) or not 1 <= k <= self.num_experts:
+            raise ModelLoadError(f"{source}: num_experts_per_tok must be an integer in [1, num_experts="
+                                 f"{self.num_experts}], got {k!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        layers = self.mlp_only_layers
+        if not isinstance(layers, list) or not all(is_int(i) and 0 <= i < config.num_hidden_layers for i in layers):
+            raise ModelLoadError(f"{source}: mlp_only_layers must list layer indices in [0, "
+                                 f"{config.num_hidden_layers}), got {layers!r:.200}")
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs the routed experts rather than the dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def shard_widths(self) -> dict[str, int]:
+        """Each expert's MLP width, split over the ranks like the dense one."""
+        return {"experts' MLP width (moe_intermediate_size)": self.moe_intermediate_size} if self.num_experts else {}
+
+    def sharded(self, size: int) -> "Qwen3MoeArgs":
+        """A rank's I/N of each expert's width (the router and the experts whole)."""
+        return dataclasses.replace(self, moe_intermediate_size=self.moe_intermediate_size // size)
 
 
 def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,10 +129,10 @@ def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) 
 
 def moe_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Qwen3's weights; a sparse layer's router and stacked experts in place of its MLP."""
-    shapes = layer_shapes(config, layer)
-    if not config.layer_is_sparse(layer):
+    shapes, args = qwen3_layer_shapes(config, layer), config.arch_args
+    if not args.layer_is_sparse(layer):
         return shapes
-    p, d, e, i = f"layers.{layer}.", config.hidden_size, config.num_experts, config.moe_intermediate_size
+    p, d, e, i = f"layers.{layer}.", config.hidden_size, args.num_experts, args.moe_intermediate_size
     for ours in ("gate", "up", "down"):
         del shapes[p + ours]
     return {**shapes, p + "router": (e, d), p + "gate_exps": (e, i, d), p + "up_exps": (e, i, d),
@@ -108,8 +167,9 @@ def _half(src: WeightSource, which: int, name: str) -> WeightSource:
 def sanitize_weights(weights: dict[str, WeightSource], config: ModelConfig, source: str) -> dict[str, WeightSource]:
     """Each sparse layer's experts as ``moe_layer_shapes`` names them: one tensor per expert
     stacked, a fused gate_up stack split in two; an expert missing is an error naming it."""
+    args = config.arch_args
     for layer in range(config.num_hidden_layers):
-        if not config.layer_is_sparse(layer):
+        if not args.layer_is_sparse(layer):
             continue
         p = f"layers.{layer}."
         fused = weights.pop(p + "gate_up_exps", None)
@@ -120,16 +180,16 @@ def sanitize_weights(weights: dict[str, WeightSource], config: ModelConfig, sour
             weights[p + "gate_exps"] = _half(fused, 0, fused.file_name + "[gate]")
             weights[p + "up_exps"] = _half(fused, 1, fused.file_name + "[up]")
         for ours, theirs in PROJECTIONS:
-            names = [f"{p}experts.{e}.{ours}" for e in range(config.num_experts)]
+            names = [f"{p}experts.{e}.{ours}" for e in range(args.num_experts)]
             if p + ours + "_exps" in weights and not any(n in weights for n in names):
                 continue
             missing = [e for e, n in enumerate(names) if n not in weights]
             if missing:
                 raise ModelLoadError(f"{source}: missing tensor 'model.layers.{layer}.mlp.experts.{missing[0]}."
-                                     f"{theirs}.weight' ({len(missing)} of the {config.num_experts} experts' "
+                                     f"{theirs}.weight' ({len(missing)} of the {args.num_experts} experts' "
                                      f"{theirs} missing)")
             parts = [weights.pop(n) for n in names]
-            want = (config.moe_intermediate_size, config.hidden_size)[::-1 if ours == "down" else 1]
+            want = (args.moe_intermediate_size, config.hidden_size)[::-1 if ours == "down" else 1]
             for part in parts:
                 if tuple(part.shape) != want:
                     raise ModelLoadError(f"{part.file}: tensor {part.file_name!r} has shape {tuple(part.shape)}; "
@@ -138,12 +198,24 @@ def sanitize_weights(weights: dict[str, WeightSource], config: ModelConfig, sour
     return weights
 
 
+def moe_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callable[[], None], config: ModelConfig,
+              plan: ops.Plan) -> None:
+    """Qwen3's pre-norm layer (``layers.decoder_layer``) whose MLP step, on a sparse layer (one
+    holding a router), is the routed experts (``layers.routed_mlp``)."""
+    args = config.arch_args
+    ffn = None if lp.router is None else (
+        lambda: routed_mlp(ws, lp, args.num_experts_per_tok, args.norm_topk_prob, plan))
+    decoder_layer(ws, lp, next_norm, attend, config, plan, ffn)
+
+
 QWEN3_MOE = register(Architecture(
     name="qwen3_moe",
+    args=Qwen3MoeArgs,
     hf_config=hf_config,
     gguf_config=gguf_config,
     hf_names=HF_TABLE,
     gguf_names=GGUF_TABLE,
     layer_shapes=moe_layer_shapes,
     sanitize_weights=sanitize_weights,
+    decoder_layer=moe_layer,
 ))

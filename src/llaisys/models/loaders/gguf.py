@@ -95,7 +95,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     values["eos_token_id"] = [i for k in eos_keys if (i := _token_id(meta, k, path)) is not None]
     values.update(architecture.gguf_config(meta, tensors.keys(), path))
     values["key_names"] = {**names, **values.get("key_names", {})}
-    config = ModelConfig.from_dict(values).validate(path)
+    config = ModelConfig.from_dict(values, architecture.args).validate(path)
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != config.head_dim:
         raise ModelLoadError(
