@@ -175,27 +175,26 @@ class EngineThread:
     def submit(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
                request_id: str | None = None, stream_type: type[RequestStream] = RequestStream) -> RequestStream:
         """Add a request; returns its stream. Raises what ``LLMEngine.add_request`` raises."""
+        stream = stream_type(self, request_id or "")
+        return self.call(self._adding(stream, prompt, config, request_id)).result()
+
+    async def submit_async(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
+                           request_id: str | None = None) -> AsyncRequestStream:
+        """``submit`` for asyncio code: returns an AsyncRequestStream without blocking the event loop."""
+        stream = AsyncRequestStream(self, request_id or "")
+        return await asyncio.wrap_future(self.call(self._adding(stream, prompt, config, request_id)))
+
+    def _adding(self, stream: RequestStream, prompt: "str | Sequence[int]", config: GenerationConfig | None,
+                request_id: str | None) -> Callable[[], RequestStream]:
+        """The command that adds the request to the engine and gives ``stream`` its outputs (run
+        on the engine thread by ``call``)."""
         def add() -> RequestStream:
             rid = self.engine.add_request(request_id, prompt, config)
             self._streams[rid] = stream
             stream.request_id = rid
             return stream
 
-        stream = stream_type(self, request_id or "")
-        return self.call(add).result()
-
-    async def submit_async(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
-                           request_id: str | None = None) -> AsyncRequestStream:
-        """``submit`` for asyncio code: returns an AsyncRequestStream without blocking the event loop."""
-        stream = AsyncRequestStream(self, request_id or "")
-
-        def add() -> AsyncRequestStream:
-            rid = self.engine.add_request(request_id, prompt, config)
-            self._streams[rid] = stream
-            stream.request_id = rid
-            return stream
-
-        return await asyncio.wrap_future(self.call(add))
+        return add
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no wait); its stream gets a last output with reason "abort"."""

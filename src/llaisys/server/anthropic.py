@@ -4,13 +4,14 @@ A request is checked in Anthropic's terms (errors name its fields: ``messages[1]
 then turned into a chat completion request (``system`` into a first system message, content
 blocks into chat messages: ``tool_use`` blocks into an assistant's ``tool_calls``, each
 ``tool_result`` into a ``tool`` message; ``tools`` with their ``input_schema``, ``tool_choice``,
-``stop_sequences``, ``thinking`` into the template's ``enable_thinking``), run as one, and its
-reply given back as content blocks: ``thinking`` (a ``<think>`` block), ``text`` and
-``tool_use``. A stream sends Anthropic's events: ``message_start``, ``ping``, per block
-``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta``,
-``input_json_delta``) / ``content_block_stop``, then ``message_delta`` (stop reason, usage) and
-``message_stop``; an error after the start is an ``error`` event. A whole response is built by
-the same steps as a stream, so the two agree block for block.
+``stop_sequences``, ``thinking`` into the template's ``enable_thinking``), built by
+``requests.build_request`` and run as one, and its reply given back as content blocks:
+``thinking`` (a ``<think>`` block), ``text`` and ``tool_use``. A stream sends Anthropic's
+events: ``message_start``, ``ping``, per block ``content_block_start`` /
+``content_block_delta`` (``text_delta``, ``thinking_delta``, ``input_json_delta``) /
+``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``; an
+error after the start is an ``error`` event. A whole response is built by the same steps as a
+stream, so the two agree block for block.
 
 Every error on these routes has Anthropic's shape, ``{"type": "error", "error": {"type",
 "message"}}``: ``AnthropicErrors`` reshapes the server's own (OpenAI-shaped) error answers,
@@ -32,10 +33,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import RequestOutput
 from .bodies import is_json_type, json_kind, media_type, render_json
-from .completions import ChatFormat, Job, Run, answer, chat_jobs, chat_prompt_ids, submit_jobs, until_disconnected
+from .completions import ChatFormat, Run, answer, chat_format, submit_jobs, until_disconnected
 from .errors import APIError, bad_request, validation_error
 from .protocol import MAX_TOOLS, ChatCompletionRequest, FastList, PositiveInt, Strict
 from .reasoning import ReplyDeltas
+from .requests import Job, build_request, chat_prompt
 from .service import ModelService
 
 log = logging.getLogger(__name__)
@@ -501,10 +503,10 @@ def _note_thinking(service: ModelService) -> None:
 async def create_message(service: ModelService, req: AnthropicMessagesRequest, chat: ChatCompletionRequest,
                          request: Request) -> Response:
     """Answer POST /v1/messages, given ``chat``: ``chat_request(req)`` (made off the event loop)."""
-    prepared = await until_disconnected(request.receive, chat_jobs(service, chat))
-    if prepared is None:  # the client left while its prompt and grammar were prepared
+    built = await until_disconnected(request.receive, build_request(service, chat))
+    if built is None:  # the client left while its prompt and grammar were prepared
         return Response(status_code=499)
-    fmt, jobs = prepared
+    fmt, jobs = chat_format(service, built, chat), built.jobs
     if req.thinking is not None and req.thinking.type == "enabled" and not fmt.reasoning:
         _note_thinking(service)
     message_id = _id("msg")
@@ -516,10 +518,7 @@ async def create_message(service: ModelService, req: AnthropicMessagesRequest, c
 async def count_tokens(service: ModelService, chat: ChatCompletionRequest) -> dict[str, int]:
     """Answer POST /v1/messages/count_tokens, given ``chat``: ``chat_request(req)``: the tokens of
     the prompt the same Messages request would have (rendered and counted in a worker)."""
-    service.require_ready()
-    service.check_model(chat.model)
-    ids = await service.in_worker(lambda: chat_prompt_ids(service, chat))
-    return {"input_tokens": len(ids)}
+    return {"input_tokens": len(await chat_prompt(service, chat))}
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -36,10 +36,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from . import anthropic, completions, embeddings, responses, ui, worker_info
-from .bodies import off_loop, parse_model, render_json
+from .bodies import off_loop, parse_body, render_json
 from .errors import APIError, install_error_handlers, shutting_down
 from .options import ServerOptions
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from .requests import chat_text, encode
 from .service import Loader, ModelService
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,10 @@ def check_api_key(request: Request) -> None:
 
 def json_body(model: type[M]) -> Any:
     """A route parameter: the request's body as ``model``, parsed and validated by
-    ``bodies.parse_model`` (off the event loop when large). The route's other dependencies,
+    ``bodies.parse_body`` (off the event loop when large). The route's other dependencies,
     the API key first, are checked before it."""
     async def parse(request: Request) -> M:
-        raw = await request.body()
-        content_type = request.headers.get("content-type")
-        return await off_loop(len(raw), lambda: parse_model(raw, content_type, model))
+        return await parse_body(await request.body(), request.headers.get("content-type"), model)
 
     return Depends(parse)
 
@@ -125,7 +124,7 @@ async def text_completions(request: Request, body: CompletionRequest = json_body
 async def create_response(request: Request,
                           body: responses.ResponsesRequest = json_body(responses.ResponsesRequest)) -> Response:
     """OpenAI's Responses API, stateless: text or items in, output items out, streamed or not."""
-    chat = await off_loop(len(await request.body()), lambda: responses.chat_request(body))
+    chat = await off_loop(len(await request.body()), responses.chat_request, body)
     return await responses.create_response(service_of(request), body, chat, request)
 
 
@@ -133,7 +132,7 @@ async def create_response(request: Request,
 async def create_message(request: Request, body: anthropic.AnthropicMessagesRequest =
                          json_body(anthropic.AnthropicMessagesRequest)) -> Response:
     """Anthropic's Messages API: content blocks in and out, streamed or not."""
-    chat = await off_loop(len(await request.body()), lambda: anthropic.chat_request(body))
+    chat = await off_loop(len(await request.body()), anthropic.chat_request, body)
     return await anthropic.create_message(service_of(request), body, chat, request)
 
 
@@ -141,7 +140,7 @@ async def create_message(request: Request, body: anthropic.AnthropicMessagesRequ
 async def count_message_tokens(request: Request, body: anthropic.AnthropicCountTokensRequest =
                                json_body(anthropic.AnthropicCountTokensRequest)) -> dict[str, int]:
     """Anthropic's token counting: the prompt tokens of a Messages request."""
-    chat = await off_loop(len(await request.body()), lambda: anthropic.chat_request(body))
+    chat = await off_loop(len(await request.body()), anthropic.chat_request, body)
     return await anthropic.count_tokens(service_of(request), chat)
 
 
@@ -172,10 +171,10 @@ async def tokenize(request: Request, body: TokenizeRequest = json_body(TokenizeR
 
     def work() -> bytes:  # the answer rendered here too: millions of ids take a while to write
         if body.messages is not None:
-            text = service.chat_text(body.messages, body.add_generation_prompt, tools=body.tools)
-            ids = service.encode(text, bool(body.add_special_tokens), "messages")
+            text = chat_text(service, body.messages, body.add_generation_prompt, tools=body.tools)
+            ids = encode(service, text, bool(body.add_special_tokens), "messages")
         else:
-            ids = service.encode(body.prompt or "", body.add_special_tokens is not False, "prompt")
+            ids = encode(service, body.prompt or "", body.add_special_tokens is not False, "prompt")
         strs = [service.token_text(i) for i in ids] if body.return_token_strs else None
         return render_json({"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids,
                             "token_strs": strs})

@@ -59,16 +59,21 @@ def gc_paused() -> Iterator[None]:
                     gc.enable()
 
 
-def _paused(work: Callable[[], T]) -> T:
+def _paused(work: Callable[..., T], *args: Any) -> T:
     with gc_paused():
-        return work()
+        return work(*args)
 
 
-async def off_loop(size: int, work: Callable[[], T]) -> T:
-    """``work()``, in BODY_THREAD for a body of more than INLINE_BODY bytes (``size``), else here."""
+async def off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)``, in BODY_THREAD for a body of more than INLINE_BODY bytes (``size``), else here."""
     if size <= INLINE_BODY:
-        return work()
-    return await asyncio.wrap_future(BODY_THREAD.submit(_paused, work))
+        return work(*args)
+    return await asyncio.wrap_future(BODY_THREAD.submit(_paused, work, *args))
+
+
+async def parse_body(raw: bytes, content_type: str | None, model: type[M]) -> M:
+    """``parse_model`` of a request's body, off the event loop when it is large."""
+    return await off_loop(len(raw), parse_model, raw, content_type, model)
 
 
 def media_type(content_type: str | None) -> str:

@@ -1,18 +1,16 @@
-"""/v1/chat/completions and /v1/completions: from a checked request to engine requests (one per
-choice), and from their outputs to OpenAI's responses, whole or streamed as server-sent events.
-A request may carry a grammar (``structured``: response_format, vLLM's structured_outputs, or
-a forced tool call); a chat reply is read for reasoning and tool calls (``reasoning``,
-``tool_calls``) as it streams, and whole with the same reader.
+"""/v1/chat/completions and /v1/completions: a checked request handed to the request builder
+(``requests.build_request``: prompt ids, configs, grammar; one engine request per choice), the
+engine requests submitted, and their outputs turned into OpenAI's responses, whole or streamed
+as server-sent events. A chat reply is read for reasoning and tool calls (``reasoning``,
+``tool_calls``) as it streams, and whole with the same reader. ``responses`` and ``anthropic``
+answer through the same steps (``ChatFormat``, ``submit_jobs``, ``Run``, ``answer``).
 
 A client that goes away ends its requests: a stream's response watches for the disconnect
 while it sends, and a whole response races the generation against it; either way the
 engine requests are aborted (``ModelService.release``) and their blocks freed within a step.
 One that goes away while its prompt is prepared and its grammar compiled stops the compile.
 
-A grammar is checked against the server's limits with the prompt (in a worker thread) and
-compiled by ``service.grammars`` (``grammars.py``: tried in a separate process, compiled in a
-thread of its own), so neither blocks the event loop nor the threads plain requests need. A
-request whose grammar the library gives up on midway ends with an error (400 naming the
+A request whose grammar the library gives up on midway ends with an error (400 naming the
 constraint's field, or an error event in a stream), never with text that breaks it.
 """
 from __future__ import annotations
@@ -32,30 +30,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine import AsyncRequestStream, EngineStopped, RequestOutput
-from ..engine.grammar import GuidedConfig
-from ..generation import GenerationConfig, SampledToken
+from ..generation import SampledToken
 from .errors import APIError, bad_request, shutting_down
-from .grammars import PendingGrammar
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from .reasoning import ReasoningParser, ReplyDeltas, ReplyReader, template_reasons
+from .reasoning import ReasoningParser, ReplyDeltas, ReplyReader
+from .requests import EngineRequest, Job, build_request
 from .service import ModelService
-from .structured import GrammarSpec, requested_constraint
-from .tool_calls import forced_call_grammar, new_parser, tool_format
+from .tool_calls import new_parser
 
 log = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
-
-
-@dataclass(slots=True)
-class Job:
-    """One choice to generate: its index in the response, its prompt and its config (and the
-    request field its grammar came from, if any)."""
-
-    index: int
-    prompt_ids: list[int]
-    config: GenerationConfig
-    grammar_param: str | None = None
 
 
 @dataclass(slots=True)
@@ -165,93 +150,24 @@ class CompletionFormat(ChatFormat):
 # ---- entry points ---------------------------------------------------------------------------
 async def chat_completion(service: ModelService, req: ChatCompletionRequest, request: Request) -> Response:
     """Answer POST /v1/chat/completions."""
-    prepared = await until_disconnected(request.receive, chat_jobs(service, req))
-    if prepared is None:  # the client left while its prompt and grammar were prepared
+    built = await until_disconnected(request.receive, build_request(service, req))
+    if built is None:  # the client left while its prompt and grammar were prepared
         return Response(status_code=499)
-    fmt, jobs = prepared
-    return await _respond(service, fmt, req, jobs, request)
-
-
-async def chat_jobs(service: ModelService, req: ChatCompletionRequest) -> tuple[ChatFormat, list[Job]]:
-    """The checked chat request's format (tool calls, reasoning) and its jobs (one per choice):
-    messages rendered and tokenized and the grammar checked (in a worker thread), then the
-    grammar compiled (``service.grammars``)."""
-    service.require_ready()
-    service.check_model(req.model)
-    service.check_choices(1, req.n)
-    spec = requested_constraint(req)
-    mode = req.tool_mode
-    template = service.template_source()
-    tool_fmt = tool_format(template) if mode is not None else None
-    forced = mode is not None and mode != "auto"  # a call is forced: the grammar of one
-    if forced and spec is not None:
-        raise bad_request(f"tool_choice: a forced tool call cannot be combined with {spec.param}",
-                          param="tool_choice")
-
-    def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: renders, tokenizes, checks
-        ids = chat_prompt_ids(service, req)
-        requested, field_name = req.token_limit
-        max_tokens = service.completion_budget(len(ids), requested, field_name, "messages")
-        jobs = [Job(i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
-        constraint = spec
-        if forced:
-            constraint = GrammarSpec("lark", forced_call_grammar(req.tools or (), mode, req.parallel_tool_calls,
-                                                                 tool_fmt), "tools")
-        return jobs, _pending(service, constraint)
-
-    fmt = ChatFormat(service, tool_fmt, reasoning=template_reasons(template),
-                     parallel_tool_calls=req.parallel_tool_calls)
-    jobs, pending = await service.in_worker(prepare)
-    return fmt, await with_grammar(service, jobs, pending)
-
-
-def chat_prompt_ids(service: ModelService, req: ChatCompletionRequest) -> list[int]:
-    """The prompt ids of a checked chat request: its messages rendered with its tools when it
-    uses them (not with tool_choice "none") and its template kwargs (worker thread)."""
-    return service.chat_ids(req.messages, req.tools if req.tool_mode is not None else None, req.chat_template_kwargs)
-
-
-def _pending(service: ModelService, spec: GrammarSpec | None) -> PendingGrammar | None:
-    """``spec`` checked against the server's limits (worker thread); 400 naming its field."""
-    return service.grammars.prepare(spec.kind, spec.value, spec.param) if spec is not None else None
-
-
-async def with_grammar(service: ModelService, jobs: list[Job], pending: PendingGrammar | None) -> list[Job]:
-    """``jobs`` with the compiled grammar of ``pending`` in their configs (unchanged without one)."""
-    if pending is None:
-        return jobs
-    grammar = await service.grammars.compile(pending)
-    return [Job(j.index, j.prompt_ids, GuidedConfig.of(j.config, grammar), pending.param) for j in jobs]
+    return await _respond(service, chat_format(service, built, req), req, built.jobs, request)
 
 
 async def completion(service: ModelService, req: CompletionRequest, request: Request) -> Response:
     """Answer POST /v1/completions (one prompt or several, n choices each)."""
-    service.require_ready()
-    service.check_model(req.model)
-    prompts = req.prompts
-    service.check_choices(len(prompts), req.n)
-    spec = requested_constraint(req)
-
-    def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: tokenizes, in the prompts' order
-        pending = _pending(service, spec)
-        jobs = []
-        for p, prompt in enumerate(prompts):
-            requested, field_name = req.token_limit
-            if not isinstance(prompt, str):  # token ids: their count is known before they are checked
-                service.completion_budget(len(prompt), requested, field_name, "prompt")
-            ids = service.prompt_ids(prompt)
-            max_tokens = service.completion_budget(len(ids), requested, field_name, "prompt")
-            jobs += [Job(p * req.n + i, ids, service.generation_config(req, max_tokens, req.num_logprobs, i))
-                     for i in range(req.n)]
-        return jobs, pending
-
-    async def jobs_of() -> list[Job]:
-        return await with_grammar(service, *await service.in_worker(prepare))
-
-    jobs = await until_disconnected(request.receive, jobs_of())
-    if jobs is None:  # the client left while its prompts and grammar were prepared
+    built = await until_disconnected(request.receive, build_request(service, req))
+    if built is None:  # the client left while its prompts and grammar were prepared
         return Response(status_code=499)
-    return await _respond(service, CompletionFormat(service), req, jobs, request)
+    return await _respond(service, CompletionFormat(service), req, built.jobs, request)
+
+
+def chat_format(service: ModelService, built: EngineRequest, req: ChatCompletionRequest) -> ChatFormat:
+    """How the reply of a built chat request is read and written: tool calls in the template's
+    format, reasoning when the template writes it, at most one call without parallel_tool_calls."""
+    return ChatFormat(service, built.tool_format, built.reasoning, req.parallel_tool_calls)
 
 
 async def submit_jobs(service: ModelService, jobs: list[Job], response_id: str) -> list[AsyncRequestStream]:

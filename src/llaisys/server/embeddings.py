@@ -1,6 +1,7 @@
-"""POST /v1/embeddings: each input prefilled through the embedding engine (batched, nothing
-generated), its final hidden states pooled (the last token's, or the mean over its tokens) and
-L2-normalized, returned as floats or base64 (little-endian float32, as OpenAI sends them)."""
+"""POST /v1/embeddings: each input (tokenized and checked by ``requests.build_request``)
+prefilled through the embedding engine (batched, nothing generated), its final hidden states
+pooled (the last token's, or the mean over its tokens) and L2-normalized, returned as floats or
+base64 (little-endian float32, as OpenAI sends them)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..engine import AsyncRequestStream, EngineStopped
-from ..engine.pooling import PoolingConfig
 from .bodies import render_json
 from .completions import until_disconnected
-from .errors import APIError, bad_request, shutting_down
+from .errors import APIError, shutting_down
 from .protocol import EmbeddingRequest
+from .requests import build_request
 from .service import ModelService
 
 
@@ -40,35 +41,12 @@ async def _embedding(stream: AsyncRequestStream) -> tuple[np.ndarray, int]:
 
 async def create_embeddings(service: ModelService, req: EmbeddingRequest, request: Request) -> Response:
     """Answer POST /v1/embeddings."""
-    service.require_ready()
-    service.check_model(req.model)
-    inputs = req.inputs
-    service.check_choices(len(inputs), 1)
-    hidden = int(service.model.config.hidden_size)
-    if req.dimensions is not None and req.dimensions != hidden:
-        raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and it was not trained to "
-                          f"be cut shorter (Matryoshka); leave dimensions out or give {hidden}", param="dimensions")
-    context = service.max_model_len
-
-    def prepare() -> list[list[int]]:  # worker thread: tokenizes
-        all_ids = []
-        for i, text in enumerate(inputs):
-            param = "input" if len(inputs) == 1 else f"input[{i}]"
-            ids = service.prompt_ids(text, param)
-            if len(ids) >= context:
-                raise bad_request(f"This model's maximum context length is {context} tokens. However, {param} has "
-                                  f"{len(ids)} tokens (at most {context - 1} can be embedded).", param=param,
-                                  code="context_length_exceeded")
-            all_ids.append(ids)
-        return all_ids
-
-    all_ids = await service.in_worker(prepare)
-    config = PoolingConfig(max_new_tokens=1, pooling=req.pooling, normalize=req.normalize)
+    built = await build_request(service, req)  # prompt ids and a PoolingConfig per input
     response_id = f"embd-{uuid.uuid4().hex}"
     streams: list[AsyncRequestStream] = []
     try:
-        for i, ids in enumerate(all_ids):
-            streams.append(await service.submit_embedding(f"{response_id}-{i}", ids, config))
+        for job in built.jobs:
+            streams.append(await service.submit_embedding(f"{response_id}-{job.index}", job.prompt_ids, job.config))
 
         async def gather() -> list[tuple[np.ndarray, int]]:
             try:

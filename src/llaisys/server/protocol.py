@@ -5,6 +5,11 @@ boolean) and fields the server does not know are ignored. Ranges are OpenAI's (v
 the fields it adds: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids; ours: speculative_tokens). Responses are plain dicts built in ``llaisys.server.completions``.
 
+The completion's length has one name from here on, ``max_tokens``: a chat request's
+``max_completion_tokens`` is read into it (``max_tokens_param`` remembers which field it was, for
+errors), a completion request's is 16 when not given; ``requests.completion_budget`` fits it to
+the context.
+
 Bodies are parsed by ``load_json_body``, which also refuses what strict JSON does not allow
 or nothing downstream can take: ``NaN``, ``Infinity`` and numbers too large for a double (every
 float is finite), strings with a lone UTF-16 surrogate (``"\\ud800"``, which cannot be encoded
@@ -300,6 +305,11 @@ class SamplingRequest(Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
+    def max_tokens_param(self) -> str:
+        """The API field ``max_tokens`` was read from (errors about the completion's length name it)."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -329,6 +339,8 @@ class ChatCompletionRequest(SamplingRequest):
                              f"the tools ({', '.join(names) or 'none given'})")
         if choice == "required" and not names:
             raise ValueError("tool_choice: 'required' needs tools")
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins; max_tokens carries it on
+            self.max_tokens = self.max_completion_tokens
         return self
 
     @property
@@ -342,11 +354,9 @@ class ChatCompletionRequest(SamplingRequest):
         return self.tool_choice or "auto"
 
     @property
-    def token_limit(self) -> tuple[int | None, str]:
-        """The completion token limit asked for and the field that asked."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
+    def max_tokens_param(self) -> str:
+        """The API field ``max_tokens`` was read from: max_completion_tokens when given."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -406,6 +416,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix: not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of equal to n is supported")
+        if self.max_tokens is None:
+            self.max_tokens = 16  # as OpenAI and vLLM do
         return self
 
     @property
@@ -415,11 +427,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
-
-    @property
-    def token_limit(self) -> tuple[int | None, str]:
-        """The completion token limit and its field: 16 when not given, as OpenAI and vLLM do."""
-        return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

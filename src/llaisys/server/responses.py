@@ -1,8 +1,9 @@
 """POST /v1/responses: the stateless part of OpenAI's Responses API, over the chat path.
 
 A request is turned into a chat completion request (``input`` text or items into messages,
-``instructions`` into a system message first, function ``tools``, ``text.format`` into
-``response_format``), run as one, and its reply given back as Responses output items:
+``instructions`` into a system message first, ``max_output_tokens`` into ``max_tokens``, function
+``tools``, ``text.format`` into ``response_format``), built by ``requests.build_request`` and
+run as one, and its reply given back as Responses output items:
 ``reasoning`` (a ``<think>`` block), ``message`` (``output_text``) and ``function_call``. A
 stream sends the Responses events: ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` ... ``response.output_item.done`` with the text, reasoning or
@@ -24,10 +25,11 @@ from fastapi.responses import Response
 from pydantic import Field, ValidationError, field_validator
 
 from .bodies import json_kind
-from .completions import ChatFormat, Job, Run, answer, chat_jobs, submit_jobs, until_disconnected
+from .completions import ChatFormat, Run, answer, chat_format, submit_jobs, until_disconnected
 from .errors import APIError, bad_request, validation_error
 from .protocol import MAX_TOOLS, ChatCompletionRequest, FastList, Strict
 from .reasoning import ReplyDeltas
+from .requests import Job, build_request
 from .service import ModelService
 
 
@@ -341,10 +343,10 @@ class ResponseRun:
 async def create_response(service: ModelService, req: ResponsesRequest, chat: ChatCompletionRequest,
                           request: Request) -> Response:
     """Answer POST /v1/responses, given ``chat``: ``chat_request(req)`` (made off the event loop)."""
-    prepared = await until_disconnected(request.receive, chat_jobs(service, chat))
-    if prepared is None:  # the client left while its prompt and grammar were prepared
+    built = await until_disconnected(request.receive, build_request(service, chat))
+    if built is None:  # the client left while its prompt and grammar were prepared
         return Response(status_code=499)
-    fmt, jobs = prepared
+    fmt, jobs = chat_format(service, built, chat), built.jobs
     response_id = _id("resp")
     streams = await submit_jobs(service, jobs, response_id)
     run = ResponseRun(service, req, chat, fmt, jobs[0], Run(service, fmt, chat, jobs, streams, response_id))

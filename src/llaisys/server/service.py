@@ -1,17 +1,20 @@
-"""The model behind the routes: loaded in the background, run by an EngineThread, and the
-steps from an API request to engine requests (prompt ids, length checks, GenerationConfig).
+"""The model's lifecycle behind the routes: loaded in the background, held, run by an
+EngineThread (and a second one for embeddings, started on first use), and what the routes
+read about it (name, tokenizer, context, chat template, capabilities).
 
 Every touch of the engine goes through the EngineThread's queue; this object only keeps what
-the event loop needs: the model's tokenizer and limits, the requests in flight (to end them
-at shutdown) and the metrics. Rendering and tokenizing prompts run in worker threads
-(``in_worker``), so a long prompt does not hold up the event loop and the other requests.
+the event loop needs: the model and its facts, the requests in flight (to end them at
+shutdown), the metrics, the grammar service and the worker threads that render and tokenize
+prompts (``in_worker``), so a long prompt does not hold up the event loop and the other
+requests. Turning an API request into engine requests is ``requests.build_request``'s job: it
+reads the model through this object; nothing here calls it on a request's way (the two of its
+steps kept as methods are for older callers).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,25 +23,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..engine import AsyncRequestStream, EngineThread, LLMEngine
-from ..engine.grammar import Grammar, GuidedConfig
-from ..generation import GenerationConfig, encode_prompt
-from ..generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
-from ..models.chat_template import ChatTemplate, compile_template, render_chat
+from ..generation import GenerationConfig
+from ..models.chat_template import ChatTemplate, compile_template
+from . import requests
 from .errors import APIError, bad_request, shutting_down
 from .grammars import GrammarService
 from .metrics import Metrics
 from .options import ServerOptions
-from .protocol import ChatMessage, SamplingRequest, Tool
+from .protocol import SamplingRequest
 from .reasoning import template_reasons
-from .tool_calls import template_knows_tools, template_messages, tool_format
+from .tool_calls import template_knows_tools, tool_format
 
 log = logging.getLogger(__name__)
 
 Loader = Callable[[], Any]
 T = TypeVar("T")
 PROMPT_THREADS = min(4, os.cpu_count() or 1)  # threads rendering and tokenizing prompts
-# GenerationConfig field -> the API field that sets it
-API_FIELDS = {"max_new_tokens": "max_tokens", "eos_token_ids": "stop_token_ids"}
 
 
 def default_model_name(options: ServerOptions, model: Any = None) -> str:
@@ -68,7 +68,8 @@ def read_chat_template(path: str) -> ChatTemplate:
 
 
 class ModelService:
-    """State shared by the routes: the model (once loaded), its EngineThread, the metrics."""
+    """The served model's lifecycle and state shared by the routes: the model (once loaded), its
+    engine threads and the requests in them, the facts the request builder reads, the metrics."""
 
     def __init__(self, options: ServerOptions, model: Any = None, loader: Loader | None = None) -> None:
         self.options = options
@@ -184,15 +185,6 @@ class ModelService:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def check_choices(self, prompts: int, n: int) -> None:
-        """400 when ``prompts`` × ``n`` (one engine request each) is above the server's limit."""
-        limit = self.options.choices_limit
-        if prompts * n > limit:
-            asked = f"{prompts} prompts × n = {n}, {prompts * n} choices" if prompts > 1 else f"n = {n} choices"
-            raise bad_request(f"this request asks for {asked}; this server takes at most {limit} per request "
-                              "(--max-choices): send fewer prompts or a smaller n", param="n" if n > 1 else "prompt",
-                              code="too_many_choices")
-
     async def in_worker(self, fn: Callable[[], T]) -> T:
         """``fn()`` in a worker thread (rendering, tokenizing), the event loop serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
@@ -240,37 +232,10 @@ class ModelService:
             self._token_text[token_id] = text
         return text
 
-    # ---- prompts -----------------------------------------------------------------------
-    def template_source(self) -> Any:
-        """The chat template (--chat-template, else the model's); 400 when there is none."""
-        template = self.chat_template or self.tokenizer.chat_template
-        if not template:
-            raise bad_request(f"the model {self.model_name} has no chat template, so it cannot take messages; "
-                              "start the server with --chat-template FILE, or send a plain prompt to /v1/completions",
-                              param="messages", code="no_chat_template")
-        return template
-
-    def chat_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                  tools: Sequence[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text of ``messages``, rendered with --chat-template or the model's template:
-        with ``tools`` in its ``tools`` variable, or, for a template that knows no tools, in the
-        fallback system block (see ``tool_calls``); ``template_kwargs`` (chat_template_kwargs,
-        such as enable_thinking) are passed to the template too."""
-        template = self.template_source()
-        knows_tools = template_knows_tools(template)
-        tok = self.tokenizer
-        variables = dict(template_kwargs or {})
-        variables.update(bos_token=getattr(tok, "bos_token", None) or "",
-                         eos_token=getattr(tok, "eos_token", None) or "")
-        if tools and knows_tools:
-            variables["tools"] = [t.as_template_tool() for t in tools]
-        for reserved in ("messages", "add_generation_prompt"):
-            variables.pop(reserved, None)
-        try:
-            return render_chat(template, template_messages(messages, tools, knows_tools), add_generation_prompt,
-                               **variables)
-        except (TypeError, ValueError) as exc:
-            raise bad_request(str(exc), param="messages") from exc
+    @property
+    def template(self) -> Any:
+        """The chat template in use: --chat-template, else the model's (None: neither has one)."""
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
     def prompt_opens_think(self, prompt_ids: Sequence[int]) -> bool:
         """Whether a chat prompt ends inside an open ``<think>`` block (DeepSeek-R1's template
@@ -278,110 +243,13 @@ class ModelService:
         tail = self.tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False).rstrip()
         return tail.endswith("<think>")
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of ``text`` (``Tokenizer.encode`` lets the event loop run meanwhile); 400
-        for a model without a tokenizer."""
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except ValueError as exc:
-            raise bad_request(str(exc), param=param) from exc
-
-    def refuse_overlong(self, text: str, what: str) -> None:
-        """400 at once for a text that cannot fit the context whatever its tokens (more characters
-        than the context's tokens can hold at the longest token's length), before tokenizing it."""
-        context, longest = self.max_model_len, self.longest_token
-        if longest and len(text) > context * longest:
-            raise bad_request(f"This model's maximum context length is {context} tokens. However, your {what} has "
-                              f"{len(text)} characters, more than {context} tokens can hold (a token is at most "
-                              f"{longest} characters). Please reduce the length of the {what}.", param=what,
-                              code="context_length_exceeded")
-
-    def chat_ids(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Prompt ids of ``messages`` (and ``tools``, see ``chat_text``); the template writes any
-        BOS, so none is added (worker thread). More messages than the context has tokens are
-        refused before rendering (each message renders at least its role's marker)."""
-        if len(messages) > self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"messages are {len(messages)}, and each takes at least one token. Please reduce the "
-                              f"number of messages.", param="messages", code="context_length_exceeded")
-        text = self.chat_text(messages, tools=tools, template_kwargs=template_kwargs)
-        self.refuse_overlong(text, "messages")
-        ids = self.encode(text, False, "messages")
-        if not ids:
-            raise bad_request("the chat template rendered an empty prompt", param="messages")
-        return ids
-
-    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Ids of a text prompt (with the tokenizer's special tokens) or checked token ids (worker thread)."""
-        if isinstance(prompt, str):
-            self.refuse_overlong(prompt, param)
-            prompt = self.encode(prompt, True, param)
-        try:
-            return encode_prompt(self.model, prompt)
-        except (TypeError, ValueError) as exc:
-            raise bad_request(str(exc), param=param) from exc
-
-    def completion_budget(self, prompt_len: int, requested: int | None, field: str, what: str) -> int:
-        """Tokens the completion may have. Refuses (400) a prompt that fills the context and a
-        prompt plus ``requested`` above it; without a request (chat): CHAT_MAX_TOKENS, as the
-        CLI's chat and the chat page use, less where the rest of the context (or of the KV pool;
-        the engine refuses what cannot fit) is shorter."""
-        context = self.max_model_len
-        if prompt_len >= context:
-            raise bad_request(f"This model's maximum context length is {context} tokens. However, your {what} "
-                              f"resulted in {prompt_len} tokens, leaving no room for the completion. Please reduce "
-                              f"the length of the {what}.", param=what, code="context_length_exceeded")
-        if requested is None:
-            return max(1, min(CHAT_MAX_TOKENS, context - prompt_len, self.kv_capacity + 1 - prompt_len))
-        if prompt_len + requested > context:
-            raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
-                              f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
-                              f"completion). Please reduce the length of the {what} or the completion.",
-                              param=field, code="context_length_exceeded")
-        return requested
-
-    def generation_config(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                          choice: int, grammar: Grammar | None = None) -> GenerationConfig:
-        """The GenerationConfig of choice ``choice`` of ``req``: the request's values over the
-        defaults the CLI and the chat page use (``sampling_defaults``: the sampling keys of the
-        model's generation_config.json, else FALLBACK_SAMPLING); seed + choice when seeded;
-        ``speculative_tokens`` the request's, else the server's. With a ``grammar``, a
-        GuidedConfig: the output follows it. 400 for a stop token id outside the vocabulary."""
-        defaults = sampling_defaults(getattr(self.model, "generation_defaults", None))
-        vocab = self.vocab_size
-        for i, token in enumerate(req.stop_token_ids or ()):
-            if vocab is not None and token >= vocab:
-                raise bad_request(f"stop_token_ids[{i}]: token id {token} is outside the vocabulary [0, {vocab})",
-                                  param=f"stop_token_ids[{i}]")
-        top_k = req.top_k
-        if top_k == -1 or (top_k is not None and vocab is not None and top_k >= vocab):
-            top_k = 0  # off: keeping the top `vocab` tokens keeps them all
-        guided = {"grammar": grammar} if grammar is not None else {}
-        cls = GuidedConfig if grammar is not None else GenerationConfig
-        try:
-            return cls.from_defaults(
-                defaults, max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
-                min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed + choice,
-                stop=req.stops, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                eos_token_ids=tuple(req.stop_token_ids or ()),
-                speculative_tokens=(self.options.speculative_tokens if req.speculative_tokens is None
-                                    else req.speculative_tokens), **guided)
-        except (TypeError, ValueError) as exc:
-            message = str(exc)
-            field = re.search(r"GenerationConfig\.(\w+)", message)
-            param = API_FIELDS.get(field[1], field[1]) if field else None
-            message = re.sub(r"GenerationConfig\.(\w+)", lambda m: API_FIELDS.get(m[1], m[1]), message)
-            raise bad_request(message, param=param) from exc
-
     def capabilities(self) -> dict[str, Any]:
         """What the served model can do through the API (for /v1/models): chat needs a chat
         template; structured outputs a tokenizer; tool calls a chat template (in its own format
         when the template renders ``tools``, else the fallback); reasoning a template that
         speaks of ``<think>``; the Responses API chat; embeddings the model's hidden states (any
         decoder model)."""
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = self.template
         has_tokenizer = getattr(self.tokenizer, "backend", None) is not None
         tools = None
         if template:
@@ -390,6 +258,16 @@ class ModelService:
         return {"chat": bool(template), "structured_outputs": has_tokenizer, "tool_calls": tools,
                 "reasoning": bool(template) and template_reasons(template), "embeddings": True,
                 "responses": bool(template)}
+
+    # ---- two steps of the request builder, for callers of the older API ----------------------
+    def completion_budget(self, prompt_len: int, max_tokens: int | None, param: str, what: str) -> int:
+        """``requests.completion_budget`` for this model."""
+        return requests.completion_budget(self, prompt_len, max_tokens, param, what)
+
+    def generation_config(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                          choice: int) -> GenerationConfig:
+        """``requests.generation_config`` for this model."""
+        return requests.generation_config(self, req, max_tokens, logprobs, choice)
 
     # ---- engine requests ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> AsyncRequestStream:

@@ -89,7 +89,7 @@ async def _json_body(request: Request, empty: Any = None) -> dict[str, Any]:
     media = media_type(request.headers.get("content-type"))
     if not is_json_type(media):
         raise _HTTPError(415, f"send the body as Content-Type: application/json, not {media or 'no type'!r}")
-    return await off_loop(len(raw), lambda: _parse_object(raw))
+    return await off_loop(len(raw), _parse_object, raw)
 
 
 def _parse_object(raw: bytes) -> dict[str, Any]:
