@@ -62,7 +62,8 @@ def random_qwen_folder(settings: dict, folder: Path) -> Path:
 
 def llaisys_decode(model, prompt: list[int], gen: int, sync) -> float:
     """Batch-1 decode tokens/s of llaisys (time after the first token)."""
-    from llaisys.generation import GenerationConfig, generate
+    from llaisys.engine import generate
+    from llaisys.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=gen, temperature=0.0, ignore_eos=True)
     generate(model, prompt, GenerationConfig(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up

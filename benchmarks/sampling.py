@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import per_call_seconds  # noqa: E402
 
 from llaisys.generation import GenerationConfig, Sampler  # noqa: E402
-from llaisys.generation.batch_sampler import sample_batch  # noqa: E402
+from llaisys.generation import sample_batch  # noqa: E402
 
 SETTINGS = {"cli defaults": dict(temperature=0.3, top_p=0.9, frequency_penalty=0.3),
             "greedy": dict(temperature=0.0)}

@@ -66,7 +66,7 @@ def prompt_of(model, workload) -> "str | list[int]":
 
 def run(model, prompt: str, cfg) -> tuple[float, float, object]:
     """Whole-request tokens/s, decode tokens/s and the result of one generation."""
-    from llaisys.generation import generate
+    from llaisys.engine import generate
 
     t = time.perf_counter()
     r = generate(model, prompt, cfg)

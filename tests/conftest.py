@@ -453,3 +453,41 @@ def nvidia_device() -> str:
         else:
             os.environ["LLAISYS_NVIDIA_SIMULATE"] = saved
     return "nvidia:0"
+
+
+class TokenSlots:
+    """The paged cache of a ``ScriptedModel``: the token id held in each of its KV slots."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_blocks: int) -> None:
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.tokens = np.full(num_blocks * block_size, -1, np.int64)  # (NB * BS,)
+
+
+class ScriptedModel:
+    """A stand-in model the engine runs: the logits after a sequence are ``next_logits(ids)``
+    (V,) of all its token ids so far, read back from the paged cache through the sequence's
+    block table (so a wrong slot or a stale block shows up as wrong tokens). Subclasses set
+    ``config``, ``tokenizer``, ``eos_token_ids`` and define ``next_logits``. ``forwarded``
+    counts the tokens run."""
+
+    generation_defaults: dict = {}
+    forwarded = 0
+
+    def kv_bytes_per_token(self) -> int:
+        return 1 << 16
+
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> TokenSlots:
+        blocks = -(-int(self.config.max_position_embeddings) // block_size)
+        return TokenSlots(num_blocks, block_size, min(blocks, num_blocks))
+
+    def forward_batch(self, batch, cache: TokenSlots) -> np.ndarray:
+        cache.tokens[batch.slots] = batch.token_ids
+        self.forwarded += batch.num_tokens
+        bs = cache.block_size
+        seq_of_row = np.searchsorted(batch.query_starts, batch.logit_rows, side="right") - 1  # (R,)
+        rows = []
+        for r, b in zip(batch.logit_rows.tolist(), seq_of_row.tolist()):
+            pos = np.arange(int(batch.positions[r]) + 1)
+            ids = cache.tokens[batch.block_tables[b, pos // bs] * bs + pos % bs]
+            rows.append(np.asarray(self.next_logits([int(t) for t in ids]), np.float32))
+        return np.stack(rows) if rows else np.empty((0, self.config.vocab_size), np.float32)  # (R, V)

@@ -1,14 +1,47 @@
-"""sample_batch against Sampler.sample row by row: the same tokens, logprobs and random draws, bit for
-bit, over many random settings with greedy and sampled rows mixed."""
+"""sample_batch against the processors applied row by row in Hugging Face's order (each checked
+against Hugging Face's own in test_sampling.py): the same tokens, logprobs and random draws, bit
+for bit, over many random settings with greedy and sampled rows mixed."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from llaisys.generation import GenerationConfig, Sampler
-from llaisys.generation.batch_sampler import sample_batch
+from llaisys.generation import GenerationConfig, SampledToken, Sampler, sample_batch, sample_from_logits
+from llaisys.generation import processors as P
 
 STOPS = (5, 9)
+
+
+class Reference:
+    """One request's pick, step by step through the processors: the grammar mask, the repetition,
+    presence and frequency penalties and the min-tokens mask, then the argmax (greedy) or
+    temperature, top-k, top-p, min-p and one draw from the request's own generator."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.config, self.rng, self.stop_token_ids = sampler.config, sampler.rng, sampler.stop_token_ids
+
+    def sample(self, logits: np.ndarray, context_ids, generated_ids, *, allowed=None) -> SampledToken:
+        c = self.config
+        x = logits if allowed is None else np.where(allowed, logits, P.FILTERED)  # (V,)
+        if np.isnan(x.max()):
+            raise ValueError("the model returned NaN logits")
+        x = P.repetition_penalty(x, context_ids, c.repetition_penalty)
+        x = P.presence_frequency_penalty(x, generated_ids, c.presence_penalty, c.frequency_penalty)
+        x = P.min_tokens_mask(x, self.stop_token_ids, len(generated_ids), c.min_tokens)
+        if c.greedy:
+            token = int(np.argmax(x))
+            if x[token] == -np.inf:
+                raise ValueError("every token was masked out (min_tokens masks the stop ids)")
+        else:
+            if c.temperature != 1.0:
+                x = x / np.float32(c.temperature)
+            x = P.top_k(x, c.top_k, c.min_tokens_to_keep)
+            x = P.top_p(x, c.top_p, c.min_tokens_to_keep)
+            token = sample_from_logits(P.min_p(x, c.min_p, c.min_tokens_to_keep), self.rng)
+        if c.logprobs is None:
+            return SampledToken(token)
+        lse = P.logsumexp(logits)
+        return SampledToken(token, float(logits[token]) - lse, P.top_logprobs(logits, lse, c.logprobs))
 
 
 def _config(rng: np.random.Generator, max_new_tokens: int) -> GenerationConfig:
@@ -42,7 +75,7 @@ def _run(seed: int, rows: int, vocab: int, steps: int) -> None:
     rng = np.random.default_rng(seed)
     configs = [_config(rng, steps + 2) for _ in range(rows)]
     stops = [STOPS + (vocab + 3,) if i % 2 else () for i in range(rows)]  # an id outside the vocabulary too
-    ref = [Sampler(c, stop_token_ids=s) for c, s in zip(configs, stops)]
+    ref = [Reference(Sampler(c, stop_token_ids=s)) for c, s in zip(configs, stops)]
     ours = [Sampler(c, stop_token_ids=s) for c, s in zip(configs, stops)]
     prompts = [list(rng.integers(0, vocab, rng.integers(0, 40))) + [vocab + 7] for _ in range(rows)]
     generated: list[list[int]] = [[] for _ in range(rows)]
@@ -79,7 +112,7 @@ def test_batch_matches_at_the_cli_defaults_and_greedy(knobs: dict) -> None:
     rng = np.random.default_rng(7)
     vocab, rows = 49152, 16
     cfgs = [GenerationConfig(seed=s, **knobs) for s in range(rows)]
-    ref, ours = [Sampler(c) for c in cfgs], [Sampler(c) for c in cfgs]
+    ref, ours = [Reference(Sampler(c)) for c in cfgs], [Sampler(c) for c in cfgs]
     generated: list[list[int]] = [[] for _ in range(rows)]
     for _ in range(8):
         logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)  # (R, V)

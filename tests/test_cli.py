@@ -12,7 +12,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from llaisys.generation import GenerationConfig, chat, generate, stream
+from conftest import ScriptedModel
+from llaisys.engine import chat, generate, stream
+
+from llaisys.generation import GenerationConfig
 from llaisys.generation.defaults import FALLBACK_SAMPLING
 
 import llaisys.models as models
@@ -325,16 +328,13 @@ def test_real_tokenizer_emoji_streams_whole_characters(model) -> None:
     # the emoji really is split across tokens in this vocabulary, or the test proves nothing
     assert any("\ufffd" in model.tokenizer.decode([i]) for i in ids)
 
-    class Scripted:  # the real tokenizer, logits that spell out ``ids``
-        tokenizer, eos_token_ids, generation_defaults, config = model.tokenizer, model.eos_token_ids, {}, model.config
+    class Scripted(ScriptedModel):  # the real tokenizer, logits that spell out ``ids``
+        tokenizer, eos_token_ids, config = model.tokenizer, model.eos_token_ids, model.config
 
-        def new_cache(self, max_tokens=None):
-            return model.new_cache(64)
-
-        def forward(self, token_ids, cache, all_logits=False):
-            self.step = getattr(self, "step", -1) + 1
+        def next_logits(self, seen):
+            step = len(seen) - 1  # after the one-id prompt
             x = np.zeros(model.config.vocab_size, np.float32)
-            x[ids[self.step] if self.step < len(ids) else model.eos_token_ids[0]] = 1.0
+            x[ids[step] if step < len(ids) else model.eos_token_ids[0]] = 1.0
             return x
 
     events = list(stream(Scripted(), [1], GenerationConfig(max_new_tokens=len(ids) + 1)))

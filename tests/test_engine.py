@@ -11,7 +11,8 @@ import torch
 
 from conftest import random_hf_model
 from llaisys.engine import EngineStopped, EngineThread, LLMEngine
-from llaisys.generation import GenerationConfig, generate
+from llaisys.engine import generate
+from llaisys.generation import GenerationConfig
 from llaisys.models import load_model
 from llaisys.models.paged_cache import TokenBatch
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from llaisys.generation import (GenerationConfig, IncrementalDetokenizer, PromptCache, StopStringMatcher, chat,
-                                generate, stream, stream_chat)
+from conftest import ScriptedModel
+from llaisys.engine import LLMEngine, chat, generate, stream, stream_chat
+from llaisys.generation import GenerationConfig, IncrementalDetokenizer, StopStringMatcher
 
 EOS, BOS, VOCAB = 256, 257, 258
 
@@ -34,30 +35,14 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-class FakeCache:
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.ids: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
-
-    def reset(self) -> None:
-        self.ids.clear()
-
-    def truncate(self, length: int) -> None:
-        del self.ids[length:]
-
-
 @dataclass
 class FakeConfig:
     vocab_size: int = VOCAB
     max_position_embeddings: int = 4096
 
 
-class FakeModel:
-    """``next_logits(ids)`` gives the logits after the token ids ``ids`` (the cache's content)."""
+class FakeModel(ScriptedModel):
+    """``next_logits(ids)`` gives the logits after the token ids ``ids`` (the sequence so far)."""
 
     def __init__(self, next_logits: Callable[[list[int]], np.ndarray], context: int = 4096) -> None:
         self.config = FakeConfig(max_position_embeddings=context)
@@ -66,16 +51,6 @@ class FakeModel:
         self.generation_defaults: dict = {}
         self.next_logits = next_logits
         self.forwarded = 0  # tokens run, over all calls
-
-    def new_cache(self, max_tokens: int | None = None) -> FakeCache:
-        return FakeCache(max_tokens or self.config.max_position_embeddings)
-
-    def forward(self, token_ids, cache: FakeCache, all_logits: bool = False) -> np.ndarray:
-        if cache.length + len(token_ids) > cache.max_tokens:
-            raise ValueError("cache overflow")
-        cache.ids.extend(int(t) for t in token_ids)
-        self.forwarded += len(token_ids)
-        return self.next_logits(list(cache.ids)).astype(np.float32)
 
 
 def one_hot(token: int) -> np.ndarray:
@@ -240,15 +215,15 @@ def test_chat_applies_the_template() -> None:
     assert bytes(seen[0]).decode() == "<system>be brief</s><user>hi</s><assistant>"  # no BOS added
 
 
-def test_prompt_cache_runs_only_the_new_turn() -> None:
+def test_an_engine_kept_across_turns_runs_only_the_new_turn() -> None:
     model = _random_model(1)
     cfg = GenerationConfig(max_new_tokens=8)
-    cache = PromptCache(model)
+    engine = LLMEngine(model)
     msgs = [{"role": "user", "content": "first question"}]
-    first = chat(model, msgs, cfg, prompt_cache=cache)
+    first = chat(engine, msgs, cfg)
     msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "second"}]
     before = model.forwarded
-    second = chat(model, msgs, cfg, prompt_cache=cache)
+    second = chat(engine, msgs, cfg)
     ran = model.forwarded - before
     full_prompt = len(ByteTokenizer().apply_chat_template(msgs).encode())
     assert second.timings.cached_tokens > 0
@@ -257,13 +232,14 @@ def test_prompt_cache_runs_only_the_new_turn() -> None:
     assert second.token_ids == chat(model, msgs, cfg).token_ids  # same as without the cache
 
 
-def test_same_prompt_twice_reruns_only_its_last_token() -> None:
+def test_same_prompt_twice_reruns_only_its_last_block() -> None:
     model = _random_model(2)
-    cache = PromptCache(model)
+    engine = LLMEngine(model, block_size=4)
     cfg = GenerationConfig(max_new_tokens=3)
-    a = generate(model, PROMPT, cfg, prompt_cache=cache)
-    b = generate(model, PROMPT, cfg, prompt_cache=cache)
-    assert b.timings.cached_tokens == PLEN - 1 and a.token_ids == b.token_ids
+    prompt = [BOS] + text_script("a prompt of 18 ids")  # 19 ids: 4 full blocks before the last id
+    a = generate(engine, prompt, cfg)
+    b = generate(engine, prompt, cfg)
+    assert b.timings.cached_tokens == 16 and a.token_ids == b.token_ids
 
 
 def test_closing_a_stream_early() -> None:
@@ -363,7 +339,7 @@ def test_ids_without_a_tokenizer_stream_ids_and_no_text() -> None:
 
 
 def test_prefill_progress_reports_each_piece_and_changes_nothing() -> None:
-    from llaisys.generation.loop import PREFILL_CHUNK
+    from llaisys.engine.engine import MAX_BATCHED_TOKENS as PREFILL_CHUNK
 
     model = _random_model(3)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 128, size=2 * PREFILL_CHUNK + 88)]
@@ -374,11 +350,11 @@ def test_prefill_progress_reports_each_piece_and_changes_nothing() -> None:
     assert calls == [(PREFILL_CHUNK, n), (2 * PREFILL_CHUNK, n), (n, n)]
     assert got.token_ids == generate(model, prompt, cfg).token_ids
 
-    cache = PromptCache(model)
-    generate(model, prompt, cfg, prompt_cache=cache)
+    engine = LLMEngine(model)
+    generate(engine, prompt, cfg)
     calls.clear()
-    generate(model, prompt + [7, 8], cfg, prompt_cache=cache, prefill_progress=lambda *a: calls.append(a))
-    assert calls == [(2, 2)]  # only what the cache did not hold
+    generate(engine, prompt + [7, 8], cfg, prefill_progress=lambda *a: calls.append(a))
+    assert calls == [(n + 2 - n // 16 * 16, n + 2 - n // 16 * 16)]  # only the blocks the cache did not hold
 
 
 def test_prompt_longer_than_the_context() -> None:
@@ -392,12 +368,12 @@ def test_timings_leave_out_the_consumers_time() -> None:
     import time
 
     model = scripted(PLEN, text_script("abcd"))
-    inner = model.forward
+    inner = model.forward_batch
 
-    def slow_forward(token_ids, cache, all_logits=False):
+    def slow_forward(batch, cache):
         time.sleep(0.01)
-        return inner(token_ids, cache, all_logits)
-    model.forward = slow_forward  # type: ignore[method-assign]
+        return inner(batch, cache)
+    model.forward_batch = slow_forward  # type: ignore[method-assign]
     s = stream(model, PROMPT, GenerationConfig(max_new_tokens=4))
     for _ in s:
         time.sleep(0.1)  # a slow reader

@@ -16,9 +16,7 @@ PACKAGE = ROOT / "src" / "llaisys"
 DOC = ROOT / "docs" / "architecture.md"
 
 # (importing module, imported layer): each is named in docs/architecture.md.
-ALLOWED_UPWARD = {
-    ("llaisys.tensor.tensor", "kernels"),  # Tensor.copy_ on a device dispatches the rearrange kernel
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def layer_order() -> list[str]:
@@ -88,5 +86,72 @@ def test_relative_imports_resolve_to_their_layers():
     """The walker resolves ``from ...tensor import`` and ``from .. import ops`` to layers."""
     kernel = {layer_of(t) for _, t in imported_modules(PACKAGE / "kernels" / "cpu" / "attention.py")}
     assert {"tensor", "kernels"} <= kernel
-    decoder = {layer_of(t) for _, t in imported_modules(PACKAGE / "models" / "decoder.py")}
-    assert {"ops", "runtime", "tensor", "models"} <= decoder
+    runner = {layer_of(t) for _, t in imported_modules(PACKAGE / "models" / "runner.py")}
+    assert {"ops", "runtime", "tensor", "models"} <= runner
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The llaisys modules ``path`` imports when run (``if TYPE_CHECKING:`` blocks left out),
+    each resolved to the module file it names (``from .x import f`` -> ``...x``)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.startswith("llaisys")]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            if base.startswith("llaisys"):
+                names += [f"{base}.{a.name}" for a in node.names]
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = set()
+    for target in names:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        found.add(target)
+    found.discard("")
+    found.discard(name)
+    return found
+
+
+def test_no_import_circle_crosses_a_folder():
+    """Modules that import each other (directly or round a loop) sit in one folder: a reader
+    can take the folders in order. Found as the strongly connected components of the graph."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _runtime_imports(p) for m, p in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len({files[m].parent for m in component}) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not circles, "import circles across folders:\n" + "\n".join(", ".join(c) for c in circles)

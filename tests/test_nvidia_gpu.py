@@ -47,7 +47,8 @@ def gpu_model(gpu, smollm2_path):
 
 
 def test_bundled_model_greedy_tokens_equal_the_cpu(gpu_model, smollm2_model):
-    from llaisys.generation import GenerationConfig, generate
+    from llaisys.engine import generate
+    from llaisys.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=24, temperature=0.0)
     for prompt in ("The capital of France is", "def fibonacci(n):"):
@@ -143,13 +144,14 @@ def test_decoding_with_cuda_graphs_equals_eager_and_the_cpu(gpu_model, smollm2_m
     """The decoder's own graphs (one per cache and bucket): greedy tokens and engine batches
     with graphs on equal those with graphs off, and the CPU's (F32)."""
     from llaisys.engine import LLMEngine
-    from llaisys.generation import GenerationConfig, generate
-    from llaisys.generation.prompt_cache import PromptCache
+    from llaisys.engine import generate
+    from llaisys.generation import GenerationConfig
+    from llaisys.engine.stream import engine_for
 
     config = GenerationConfig(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     prompt = "The capital of France is"
-    kept = PromptCache(gpu_model, 64)
-    on = generate(gpu_model, prompt, config, prompt_cache=kept).token_ids
+    kept = engine_for(gpu_model, 64, config.max_new_tokens)
+    on = generate(kept, prompt, config).token_ids
     graphs = gpu_model.runner._graph_caches[kept.cache]
     assert (graphs.captures, graphs.replays) == (1, 15)
     assert on == generate(smollm2_model, prompt, config).token_ids

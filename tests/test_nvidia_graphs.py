@@ -12,8 +12,10 @@ import pytest
 
 from conftest import random_hf_model
 
-from llaisys.generation import GenerationConfig, generate
-from llaisys.generation.prompt_cache import PromptCache
+from llaisys.engine import generate
+
+from llaisys.generation import GenerationConfig
+from llaisys.engine.stream import engine_for
 from llaisys.models import load_model
 from llaisys.models.paged_cache import TokenBatch
 
@@ -51,8 +53,8 @@ def test_single_sequence_decode_with_graphs_equals_without_and_the_cpu(nv_model,
     off = generate(nv_model, prompt, config).token_ids
     assert len(_graph_caches(nv_model)) == before  # graphs off: none made
     monkeypatch.delenv("LLAISYS_NVIDIA_GRAPHS")
-    kept = PromptCache(nv_model, 32)
-    on = generate(nv_model, prompt, config, prompt_cache=kept).token_ids
+    kept = engine_for(nv_model, len(prompt), config.max_new_tokens)
+    on = generate(kept, prompt, config).token_ids
     assert on == off == want
     graphs = nv_model.runner._graph_caches[kept.cache]  # captured once, replayed at every decoding step
     assert (graphs.captures, graphs.replays) == (1, len(want) - 1)
@@ -113,37 +115,30 @@ def test_batched_decode_captures_once_per_bucket(nv_model, cpu_model, monkeypatc
 
 
 def test_greedy_generation_picks_tokens_on_the_device(nv_model, cpu_model, monkeypatch):
-    calls = {"forward": 0, "forward_greedy": 0}
+    from llaisys.kernels.nvidia import sampling
+
+    calls = {"sample": 0, "rows_to_host": 0}
     for name in calls:
-        original = getattr(nv_model, name)
+        original = getattr(sampling, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(nv_model, name, spy)
+        monkeypatch.setattr(sampling, name, spy)
     prompt = [1, 250, 3, 77]
     config = GenerationConfig(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     got = generate(nv_model, prompt, config).token_ids
     assert got == generate(cpu_model, prompt, config).token_ids
-    assert calls == {"forward": 1, "forward_greedy": 4}  # the prompt's logits, then ids only
-    penalized = config.replace(repetition_penalty=1.3)  # needs the logits on the host: the plain path
-    calls.update(forward=0, forward_greedy=0)
+    assert calls == {"sample": 5, "rows_to_host": 0}  # every pick on the device: ids only cross
+    penalized = config.replace(repetition_penalty=1.3)  # needs the logits on the host
+    calls.update(sample=0, rows_to_host=0)
     assert generate(nv_model, prompt, penalized).token_ids == generate(cpu_model, prompt, penalized).token_ids
-    assert calls["forward_greedy"] == 0
-
-
-def test_forward_greedy_is_the_argmax_of_forward(nv_model, cpu_model):
-    prompt = [1, 2, 3, 4, 5, 6, 7]
-    for model in (nv_model, cpu_model):
-        a, b = model.new_cache(16), model.new_cache(16)
-        assert model.forward_greedy(prompt, a) == int(np.argmax(model.forward(prompt, b)))
-        assert model.forward_greedy([9], a) == int(np.argmax(model.forward([9], b)))
-        assert a.length == b.length == len(prompt) + 1
+    assert calls == {"sample": 0, "rows_to_host": 5}
 
 
 def test_pad_decode_batch_repeats_the_first_sequence():
-    from llaisys.models.runner import pad_decode_batch
+    from llaisys.models.passes import pad_decode_batch
 
     batch = TokenBatch.build([([5], 3, [0], True), ([6], 7, [1], True), ([8], 1, [2], False)], 8, 2)
     padded = pad_decode_batch(batch, 4)

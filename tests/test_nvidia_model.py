@@ -10,7 +10,8 @@ import pytest
 from conftest import random_hf_model
 
 from llaisys.engine import LLMEngine
-from llaisys.generation import GenerationConfig, generate
+from llaisys.engine import generate
+from llaisys.generation import GenerationConfig
 from llaisys.models import load_model
 
 GREEDY = GenerationConfig(max_new_tokens=4, temperature=0.0)

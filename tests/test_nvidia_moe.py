@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from llaisys import DataType, Tensor, ops
-from llaisys.generation import GenerationConfig, generate
-from llaisys.generation.prompt_cache import PromptCache
+from llaisys.engine import generate
+from llaisys.generation import GenerationConfig
+from llaisys.engine.stream import engine_for
 from llaisys.kernels import find_kernel
 from llaisys.kernels.cpu import moe as cpu_moe
 from llaisys.models import load_model
@@ -174,8 +175,8 @@ def test_model_decodes_the_cpus_tokens_with_the_device_kernel_in_a_graph(moe_mod
     prompt = [1, 17, 42, 99, 5, 250, 3]
     config = GenerationConfig(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     want = generate(cpu_model, prompt, config).token_ids
-    kept = PromptCache(nv_model, 32)
-    assert generate(nv_model, prompt, config, prompt_cache=kept).token_ids == want
+    kept = engine_for(nv_model, len(prompt), config.max_new_tokens)
+    assert generate(kept, prompt, config).token_ids == want
     graphs = nv_model.runner._graph_caches[kept.cache]  # graphs on for the MoE model: one capture, then replays
     assert (graphs.captures, graphs.replays) == (1, len(want) - 1)
     kernels = [call[0] for call in nv_model.runner.decoding_pass(kept.cache).plan.calls]

@@ -172,7 +172,8 @@ def test_unknown_arithmetic_is_refused():
 
 
 def test_smollm2_keeps_transformers_greedy_tokens(int16, smollm2_path, hf_smollm2_model, hf_smollm2_tokenizer):
-    from llaisys.generation import GenerationConfig, generate
+    from llaisys.engine import generate
+    from llaisys.generation import GenerationConfig
     from llaisys.models import load_model
 
     model = load_model(smollm2_path)

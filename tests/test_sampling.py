@@ -10,6 +10,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
+from conftest import ScriptedModel
 from llaisys.generation import GenerationConfig, Sampler, sample_from_logits
 from llaisys.generation import processors as P
 
@@ -107,7 +108,7 @@ def test_top_k_one_equals_greedy() -> None:
         x = _logits(100 + seed)
         want = int(torch.argmax(torch.from_numpy(x)))
         rng = np.random.default_rng(seed)
-        assert sample_from_logits(P.top_k(P.temperature(x, 1.7), 1), rng) == want
+        assert sample_from_logits(P.top_k(x / np.float32(1.7), 1), rng) == want
         assert Sampler(GenerationConfig(temperature=1.7, top_k=1, seed=seed))(x) == want
         assert Sampler(GenerationConfig(temperature=0.0))(x) == want
 
@@ -234,8 +235,8 @@ def test_penalties_off_or_nothing_generated_change_nothing() -> None:
     x = _logits(15)
     assert P.presence_frequency_penalty(x, GENERATED, 0.0, 0.0) is x
     assert P.presence_frequency_penalty(x, [], 1.0, 1.0) is x
-    assert P.penalize(x, GENERATED, GENERATED) is x  # every knob off: no copy
-    assert P.penalize(x, [], [], repetition=1.3, presence=1.0, frequency=1.0) is x
+    assert not P.penalties_apply(GENERATED, GENERATED)  # every knob off: the sampler makes no copy
+    assert not P.penalties_apply([], [], repetition=1.3, presence=1.0, frequency=1.0)
 
 
 EOS_IDS = (5, 9)
@@ -278,8 +279,9 @@ def test_min_tokens_stop_ids_default_to_the_configs_eos_ids() -> None:
     assert np.all(masked[list(EOS_IDS)] == -np.inf) and np.isfinite(x).all()
 
 
-class _IdsOnlyModel:
-    """A model without a tokenizer that answers ``script`` then its EOS id (V - 1) forever."""
+class _IdsOnlyModel(ScriptedModel):
+    """A model without a tokenizer that answers ``script`` then its EOS id (V - 1) forever
+    (after a 3-id prompt)."""
 
     class tokenizer:
         missing = "ids only"
@@ -290,36 +292,18 @@ class _IdsOnlyModel:
         vocab_size = V
         max_position_embeddings = 64
 
-    class _Cache:
-        def __init__(self, max_tokens: int) -> None:
-            self.max_tokens, self.length = max_tokens, 0
-
-        def reset(self) -> None:
-            self.length = 0
-
-        def truncate(self, length: int) -> None:
-            self.length = length
-
-    generation_defaults: dict = {}
-
     def __init__(self, script: list[int]) -> None:
-        self.script, self.eos_token_ids, self.prompt_len = script, [V - 1], 0
+        self.script, self.eos_token_ids = script, [V - 1]
 
-    def new_cache(self, max_tokens: int | None = None) -> "_IdsOnlyModel._Cache":
-        return self._Cache(max_tokens or 64)
-
-    def forward(self, token_ids, cache, all_logits: bool = False) -> np.ndarray:
-        if cache.length == 0:
-            self.prompt_len = len(token_ids)
-        cache.length += len(token_ids)
-        i = cache.length - self.prompt_len
+    def next_logits(self, ids: list[int]) -> np.ndarray:
+        i = len(ids) - 3
         x = np.zeros(V, np.float32)  # (V,)
         x[self.script[i] if i < len(self.script) else V - 1] = 10.0
         return x
 
 
 def test_min_tokens_in_the_generation_loop() -> None:
-    from llaisys.generation import generate
+    from llaisys.engine import generate
 
     model, eos = _IdsOnlyModel([40, 41, 8]), V - 1  # 8 is an eos id of the config below
     res = generate(model, [1, 2, 3], GenerationConfig(min_tokens=4, max_new_tokens=10))
@@ -379,7 +363,10 @@ def test_in_place_penalties_and_top_p_ids_match_the_copying_processors() -> None
     kw = dict(repetition=1.3, presence=0.5, frequency=0.7, stop_token_ids=list(EOS_IDS) + [V + 1], min_tokens=20)
     y = x.copy()
     P.penalize_(y, PROMPT_ONLY + GENERATED, GENERATED, **kw)
-    np.testing.assert_array_equal(y, P.penalize(x, PROMPT_ONLY + GENERATED, GENERATED, **kw))
+    want = P.repetition_penalty(x, PROMPT_ONLY + GENERATED, kw["repetition"])
+    want = P.presence_frequency_penalty(want, GENERATED, kw["presence"], kw["frequency"])
+    want = P.min_tokens_mask(want, kw["stop_token_ids"], len(GENERATED), kw["min_tokens"])
+    np.testing.assert_array_equal(y, want)
     assert P.penalties_apply(PROMPT_ONLY, [], repetition=1.3) and not P.penalties_apply(PROMPT_ONLY, [])
     for p, keep in ((0.3, 1), (0.9, 1), (0.9, 7)):
         ids = P.top_p_keep(P.softmax(x), p, keep)

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llaisys.generation import GenerationConfig, PromptCache, generate, stream
+from llaisys.engine import generate, stream
+
+from llaisys.engine import LLMEngine
+from llaisys.generation import GenerationConfig
 from llaisys.generation.speculative import Drafter, draft_tokens
 
 CODE = '''def mean(values):
@@ -115,20 +118,24 @@ def test_stop_rules_per_accepted_token(model):
 
 
 def test_cache_holds_what_plain_decoding_leaves(model):
-    """After the end, and after closing a stream early, the cache holds the prompt and the
-    tokens picked (the last one not run), with no rejected draft left behind."""
+    """After the end, and after closing a stream early, the engine's prefix cache holds the
+    prompt and the tokens picked, with no rejected draft left behind: a later request that
+    reuses those blocks decodes as on a fresh engine."""
     cfg = GenerationConfig(max_new_tokens=40)
-    plain_cache, fast_cache = PromptCache(model, 512), PromptCache(model, 512)
-    generate(model, COPYING, cfg, prompt_cache=plain_cache)
-    generate(model, COPYING, cfg.replace(speculative_tokens=8), prompt_cache=fast_cache)
-    assert fast_cache.token_ids == plain_cache.token_ids
-    assert fast_cache.cache.length == len(fast_cache.token_ids)
+    plain = generate(model, COPYING, cfg)
+    engine = LLMEngine(model, kv_cache_tokens=1024)
+    fast = generate(engine, COPYING, cfg.replace(speculative_tokens=8))
+    assert fast.token_ids == plain.token_ids and fast.timings.drafted_tokens > 0
 
-    s = stream(model, COPYING, cfg.replace(speculative_tokens=8), prompt_cache=fast_cache)
+    s = stream(engine, COPYING, cfg.replace(speculative_tokens=8))
     events = [next(s) for _ in range(7)]
     s.close()
-    assert fast_cache.cache.length == len(fast_cache.token_ids) == len(s.prompt_ids) + len(events) - 1
-    assert fast_cache.token_ids == s.prompt_ids + [e.token_id for e in events[:-1]]
+    assert not engine.has_unfinished() and engine.blocks.usage == 0.0  # every block handed back
+    follow_up = COPYING + plain.text[:20]
+    again = generate(engine, follow_up, cfg)
+    assert again.timings.cached_tokens > 0  # the blocks written while drafting are reused ...
+    assert again.token_ids == generate(model, follow_up, cfg).token_ids  # ... and hold the right keys
+    assert [e.token_id for e in events] == plain.token_ids[:7]
 
 
 def test_multi_token_logits_are_bitwise_one_at_a_time(model):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import random_hf_model
-from llaisys.generation import GenerationConfig, generate
+from llaisys.engine import generate
+from llaisys.generation import GenerationConfig
 from llaisys.models import load_model
 
 THREADS = 4

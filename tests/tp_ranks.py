@@ -29,8 +29,8 @@ def main() -> None:
     ap.add_argument("--die-after", type=int, default=0)
     args = ap.parse_args()
 
-    from llaisys.engine import LLMEngine
-    from llaisys.generation import GenerationConfig, generate
+    from llaisys.engine import LLMEngine, generate
+    from llaisys.generation import GenerationConfig
     from llaisys.models import load_model
     from llaisys.models.tensor_parallel import follow, release
     from llaisys.parallel.mpi import MPICommunicator
@@ -44,14 +44,16 @@ def main() -> None:
     model = load_model(args.model, device=args.device, comm=comm)
     if comm.rank:
         if args.die_after and comm.rank == 1:
-            passes, run = [0], model.forward
+            passes, run, run_batch = [0], model.forward, model.forward_batch
 
-            def dying_forward(*a, **k):
-                passes[0] += 1
-                if passes[0] >= args.die_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return run(*a, **k)
-            model.forward = dying_forward
+            def dying(pass_):
+                def counted(*a, **k):
+                    passes[0] += 1
+                    if passes[0] >= args.die_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return pass_(*a, **k)
+                return counted
+            model.forward, model.forward_batch = dying(run), dying(run_batch)
         follow(model)
         return
     greedy = GenerationConfig(temperature=0.0, max_new_tokens=10_000 if args.die_after else NEW_TOKENS,

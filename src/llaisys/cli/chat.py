@@ -11,7 +11,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..generation import GenerationConfig, PromptCache, stream_chat
+from ..engine import LLMEngine, stream_chat
+from ..generation import GenerationConfig
 from ..generation.defaults import CHAT_MAX_TOKENS
 from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
                      keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
@@ -37,18 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 class Conversation:
-    """Chat history plus the KV cache that holds its tokens."""
+    """Chat history plus the engine whose prefix cache holds its tokens."""
 
     def __init__(self, model: Any, config: GenerationConfig, system: str | None = None) -> None:
         self.model = model
         self.config = config
         self.system = system
         self.messages: list[dict[str, str]] = []
-        self.cache = PromptCache(model)
+        self.engine = LLMEngine(model)  # each turn runs only the blocks earlier turns did not fill
         self.progress = prefill_progress()
 
     def reset(self) -> None:
-        """Forget the turns, keep the system message. The cache stays: the next prompt shares its start."""
+        """Forget the turns, keep the system message. The prefix cache stays: the next prompt shares its start."""
         self.messages.clear()
 
     def set_system(self, system: str | None) -> None:
@@ -68,14 +69,14 @@ class Conversation:
         """
         self.messages.append({"role": "user", "content": text})
         try:
-            events = stream_chat(self.model, self._all_messages(), self.config, prompt_cache=self.cache,
-                                 prefill_progress=self.progress)
+            events = stream_chat(self.engine, self._all_messages(), self.config, prefill_progress=self.progress)
             try:
                 for event in events:
                     if event.text_delta:
                         sys.stdout.write(event.text_delta)
                         sys.stdout.flush()
             finally:
+                events.close()  # an interrupted reply leaves the engine
                 sys.stdout.write("\n")
                 sys.stdout.flush()
         except BaseException:

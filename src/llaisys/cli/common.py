@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from ..generation import GenerationConfig, PrefillProgress
+from ..engine import PrefillProgress
+from ..generation import GenerationConfig
 from ..generation.defaults import FALLBACK_SAMPLING, SAMPLING_KEYS, sampling_defaults
 from ..runtime.dtypes import DataType
 

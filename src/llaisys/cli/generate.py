@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..generation import GenerationStream, stream, stream_chat
+from ..engine import GenerationStream, stream, stream_chat
 from .common import (UsageError, add_model_options, add_sampling_options, check_sampling_args, config_from_args,
                      describe_sampling, keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
 

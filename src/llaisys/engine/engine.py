@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..generation import GenerationConfig, GenerationResult, Timings, encode_prompt, has_tokenizer
-from ..generation.batch_sampler import sample_batch
+from ..generation.sampler import sample_batch
 from ..generation.config import MAX_SPECULATIVE_TOKENS
 from ..generation.results import SampledToken
 from ..generation.speculative import Drafter, verifies_exactly
@@ -52,6 +52,7 @@ from .scheduler import Chunk, Scheduler
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # reserved, not touched: pages are committed as blocks are used
+MAX_BATCHED_TOKENS = 512  # tokens one step runs by default: a longer prompt runs in pieces of this
 
 
 @dataclass(slots=True)
@@ -102,7 +103,7 @@ class LLMEngine:
     """
 
     def __init__(self, model, *, kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
-                 block_size: int = 16, max_batched_tokens: int = 512, max_seqs: int = 64,
+                 block_size: int = 16, max_batched_tokens: int = MAX_BATCHED_TOKENS, max_seqs: int = 64,
                  prefix_caching: bool = True, speculative_tokens: int = 0,
                  speculative_max_seqs: int | None = None, kv_events: Any = None) -> None:
         if kv_cache_tokens is not None and kv_cache_bytes is not None:
@@ -178,7 +179,8 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context holds {self.context_length}, "
                              "leaving no room to generate")
         if config.stop and self._tokenizer is None:
-            raise ValueError("stop strings need text, and this model has no tokenizer; stop at token ids instead")
+            raise ValueError(f"stop strings {list(config.stop)!r} need text, and this model has no tokenizer "
+                             f"({self.model.tokenizer.missing}); stop at token ids with eos_token_ids instead")
         pooling = pooling_of(config)
         if pooling is not None and pooling.pooling == "mean" and self.blocks.prefix_caching:
             raise ValueError("mean pooling needs every prompt token computed: use an engine without prefix "

@@ -1,13 +1,10 @@
-"""Chat: render messages with the model's chat template, then generate the assistant's reply."""
+"""Chat messages: checked, then rendered with the model's chat template into the reply's prompt ids
+(``engine.stream.stream_chat`` generates the reply)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import GenerationConfig
-from .loop import GenerationStream, PrefillProgress
-from .prompt_cache import PromptCache
 from .protocol import LanguageModel
-from .results import GenerationResult
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -42,18 +39,3 @@ def chat_prompt_ids(model: LanguageModel, messages: Sequence[dict]) -> list[int]
     if not ids:
         raise ValueError("the chat template rendered an empty prompt")
     return ids
-
-
-def stream_chat(model: LanguageModel, messages: Sequence[dict], config: GenerationConfig | None = None, *,
-                prompt_cache: PromptCache | None = None,
-                prefill_progress: PrefillProgress | None = None) -> GenerationStream:
-    """Stream the assistant's reply to ``messages``; see ``stream``. With a ``prompt_cache``
-    kept across turns, each turn runs only what the previous one did not."""
-    return GenerationStream(model, chat_prompt_ids(model, messages), config or GenerationConfig(), prompt_cache,
-                            prefill_progress)
-
-
-def chat(model: LanguageModel, messages: Sequence[dict], config: GenerationConfig | None = None, *,
-         prompt_cache: PromptCache | None = None, prefill_progress: PrefillProgress | None = None) -> GenerationResult:
-    """The assistant's reply to ``messages`` as a GenerationResult."""
-    return stream_chat(model, messages, config, prompt_cache=prompt_cache, prefill_progress=prefill_progress).result()

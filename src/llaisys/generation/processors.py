@@ -2,12 +2,11 @@
 (or the input itself when it has nothing to do; the input is never written).
 
 The filters follow the Hugging Face processors of the same names; the presence and frequency
-penalties and the min-tokens mask follow OpenAI and vLLM. ``penalize`` applies the penalties
-and the mask with at most one copy, in vLLM's order (repetition, frequency and presence
-penalties); ``process_logits`` then adds temperature, top-k, top-p and min-p (Hugging Face's
-order). A filtered-out token gets ``-inf``. ``logsumexp`` and ``top_logprobs`` give the
-model's own log-probabilities of the raw logits. ``penalize_`` (in place on the caller's copy)
-and ``top_p_keep`` (the ids top-p keeps) are the pieces ``batch_sampler`` shares with these.
+penalties and the min-tokens mask follow OpenAI and vLLM. ``penalize_`` applies the penalties
+and the mask in place on the caller's copy, in vLLM's order (repetition, frequency and presence
+penalties). A filtered-out token gets ``-inf``. ``logsumexp`` and ``top_logprobs`` give the
+model's own log-probabilities of the raw logits. The sampler (``sampler.sample_batch``) composes
+these, with temperature, in Hugging Face's order; ``top_p_keep`` is its top-p (the ids kept).
 """
 from __future__ import annotations
 
@@ -93,27 +92,10 @@ def min_tokens_mask(logits: np.ndarray, stop_token_ids: Sequence[int] | np.ndarr
     return out
 
 
-def penalize(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray = (),
-             generated_ids: Sequence[int] | np.ndarray = (), *, repetition: float = 1.0, presence: float = 0.0,
-             frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
-             min_tokens: int = 0) -> np.ndarray:
-    """``repetition_penalty`` over ``context_ids`` (prompt + generated), then
-    ``presence_frequency_penalty`` over ``generated_ids`` (generated only), then ``min_tokens_mask``
-    with ``len(generated_ids)`` tokens generated: logits (V,) in, logits (V,) out. Makes at most one
-    copy of ``logits`` and returns ``logits`` itself when nothing applies."""
-    if not penalties_apply(context_ids, generated_ids, repetition=repetition, presence=presence,
-                           frequency=frequency, stop_token_ids=stop_token_ids, min_tokens=min_tokens):
-        return logits
-    out = logits.copy()  # (V,)
-    penalize_(out, context_ids, generated_ids, repetition=repetition, presence=presence, frequency=frequency,
-              stop_token_ids=stop_token_ids, min_tokens=min_tokens)
-    return out
-
-
 def penalties_apply(context_ids: Sequence[int] | np.ndarray = (), generated_ids: Sequence[int] | np.ndarray = (), *,
                     repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0,
                     stop_token_ids: Sequence[int] | np.ndarray = (), min_tokens: int = 0) -> bool:
-    """Whether ``penalize`` with these arguments would change anything."""
+    """Whether ``penalize_`` with these arguments would change anything."""
     return (repetition != 1.0 and len(context_ids) > 0
             or (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0
             or _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens))
@@ -123,21 +105,16 @@ def penalize_(x: np.ndarray, context_ids: Sequence[int] | np.ndarray = (),
               generated_ids: Sequence[int] | np.ndarray = (), *, repetition: float = 1.0, presence: float = 0.0,
               frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
               min_tokens: int = 0) -> None:
-    """``penalize`` in place on ``x`` (V,) float32 (the caller's own copy): the same operations
-    on the same few entries, no (V,) temporary."""
+    """``repetition_penalty`` over ``context_ids`` (prompt + generated), then
+    ``presence_frequency_penalty`` over ``generated_ids`` (generated only), then ``min_tokens_mask``
+    with ``len(generated_ids)`` tokens generated, in place on ``x`` (V,) float32 (the caller's own
+    copy): the same operations on the same few entries, no (V,) temporary."""
     if repetition != 1.0 and len(context_ids) > 0:
         _repetition_penalty_(x, context_ids, repetition)
     if (presence != 0.0 or frequency != 0.0) and len(generated_ids) > 0:
         _presence_frequency_penalty_(x, generated_ids, presence, frequency)
     if _min_tokens_active(stop_token_ids, len(generated_ids), min_tokens):
         _mask_(x, np.asarray(stop_token_ids, dtype=np.int64))
-
-
-def temperature(logits: np.ndarray, value: float) -> np.ndarray:
-    """logits / value (value > 0)."""
-    if value == 1.0:
-        return logits
-    return logits / np.float32(value)
 
 
 def top_k(logits: np.ndarray, k: int, min_tokens_to_keep: int = 1) -> np.ndarray:
@@ -192,24 +169,6 @@ def min_p(logits: np.ndarray, p: float, min_tokens_to_keep: int = 1) -> np.ndarr
     else:
         drop[np.argmax(probs)] = False
     return np.where(drop, FILTERED, logits)
-
-
-def process_logits(logits: np.ndarray, context_ids: Sequence[int] | np.ndarray, *, penalty: float = 1.0,
-                   temp: float = 1.0, k: int = 0, p: float = 1.0, min_prob: float = 0.0,
-                   min_tokens_to_keep: int = 1, generated_ids: Sequence[int] | np.ndarray = (),
-                   presence: float = 0.0, frequency: float = 0.0, stop_token_ids: Sequence[int] | np.ndarray = (),
-                   min_tokens: int = 0) -> np.ndarray:
-    """``penalize`` (repetition, presence and frequency penalties, min-tokens mask), then temperature,
-    top-k, top-p, min-p (Hugging Face's order); returns the filtered logits (V,) float32."""
-    x = penalize(logits, context_ids, generated_ids, repetition=penalty, presence=presence, frequency=frequency,
-                 stop_token_ids=stop_token_ids, min_tokens=min_tokens)  # (V,)
-    if x is not logits and temp != 1.0:
-        x /= np.float32(temp)  # our own copy: divided in place, as temperature() would
-    else:
-        x = temperature(x, temp)
-    x = top_k(x, k, min_tokens_to_keep)
-    x = top_p(x, p, min_tokens_to_keep)
-    return min_p(x, min_prob, min_tokens_to_keep)
 
 
 def logsumexp(logits: np.ndarray) -> float:

@@ -1,6 +1,6 @@
 """What generation needs from a model: the ``llaisys.models`` contract, as typing Protocols.
 
-Any object with these members works, which lets tests drive generation with a small fake model.
+Any object with these members works, which lets tests drive the engine with a small fake model.
 """
 from __future__ import annotations
 
@@ -25,22 +25,28 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
 
-class KVCacheLike(Protocol):
-    length: int
-    max_tokens: int
+class PagedCacheLike(Protocol):
+    """KV slots in ``num_blocks`` blocks of ``block_size`` tokens; ``max_blocks``: the width of
+    a block table."""
 
-    def reset(self) -> None: ...
-
-    def truncate(self, length: int) -> None: ...
+    block_size: int
+    max_blocks: int
 
 
 class LanguageModel(Protocol):
+    """What the engine runs: the model's config (``vocab_size``, ``max_position_embeddings``),
+    tokenizer and end ids, a paged cache of its own, and one pass over a batch of sequences
+    returning the float32 logits (R, V) of the batch's ``logit_rows``. A model may also have
+    ``device`` (speculation and device sampling look at it), ``hidden_states`` (embeddings)
+    and ``forward_batch_logits`` (logits left on an nvidia device)."""
+
     config: Any
     tokenizer: TokenizerLike
     eos_token_ids: list[int]
     generation_defaults: dict
 
-    def new_cache(self, max_tokens: int | None = None) -> KVCacheLike: ...
+    def kv_bytes_per_token(self) -> int: ...
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCacheLike,
-                all_logits: bool = False) -> np.ndarray: ...
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedCacheLike: ...
+
+    def forward_batch(self, batch: Any, cache: PagedCacheLike) -> np.ndarray: ...

@@ -50,6 +50,17 @@ def _as_shape(shape: "Iterable[int] | int", what: str = "shape") -> Shape:
     return dims if all(type(d) is int for d in dims) else tuple(int(d) for d in dims)
 
 
+# Copies ``src`` into ``dst`` on one non-CPU device with its ``rearrange`` kernel: set by the
+# kernel registry when it loads (a layer above this one), so the tensor names no kernel module.
+_device_copy: "Callable[[Tensor, Tensor], None] | None" = None
+
+
+def set_device_copy(copy: "Callable[[Tensor, Tensor], None]") -> None:
+    """Install the same-device strided copy ``copy(dst, src)`` that ``Tensor.copy_`` runs."""
+    global _device_copy
+    _device_copy = copy
+
+
 class Tensor:
     """An n-dimensional array on one device."""
 
@@ -463,10 +474,10 @@ class Tensor:
         if self.device.is_cpu and src.device.is_cpu:
             self.host_array()[...] = src.host_array()
             return self
-        if self.device == src.device:
-            from ..kernels.registry import dispatch  # strided copy on the device itself
-
-            dispatch("rearrange", self.dtype, (self,), (src,), {})
+        if self.device == src.device:  # a strided copy on the device itself: its rearrange kernel
+            if _device_copy is None:
+                raise RuntimeError("copy_ on a device needs the kernel registry (import llaisys)")
+            _device_copy(self, src)
         elif self.device.is_cpu and self.is_contiguous() and src.is_contiguous():
             src.storage.runtime.memcpy(self.data_ptr, src.data_ptr, self.nbytes, MemcpyKind.D2H)
         elif self.device.is_cpu:
