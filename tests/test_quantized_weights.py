@@ -438,3 +438,32 @@ def test_portable_path_without_the_native_library_matches_torch(name, monkeypatc
     if name != "BF16":
         ids = np.array([2, 0, 36], np.int64)
         np.testing.assert_array_equal(F.embedding(Tensor.from_numpy(ids), w).numpy(), ref[ids].astype(np.float32))
+
+
+@pytest.mark.parametrize("name", [t.name for t in QUANTIZED])
+def test_embedding_of_a_quantized_table_replays_as_one_native_call(name):
+    """A recorded embedding of a block-quantized table (a pass's first op) runs as one C call,
+    reads its index at every run, gives gguf's dequantized rows (the float32 they round to),
+    the same bits as the direct call, and an index out of range raises the direct error."""
+    from llaisys.kernels.cpu import native_calls
+    from llaisys.ops.plan import ReplayStats
+
+    if not native_calls.available():
+        pytest.fail("the native libraries are not built; the test suite runs against a built package")
+    rng = np.random.default_rng(11)
+    raw = quant_bytes(name, 7, 256, rng)  # (7, row_bytes)
+    table = Tensor.from_raw(raw, name)
+    rows = Tensor.from_numpy(np.array([3, 0, 6, 3], np.int64))
+    out = Tensor.zeros((4, 256), dtype=DataType.F32)
+    plan = ops.Plan()
+    ops.embedding(out, rows, table, plan=plan)
+    assert plan.stats() == ReplayStats(calls=1, native=1, stretches=1, python=0)
+    want_all = dequantized(name, raw).astype(np.float32)  # (7, 256)
+    for index in ([3, 0, 6, 3], [5, 5, 1, 2]):
+        rows.load(np.array(index, np.int64))
+        plan.run()
+        np.testing.assert_array_equal(out.numpy(), want_all[np.array(index)])
+        np.testing.assert_array_equal(out.numpy(), F.embedding(rows, table).numpy())
+    rows.load(np.array([2, 7, 0, -1], np.int64))
+    with pytest.raises(ValueError, match="embedding: index 7 is out of range for a table of 7 rows"):
+        plan.run()

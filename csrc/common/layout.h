@@ -3,7 +3,8 @@
  * offsets with these when it loads the library, and refuses a library that disagrees.
  *
  * A library lists its structures in one table (its layouts.c): per structure one LAYOUT_TYPE
- * entry, then one LAYOUT_FIELD entry per field in declaration order, and exports
+ * entry, then one LAYOUT_FIELD entry per field in declaration order (a table names the
+ * structure once, `#define T name`, and its fields as F(field)), and exports
  *
  *   int64_t llaisys_<lib>_layout(const char *type, int64_t i, const char **field, int64_t *size)
  *
@@ -24,8 +25,12 @@ typedef struct {
     size_t size;       /* the size of the field */
 } layout_entry;
 
-#define LAYOUT_TYPE(T) {#T, NULL, sizeof(T), 0}
-#define LAYOUT_FIELD(T, f) {#T, #f, offsetof(T, f), sizeof(((T *)0)->f)}
+/* Through a second macro, so that T may itself be a macro naming the structure (a table's
+ * `#define T lo_norm_args`): its name is taken after expansion. */
+#define LAYOUT_TYPE(T) LAYOUT_TYPE_(T)
+#define LAYOUT_FIELD(T, f) LAYOUT_FIELD_(T, f)
+#define LAYOUT_TYPE_(T) {#T, NULL, sizeof(T), 0}
+#define LAYOUT_FIELD_(T, f) {#T, #f, offsetof(T, f), sizeof(((T *)0)->f)}
 
 static inline int64_t layout_lookup(const layout_entry *table, size_t n, const char *type, int64_t i,
                                     const char **field, int64_t *size) {

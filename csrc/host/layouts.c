@@ -16,61 +16,54 @@ typedef struct C_Device_st C_Device_st;
 typedef struct mallinfo2 glibc_mallinfo2; /* the grammar sandbox's heap counts */
 #endif
 
-#define IFACE(f) LAYOUT_FIELD(C_DeviceInterface, f)
-
 static const layout_entry LAYOUTS[] = {
-    LAYOUT_TYPE(C_Device_st), LAYOUT_FIELD(C_Device_st, id),
-    LAYOUT_TYPE(C_CCLRootId), LAYOUT_FIELD(C_CCLRootId, sz), LAYOUT_FIELD(C_CCLRootId, data),
-
-    LAYOUT_TYPE(C_DeviceInterface),
-    IFACE(size), IFACE(initialize), IFACE(finalize), IFACE(init_device), IFACE(set_device), IFACE(get_device),
-    IFACE(deinit_device), IFACE(create_stream), IFACE(destroy_stream), IFACE(query_stream),
-    IFACE(stream_add_callback), IFACE(create_event), IFACE(record_event), IFACE(destroy_event), IFACE(query_event),
-    IFACE(synchronize_device), IFACE(synchronize_stream), IFACE(synchronize_event), IFACE(stream_wait_event),
-    IFACE(reserved_dev_api), IFACE(device_memory_allocate), IFACE(device_memory_deallocate),
-    IFACE(device_memory_set), IFACE(host_memory_allocate), IFACE(host_memory_deallocate),
-    IFACE(unified_memory_allocate), IFACE(unified_memory_deallocate), IFACE(memory_copy_h2d),
-    IFACE(memory_copy_d2h), IFACE(memory_copy_d2d), IFACE(memory_copy_p2p), IFACE(async_memory_copy_h2d),
-    IFACE(async_memory_copy_d2h), IFACE(async_memory_copy_d2d), IFACE(async_memory_copy_p2p),
-    IFACE(reserved_mem_api), IFACE(get_device_count), IFACE(get_device_list), IFACE(device_memory_stats),
-    IFACE(device_min_chunk_size), IFACE(device_max_chunk_size), IFACE(device_max_alloc_size),
-    IFACE(device_extra_padding_size), IFACE(device_init_alloc_size), IFACE(device_realloc_size),
-    IFACE(get_compute_capability), IFACE(get_runtime_version), IFACE(get_driver_version), IFACE(reserved_info_api),
-    IFACE(xccl_get_unique_id_size), IFACE(xccl_get_unique_id), IFACE(xccl_comm_init_rank),
-    IFACE(xccl_destroy_comm), IFACE(xccl_all_reduce), IFACE(xccl_broadcast), IFACE(xccl_reduce),
-    IFACE(xccl_all_gather), IFACE(xccl_reduce_scatter), IFACE(xccl_group_start), IFACE(xccl_group_end),
-    IFACE(xccl_send), IFACE(xccl_recv), IFACE(xccl_all_to_all), IFACE(reserved_ccl_api),
-    IFACE(profiler_initialize), IFACE(profiler_finalize), IFACE(profiler_prepare_tracing),
-    IFACE(profiler_start_tracing), IFACE(profiler_stop_tracing), IFACE(profiler_collect_trace_data),
-    IFACE(reserved_profiler_api), IFACE(blas_axpby), IFACE(reserved_other_api),
-
-    LAYOUT_TYPE(CustomRuntimeVersion),
-    LAYOUT_FIELD(CustomRuntimeVersion, major), LAYOUT_FIELD(CustomRuntimeVersion, minor),
-    LAYOUT_FIELD(CustomRuntimeVersion, patch),
-
-    LAYOUT_TYPE(CustomRuntimeParams),
-    LAYOUT_FIELD(CustomRuntimeParams, size), LAYOUT_FIELD(CustomRuntimeParams, interface),
-    LAYOUT_FIELD(CustomRuntimeParams, version), LAYOUT_FIELD(CustomRuntimeParams, device_type),
-    LAYOUT_FIELD(CustomRuntimeParams, sub_device_type), LAYOUT_FIELD(CustomRuntimeParams, reserved),
-
-    LAYOUT_TYPE(LlaisysTensorDesc),
-    LAYOUT_FIELD(LlaisysTensorDesc, data), LAYOUT_FIELD(LlaisysTensorDesc, dtype),
-    LAYOUT_FIELD(LlaisysTensorDesc, ndim), LAYOUT_FIELD(LlaisysTensorDesc, shape),
-    LAYOUT_FIELD(LlaisysTensorDesc, strides),
-
-    LAYOUT_TYPE(LlaisysKernelAttr), LAYOUT_FIELD(LlaisysKernelAttr, name), LAYOUT_FIELD(LlaisysKernelAttr, value),
-
-    LAYOUT_TYPE(LlaisysKernelRegistrar),
-    LAYOUT_FIELD(LlaisysKernelRegistrar, size), LAYOUT_FIELD(LlaisysKernelRegistrar, abi_version),
-    LAYOUT_FIELD(LlaisysKernelRegistrar, context), LAYOUT_FIELD(LlaisysKernelRegistrar, register_kernel),
-
+#define F(f) LAYOUT_FIELD(T, f) /* a field of the structure T the lines below name */
+#define T C_Device_st
+    LAYOUT_TYPE(T), F(id),
+#undef T
+#define T C_CCLRootId
+    LAYOUT_TYPE(T), F(sz), F(data),
+#undef T
+#define T C_DeviceInterface
+    LAYOUT_TYPE(T), F(size), F(initialize), F(finalize), F(init_device), F(set_device), F(get_device), F(deinit_device),
+    F(create_stream), F(destroy_stream), F(query_stream), F(stream_add_callback), F(create_event), F(record_event),
+    F(destroy_event), F(query_event), F(synchronize_device), F(synchronize_stream), F(synchronize_event),
+    F(stream_wait_event), F(reserved_dev_api), F(device_memory_allocate), F(device_memory_deallocate),
+    F(device_memory_set), F(host_memory_allocate), F(host_memory_deallocate), F(unified_memory_allocate),
+    F(unified_memory_deallocate), F(memory_copy_h2d), F(memory_copy_d2h), F(memory_copy_d2d), F(memory_copy_p2p),
+    F(async_memory_copy_h2d), F(async_memory_copy_d2h), F(async_memory_copy_d2d), F(async_memory_copy_p2p),
+    F(reserved_mem_api), F(get_device_count), F(get_device_list), F(device_memory_stats), F(device_min_chunk_size),
+    F(device_max_chunk_size), F(device_max_alloc_size), F(device_extra_padding_size), F(device_init_alloc_size),
+    F(device_realloc_size), F(get_compute_capability), F(get_runtime_version), F(get_driver_version),
+    F(reserved_info_api), F(xccl_get_unique_id_size), F(xccl_get_unique_id), F(xccl_comm_init_rank),
+    F(xccl_destroy_comm), F(xccl_all_reduce), F(xccl_broadcast), F(xccl_reduce), F(xccl_all_gather),
+    F(xccl_reduce_scatter), F(xccl_group_start), F(xccl_group_end), F(xccl_send), F(xccl_recv), F(xccl_all_to_all),
+    F(reserved_ccl_api), F(profiler_initialize), F(profiler_finalize), F(profiler_prepare_tracing),
+    F(profiler_start_tracing), F(profiler_stop_tracing), F(profiler_collect_trace_data), F(reserved_profiler_api),
+    F(blas_axpby), F(reserved_other_api),
+#undef T
+#define T CustomRuntimeVersion
+    LAYOUT_TYPE(T), F(major), F(minor), F(patch),
+#undef T
+#define T CustomRuntimeParams
+    LAYOUT_TYPE(T), F(size), F(interface), F(version), F(device_type), F(sub_device_type), F(reserved),
+#undef T
+#define T LlaisysTensorDesc
+    LAYOUT_TYPE(T), F(data), F(dtype), F(ndim), F(shape), F(strides),
+#undef T
+#define T LlaisysKernelAttr
+    LAYOUT_TYPE(T), F(name), F(value),
+#undef T
+#define T LlaisysKernelRegistrar
+    LAYOUT_TYPE(T), F(size), F(abi_version), F(context), F(register_kernel),
+#undef T
 #ifdef HAVE_MALLINFO2
-    LAYOUT_TYPE(glibc_mallinfo2),
-    LAYOUT_FIELD(glibc_mallinfo2, arena), LAYOUT_FIELD(glibc_mallinfo2, ordblks), LAYOUT_FIELD(glibc_mallinfo2, smblks),
-    LAYOUT_FIELD(glibc_mallinfo2, hblks), LAYOUT_FIELD(glibc_mallinfo2, hblkhd), LAYOUT_FIELD(glibc_mallinfo2, usmblks),
-    LAYOUT_FIELD(glibc_mallinfo2, fsmblks), LAYOUT_FIELD(glibc_mallinfo2, uordblks),
-    LAYOUT_FIELD(glibc_mallinfo2, fordblks), LAYOUT_FIELD(glibc_mallinfo2, keepcost),
+#define T glibc_mallinfo2
+    LAYOUT_TYPE(T), F(arena), F(ordblks), F(smblks), F(hblks), F(hblkhd), F(usmblks), F(fsmblks), F(uordblks),
+    F(fordblks), F(keepcost),
+#undef T
 #endif
+#undef F
 };
 
 /* common/layout.h: the size of `type` (i < 0) or the offset, name and size of its i-th field. */

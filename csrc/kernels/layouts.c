@@ -7,46 +7,27 @@
 #include "quant.h"
 
 static const layout_entry LAYOUTS[] = {
-    LAYOUT_TYPE(lq_linear_call),
-    LAYOUT_FIELD(lq_linear_call, type), LAYOUT_FIELD(lq_linear_call, w), LAYOUT_FIELD(lq_linear_call, n),
-    LAYOUT_FIELD(lq_linear_call, k), LAYOUT_FIELD(lq_linear_call, x), LAYOUT_FIELD(lq_linear_call, ldx),
-    LAYOUT_FIELD(lq_linear_call, m), LAYOUT_FIELD(lq_linear_call, y), LAYOUT_FIELD(lq_linear_call, ldy),
-    LAYOUT_FIELD(lq_linear_call, bias), LAYOUT_FIELD(lq_linear_call, packed),
-
-    LAYOUT_TYPE(lp_attention_args),
-    LAYOUT_FIELD(lp_attention_args, out), LAYOUT_FIELD(lp_attention_args, out_s0),
-    LAYOUT_FIELD(lp_attention_args, out_s1), LAYOUT_FIELD(lp_attention_args, q), LAYOUT_FIELD(lp_attention_args, q_s0),
-    LAYOUT_FIELD(lp_attention_args, q_s1), LAYOUT_FIELD(lp_attention_args, k_cache),
-    LAYOUT_FIELD(lp_attention_args, k_s0), LAYOUT_FIELD(lp_attention_args, k_s1), LAYOUT_FIELD(lp_attention_args, k_s2),
-    LAYOUT_FIELD(lp_attention_args, v_cache), LAYOUT_FIELD(lp_attention_args, v_s0),
-    LAYOUT_FIELD(lp_attention_args, v_s1), LAYOUT_FIELD(lp_attention_args, v_s2),
-    LAYOUT_FIELD(lp_attention_args, block_tables), LAYOUT_FIELD(lp_attention_args, bt_s0),
-    LAYOUT_FIELD(lp_attention_args, bt_s1), LAYOUT_FIELD(lp_attention_args, query_starts),
-    LAYOUT_FIELD(lp_attention_args, qs_s0), LAYOUT_FIELD(lp_attention_args, context_lens),
-    LAYOUT_FIELD(lp_attention_args, cl_s0), LAYOUT_FIELD(lp_attention_args, n), LAYOUT_FIELD(lp_attention_args, h),
-    LAYOUT_FIELD(lp_attention_args, kh), LAYOUT_FIELD(lp_attention_args, d), LAYOUT_FIELD(lp_attention_args, dv),
-    LAYOUT_FIELD(lp_attention_args, nb), LAYOUT_FIELD(lp_attention_args, bs), LAYOUT_FIELD(lp_attention_args, b),
-    LAYOUT_FIELD(lp_attention_args, mb), LAYOUT_FIELD(lp_attention_args, scale), LAYOUT_FIELD(lp_attention_args, bad),
-    LAYOUT_FIELD(lp_attention_args, window),
-
-    LAYOUT_TYPE(lp_write_args),
-    LAYOUT_FIELD(lp_write_args, k_cache), LAYOUT_FIELD(lp_write_args, kc_s0), LAYOUT_FIELD(lp_write_args, kc_s1),
-    LAYOUT_FIELD(lp_write_args, kc_s2), LAYOUT_FIELD(lp_write_args, v_cache), LAYOUT_FIELD(lp_write_args, vc_s0),
-    LAYOUT_FIELD(lp_write_args, vc_s1), LAYOUT_FIELD(lp_write_args, vc_s2), LAYOUT_FIELD(lp_write_args, k),
-    LAYOUT_FIELD(lp_write_args, k_s0), LAYOUT_FIELD(lp_write_args, k_s1), LAYOUT_FIELD(lp_write_args, v),
-    LAYOUT_FIELD(lp_write_args, v_s0), LAYOUT_FIELD(lp_write_args, v_s1), LAYOUT_FIELD(lp_write_args, slots),
-    LAYOUT_FIELD(lp_write_args, sl_s0), LAYOUT_FIELD(lp_write_args, n), LAYOUT_FIELD(lp_write_args, kh),
-    LAYOUT_FIELD(lp_write_args, d), LAYOUT_FIELD(lp_write_args, dv), LAYOUT_FIELD(lp_write_args, nb),
-    LAYOUT_FIELD(lp_write_args, bs), LAYOUT_FIELD(lp_write_args, itemsize), LAYOUT_FIELD(lp_write_args, bad),
-
-    LAYOUT_TYPE(lm_moe_args),
-    LAYOUT_FIELD(lm_moe_args, out), LAYOUT_FIELD(lm_moe_args, ldo), LAYOUT_FIELD(lm_moe_args, h),
-    LAYOUT_FIELD(lm_moe_args, ldh), LAYOUT_FIELD(lm_moe_args, logits), LAYOUT_FIELD(lm_moe_args, ldl),
-    LAYOUT_FIELD(lm_moe_args, gate), LAYOUT_FIELD(lm_moe_args, up), LAYOUT_FIELD(lm_moe_args, down),
-    LAYOUT_FIELD(lm_moe_args, gate_type), LAYOUT_FIELD(lm_moe_args, up_type), LAYOUT_FIELD(lm_moe_args, down_type),
-    LAYOUT_FIELD(lm_moe_args, n), LAYOUT_FIELD(lm_moe_args, d), LAYOUT_FIELD(lm_moe_args, e),
-    LAYOUT_FIELD(lm_moe_args, inter), LAYOUT_FIELD(lm_moe_args, top_k), LAYOUT_FIELD(lm_moe_args, norm),
-    LAYOUT_FIELD(lm_moe_args, swiglu),
+#define F(f) LAYOUT_FIELD(T, f) /* a field of the structure T the lines below name */
+#define T lq_linear_call
+    LAYOUT_TYPE(T), F(type), F(w), F(n), F(k), F(x), F(ldx), F(m), F(y), F(ldy), F(bias), F(packed),
+#undef T
+#define T lq_gather_call
+    LAYOUT_TYPE(T), F(type), F(n), F(k), F(index_s), F(rows), F(out_s), F(w), F(index), F(out), F(bad),
+#undef T
+#define T lp_attention_args
+    LAYOUT_TYPE(T), F(out), F(out_s0), F(out_s1), F(q), F(q_s0), F(q_s1), F(k_cache), F(k_s0), F(k_s1), F(k_s2),
+    F(v_cache), F(v_s0), F(v_s1), F(v_s2), F(block_tables), F(bt_s0), F(bt_s1), F(query_starts), F(qs_s0),
+    F(context_lens), F(cl_s0), F(n), F(h), F(kh), F(d), F(dv), F(nb), F(bs), F(b), F(mb), F(scale), F(bad), F(window),
+#undef T
+#define T lp_write_args
+    LAYOUT_TYPE(T), F(k_cache), F(kc_s0), F(kc_s1), F(kc_s2), F(v_cache), F(vc_s0), F(vc_s1), F(vc_s2), F(k), F(k_s0),
+    F(k_s1), F(v), F(v_s0), F(v_s1), F(slots), F(sl_s0), F(n), F(kh), F(d), F(dv), F(nb), F(bs), F(itemsize), F(bad),
+#undef T
+#define T lm_moe_args
+    LAYOUT_TYPE(T), F(out), F(ldo), F(h), F(ldh), F(logits), F(ldl), F(gate), F(up), F(down), F(gate_type), F(up_type),
+    F(down_type), F(n), F(d), F(e), F(inter), F(top_k), F(norm), F(swiglu),
+#undef T
+#undef F
 };
 
 /* common/layout.h: the size of `type` (i < 0) or the offset, name and size of its i-th field. */

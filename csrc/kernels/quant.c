@@ -651,6 +651,28 @@ LQ_EXPORT int llaisys_quant_linear_call(const void *block) {
                                 c->packed);
 }
 
+/* Rows of W gathered by index and dequantized (lq_gather_call, quant.h); every index is checked
+ * first. One thread: an embedding's few rows are not worth waking the pool for. */
+LQ_EXPORT int llaisys_quant_gather_call(void *block) {
+    lq_gather_call *c = block;
+    const format_t *f = find_format((int)c->type);
+    if (!f) return LQ_ERR_TYPE;
+    if (c->k <= 0 || c->rows < 0 || c->k % f->block_elems) return LQ_ERR_SHAPE;
+    for (int64_t i = 0; i < c->rows; i++) {
+        const int64_t r = c->index[i * c->index_s];
+        if (r < 0 || r >= c->n) {
+            c->bad[0] = i, c->bad[1] = r;
+            return LQ_ERR_SHAPE;
+        }
+    }
+    const lq_decode_fn decode = kernels()->decode[f->index];
+    const size_t row_bytes = (size_t)c->k / (size_t)f->block_elems * (size_t)f->block_bytes;
+    for (int64_t i = 0; i < c->rows; i++)
+        decode((const uint8_t *)c->w + (size_t)c->index[i * c->index_s] * row_bytes, c->out + i * c->out_s,
+               (size_t)c->k);
+    return LQ_OK;
+}
+
 LQ_EXPORT int llaisys_quant_set_threads(int n) { return lq_pool_set_threads(n); }
 
 LQ_EXPORT int llaisys_quant_threads(void) { return lq_pool_threads(); }

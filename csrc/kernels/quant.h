@@ -305,4 +305,15 @@ typedef struct {
     const void *packed;
 } lq_linear_call;
 
+/* out[i] (k floats, out_s floats apart) = row index[i] (index_s elements apart) of W (n rows of
+ * k elements in format `type`, back to back), dequantized: an embedding lookup of `rows` ids.
+ * An index outside [0, n) stops it before anything is written, with bad = (i, index[i]). */
+typedef struct {
+    int64_t type, n, k, index_s, rows, out_s;
+    const void *w;
+    const int64_t *index;
+    float *out;
+    int64_t bad[2];
+} lq_gather_call;
+
 #endif

@@ -49,6 +49,7 @@ KERNELS: Signatures = {  # csrc/kernels
     "llaisys_quant_linear_f32": ([c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_void_p, c_int64,
                                   c_void_p], c_int),
     "llaisys_quant_linear_call": _BLOCK,
+    "llaisys_quant_gather_call": _BLOCK,
     "llaisys_quant_int_packed_bytes": ([c_int, c_int64, c_int64], c_int64),
     "llaisys_quant_int_pack": ([c_int, c_void_p, c_int64, c_int64, c_void_p], c_int),
     "llaisys_quant_int_amx": ([], c_int),

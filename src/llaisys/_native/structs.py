@@ -149,6 +149,14 @@ class LinearCall(ctypes.Structure):
                 ("y", _PTR), ("ldy", _I64), ("bias", _PTR), ("packed", _PTR)]
 
 
+@mirror("kernels", "lq_gather_call")
+class QuantGatherCall(ctypes.Structure):
+    """``llaisys_quant_gather_call``: rows of an encoded table by index, dequantized; ``bad`` is written back."""
+
+    _fields_ = [("type", _I64), ("n", _I64), ("k", _I64), ("index_s", _I64), ("rows", _I64), ("out_s", _I64),
+                ("w", _PTR), ("index", _PTR), ("out", _PTR), ("bad", _I64 * 2)]
+
+
 @mirror("kernels", "lp_attention_args")
 class PagedAttentionArgs(ctypes.Structure):
     """``llaisys_paged_attention``: pointers, then strides in elements; ``bad`` is written back."""

@@ -354,10 +354,10 @@ class LLMEngine:
                 picks = logits  # (P, V)
             else:
                 picks = logits[host_rows]  # (P, V)
-            seqs = [requests[j].seq for j in on_host]
-            picked.update(zip(on_host, sample_batch([requests[j].sampler for j in on_host], picks,
-                                                    [s.token_ids for s in seqs], [s.output_ids for s in seqs],
-                                                    [allowed[j] for j in on_host])))
+            hosted = [requests[j] for j in on_host]
+            picked.update(zip(on_host, sample_batch([r.sampler for r in hosted], picks,
+                                                    [r.penalized_context() for r in hosted],
+                                                    [r.seq.output_ids for r in hosted], [allowed[j] for j in on_host])))
         return [picked[j] for j in range(len(requests))]
 
     def _sample_on_device(self, requests: list[Request], logits, rows: list[int]) -> list[SampledToken]:

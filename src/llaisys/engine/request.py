@@ -114,6 +114,11 @@ class Request:
             return False
         return c.greedy or (c.min_p == 0.0 and c.min_tokens_to_keep == 1)
 
+    def penalized_context(self) -> list[int]:
+        """The ids the repetition penalty counts (prompt and generated), or [] when it is off
+        (1.0) and nothing reads them: the sampler's ``context_ids``."""
+        return self.seq.token_ids if self.config.repetition_penalty != 1.0 else []
+
     def allowed(self, mask: np.ndarray, vocab: int) -> np.ndarray:
         """The tokens (vocab,) bool this request may pick next, from its grammar's bitmask (W,):
         its end-of-sequence ids only where the grammar is complete (none at all when the library

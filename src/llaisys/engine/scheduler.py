@@ -89,7 +89,14 @@ class Chunk:
     @property
     def token_ids(self) -> list[int]:
         """The ids this chunk runs: the sequence's own, then the draft's."""
-        own = self.seq.token_ids[self.start:self.start + self.length - len(self.draft)]
+        seq, begin, end = self.seq, self.start, self.start + self.length - len(self.draft)
+        split = len(seq.prompt_ids)  # sliced from the two lists, not from their joined copy
+        if end <= split:
+            own = seq.prompt_ids[begin:end]
+        elif begin >= split:
+            own = seq.output_ids[begin - split:end - split]
+        else:
+            own = seq.prompt_ids[begin:] + seq.output_ids[:end - split]
         return own + list(self.draft) if self.draft else own
 
 
@@ -231,7 +238,8 @@ class Scheduler:
         for chunk in step.chunks:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
-            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            if self.blocks.prefix_caching:
+                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
             self.blocks.release_behind(seq.seq_id, seq.num_computed)
 
     def accept_draft(self, seq: Sequence, accepted: int) -> None:

@@ -24,16 +24,17 @@ from .request import RequestOutput
 # Called as progress(done, total) after each engine step that ran part of the prompt's uncached tokens.
 PrefillProgress = Callable[[int, int], None]
 
-BLOCK_SIZE = 16  # tokens per KV block of a request's own engine
+BLOCK_ROUND = 16  # a request's own engine holds its KV in one block of a multiple of this
 
 
 def engine_for(model, prompt_tokens: int, max_new_tokens: int) -> LLMEngine:
     """An engine of one request on ``model``: KV room for ``prompt_tokens`` + ``max_new_tokens``
-    (at most the context), no prefix cache (nothing comes after it to share it)."""
+    (at most the context) in one block, as a contiguous cache holds them (attention reads one
+    run of keys); no prefix cache (nothing comes after it to share it)."""
     context = int(model.config.max_position_embeddings)
     tokens = min(prompt_tokens + max_new_tokens, context)
-    tokens = max(-(-tokens // BLOCK_SIZE), 1) * BLOCK_SIZE  # whole blocks
-    return LLMEngine(model, kv_cache_tokens=tokens, block_size=BLOCK_SIZE, max_seqs=1, prefix_caching=False)
+    tokens = max(-(-tokens // BLOCK_ROUND), 1) * BLOCK_ROUND
+    return LLMEngine(model, kv_cache_tokens=tokens, block_size=tokens, max_seqs=1, prefix_caching=False)
 
 
 class GenerationStream:

@@ -131,17 +131,18 @@ def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray, context_ids: S
         raise ValueError(f"sample_batch: {rows} rows of logits, {len(samplers)} samplers, {len(context_ids)} "
                          f"contexts, {len(generated_ids)} generated lists and {len(allowed)} masks")
     tokens = [0] * rows
-    greedy = [r for r in range(rows) if samplers[r].config.greedy]
-    sampled = [r for r in range(rows) if not samplers[r].config.greedy]
+    greedy, sampled = [], []
+    for r, s in enumerate(samplers):
+        (greedy if s.config.greedy else sampled).append(r)
     if greedy:
         x = _penalized(greedy, samplers, logits, context_ids, generated_ids, allowed, writable=False)  # (Rg, V)
-        picked = x.argmax(axis=1)  # (Rg,) the first maximum of each row, as np.argmax of the row
-        best = x[np.arange(len(greedy)), picked]  # (Rg,)
-        if np.isnan(best).any():  # argmax stops at the first NaN
-            raise ValueError("the model returned NaN logits")
-        if (best == -np.inf).any():
-            raise ValueError("every token was masked out (min_tokens masks the stop ids)")
-        for r, t in zip(greedy, picked.tolist()):
+        picked = x.argmax(axis=1).tolist()  # (Rg,) the first maximum of each row, as np.argmax of the row
+        for i, (r, t) in enumerate(zip(greedy, picked)):
+            best = float(x[i, t])
+            if best != best:  # NaN: argmax stops at the first NaN
+                raise ValueError("the model returned NaN logits")
+            if best == -np.inf:
+                raise ValueError("every token was masked out (min_tokens masks the stop ids)")
             tokens[r] = t
     if sampled:
         for r, t in zip(sampled, _sample(sampled, samplers, logits, context_ids, generated_ids, allowed)):

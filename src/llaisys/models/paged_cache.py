@@ -52,27 +52,33 @@ class TokenBatch:
               max_blocks: int) -> "TokenBatch":
         """A batch from ``chunks``, one per sequence: (token ids to run, position of the first,
         block table, whether its last row's logits are wanted)."""
-        n = sum(len(ids) for ids, _, _, _ in chunks)
-        ids = np.empty(n, np.int64)
-        positions = np.empty(n, np.int64)
+        # Python lists for the per-token arrays: a step is mostly sequences of one token each,
+        # where a handful of list appends beat numpy's per-call cost
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         tables = np.full((len(chunks), max_blocks), -1, np.int64)
-        starts = np.zeros(len(chunks) + 1, np.int64)
-        lens = np.empty(len(chunks), np.int64)
+        starts = [0]
+        lens = []
         rows = []
-        at = 0
         for b, (chunk_ids, start, table, wants_logits) in enumerate(chunks):
             k = len(chunk_ids)
-            ids[at:at + k] = chunk_ids
-            positions[at:at + k] = np.arange(start, start + k)
+            ids.extend(chunk_ids)
+            if k == 1:
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                pos = np.arange(start, start + k)  # (k,)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size).tolist())
             tables[b, :len(table)] = table
-            at += k
-            starts[b + 1] = at
-            lens[b] = start + k
+            starts.append(starts[-1] + k)
+            lens.append(start + k)
             if wants_logits:
-                rows.append(at - 1)
-        seq_of_row = np.repeat(np.arange(len(chunks)), np.diff(starts))  # (N,)
-        slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
-        return cls(ids, positions, slots, tables, starts, lens, np.asarray(rows, np.int64))
+                rows.append(starts[-1] - 1)
+        per_token = np.array((ids, positions, slots), np.int64)  # (3, N) in one conversion
+        return cls(per_token[0], per_token[1], per_token[2], tables, np.array(starts, np.int64),
+                   np.array(lens, np.int64), np.array(rows, np.int64))
 
 
 class PagedKVCache:

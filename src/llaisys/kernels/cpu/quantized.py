@@ -217,6 +217,34 @@ def embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], at
     out[...] = w_t.derived("quant", _prepare).rows(index)  # (S, D) float32
 
 
+def native_embedding(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                     attrs: dict[str, Any]) -> "native_calls.NativeCall | None":
+    """``embedding`` of a block-quantized table as one C call (``llaisys_quant_gather_call``:
+    each row dequantized as ``QuantWeight.rows`` does it, the same bits), for a replayed plan:
+    a pass's first op then runs inside its native stretch. The index is read at every run; an
+    index out of range raises the direct call's ValueError. None for a non-F32 output, strided
+    rows, or without the native library."""
+    from ... import _native
+    from ..._native import structs
+
+    (out,), (index, weight) = outputs, inputs
+    if out.dtype is not DataType.F32 or out.strides[-1] != 1 or out.ndim != 2 or not native_calls.available():
+        return None
+    lib = _native.load("kernels")
+    qw = weight.derived("quant", _prepare)
+    if lib is None or not hasattr(lib, "llaisys_quant_gather_call") or not isinstance(qw, native.QuantWeight):
+        return None
+    block = structs.QuantGatherCall(qw.fmt.type_id, qw.n, qw.k, index.strides[0], out.shape[0], out.strides[0],
+                                    qw.raw.ctypes.data, index.data_ptr, out.data_ptr, (0, 0))
+
+    def fail(status: int) -> None:
+        raise ValueError(f"embedding: index {block.bad[1]} is out of range for a table of {qw.n} rows")
+
+    return native_calls.NativeCall("embedding", native_calls.address(lib, "llaisys_quant_gather_call"), block,
+                                   keep=(out, index, weight, qw), fail=fail)
+
+
+embedding.native_call = native_embedding  # type: ignore[attr-defined]
 linear.native_call = native_linear  # type: ignore[attr-defined]
 register_kernel("linear", "cpu", dtypes=FLOATS, weight_dtypes=QUANTIZED_TYPES, kernel=linear)
 register_kernel("linear", "cpu", dtypes=(DataType.F32,), weight_dtypes=(DataType.F16, DataType.BF16), kernel=linear)

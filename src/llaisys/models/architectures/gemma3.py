@@ -221,16 +221,7 @@ def hf_value_fix(ours: str, config: ModelConfig):
     return None
 
 
-GEMMA3 = register(Architecture(
-    name="gemma3",
-    args=Gemma3Args,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
-    hf_names=HF_TABLE,
-    gguf_names=GGUF_TABLE,
-    decoder_layer=gemma3_layer,
-    layer_shapes=gemma3_layer_shapes,
-    hf_prepare=hf_prepare,
-    hf_key_names=hf_key_names,
-    hf_value_fix=hf_value_fix,
-))
+GEMMA3 = register(Architecture(name="gemma3", args=Gemma3Args, hf_config=hf_config, gguf_config=gguf_config,
+                               hf_names=HF_TABLE, gguf_names=GGUF_TABLE, decoder_layer=gemma3_layer,
+                               layer_shapes=gemma3_layer_shapes, hf_prepare=hf_prepare, hf_key_names=hf_key_names,
+                               hf_value_fix=hf_value_fix))

@@ -56,10 +56,5 @@ def gguf_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
     return (lambda rows: unpermute_rows(rows, rows.shape[0] // dh)), dh
 
 
-LLAMA = register(Architecture(
-    name="llama",
-    args=WindowArgs,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
-    gguf_row_fix=gguf_row_fix,
-))
+LLAMA = register(Architecture(name="llama", args=WindowArgs, hf_config=hf_config, gguf_config=gguf_config,
+                              gguf_row_fix=gguf_row_fix))

@@ -36,9 +36,4 @@ def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) 
     return dict(BIASES)
 
 
-QWEN2 = register(Architecture(
-    name="qwen2",
-    args=WindowArgs,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
-))
+QWEN2 = register(Architecture(name="qwen2", args=WindowArgs, hf_config=hf_config, gguf_config=gguf_config))

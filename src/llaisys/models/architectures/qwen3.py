@@ -33,10 +33,5 @@ def qwen3_layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
     return {**layer_shapes(config, layer), p + "q_norm": (dh,), p + "k_norm": (dh,)}
 
 
-QWEN3 = register(Architecture(
-    name="qwen3",
-    args=WindowArgs,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
-    layer_shapes=qwen3_layer_shapes,
-))
+QWEN3 = register(Architecture(name="qwen3", args=WindowArgs, hf_config=hf_config, gguf_config=gguf_config,
+                              layer_shapes=qwen3_layer_shapes))

@@ -208,14 +208,6 @@ def moe_layer(ws: Workspace, lp: LayerParams, next_norm: Tensor, attend: Callabl
     decoder_layer(ws, lp, next_norm, attend, config, plan, ffn)
 
 
-QWEN3_MOE = register(Architecture(
-    name="qwen3_moe",
-    args=Qwen3MoeArgs,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
-    hf_names=HF_TABLE,
-    gguf_names=GGUF_TABLE,
-    layer_shapes=moe_layer_shapes,
-    sanitize_weights=sanitize_weights,
-    decoder_layer=moe_layer,
-))
+QWEN3_MOE = register(Architecture(name="qwen3_moe", args=Qwen3MoeArgs, hf_config=hf_config, gguf_config=gguf_config,
+                                  hf_names=HF_TABLE, gguf_names=GGUF_TABLE, layer_shapes=moe_layer_shapes,
+                                  sanitize_weights=sanitize_weights, decoder_layer=moe_layer))
