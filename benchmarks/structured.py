@@ -42,8 +42,7 @@ class Timer:
 def run(model, prompt_ids: list[int], n: int, tokens: int, grammar) -> dict[str, float]:
     """One batch of ``n`` requests; the median full-batch decode step (ms) and, with a grammar,
     the grammar work per such step (ms)."""
-    from llaisys.engine import LLMEngine
-    from llaisys.engine import grammar as grammar_module
+    from llaisys.engine import LLMEngine, grammar as grammar_module
     from llaisys.engine.grammar import GuidedConfig
     from llaisys.generation import GenerationConfig
 

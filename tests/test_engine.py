@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import random_hf_model
-from llaisys.engine import EngineStopped, EngineThread, LLMEngine
-from llaisys.engine import generate
+from llaisys.engine import EngineStopped, EngineThread, LLMEngine, generate
 from llaisys.generation import GenerationConfig
 from llaisys.models import load_model
 from llaisys.models.paged_cache import TokenBatch

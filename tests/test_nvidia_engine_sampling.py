@@ -12,8 +12,7 @@ import pytest
 
 from conftest import random_hf_model
 
-from llaisys.engine import LLMEngine
-from llaisys.engine import engine as engine_module
+from llaisys.engine import LLMEngine, engine as engine_module
 from llaisys.engine.grammar import GrammarCompiler, GuidedConfig
 from llaisys.generation import GenerationConfig, Sampler
 from llaisys.models import load_model

@@ -143,8 +143,7 @@ def test_decoding_step_replayed_from_a_cuda_graph(gpu_model):
 def test_decoding_with_cuda_graphs_equals_eager_and_the_cpu(gpu_model, smollm2_model, monkeypatch):
     """The decoder's own graphs (one per cache and bucket): greedy tokens and engine batches
     with graphs on equal those with graphs off, and the CPU's (F32)."""
-    from llaisys.engine import LLMEngine
-    from llaisys.engine import generate
+    from llaisys.engine import LLMEngine, generate
     from llaisys.generation import GenerationConfig
     from llaisys.engine.stream import engine_for
 

@@ -9,8 +9,7 @@ import pytest
 
 from conftest import random_hf_model
 
-from llaisys.engine import LLMEngine
-from llaisys.engine import generate
+from llaisys.engine import LLMEngine, generate
 from llaisys.generation import GenerationConfig
 from llaisys.models import load_model
 

@@ -151,6 +151,7 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         self._masks = MaskBatch()
+        self._special = 0  # requests in the engine with a grammar or pooling (most steps have none)
         self._device_sampling = _device_sampling(model)
         self._speculation = verifies_exactly(model)
         self._warned = False  # whether the log says speculation is off on this device
@@ -199,6 +200,7 @@ class LLMEngine:
         request.seq.drafter = self._drafter(config, grammar is not None or pooling is not None)
         self.scheduler.add(request.seq)  # raises when it alone could never fit
         self.requests[request_id] = request
+        self._special += request.matcher is not None or request.pooler is not None
         return request_id
 
     def _drafter(self, config: GenerationConfig, constrained: bool) -> Drafter | None:
@@ -222,6 +224,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._special -= request.matcher is not None or request.pooler is not None
         self.scheduler.finish(request.seq)
         return request.abort()
 
@@ -259,13 +262,14 @@ class LLMEngine:
             logits = self.model.forward_batch(batch, self.cache)  # (R, V) float32 on the host
         else:
             logits = self.model.forward_batch_logits(batch, self.cache)  # (R, V) on the device
-        self._pool(step.chunks, batch.num_tokens)
+        if self._special:
+            self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
         if self.kv_events is not None:  # the blocks this step took (and so dropped) and filled
             self.kv_events.publish(self.blocks.events.drain())
         sampled = [c for c in step.chunks if c.samples]  # logits row order
         sampling = [self.requests[c.seq.seq_id] for c in sampled]
-        allowed = self._grammar_masks(sampling, logits.shape[-1])
+        allowed = self._grammar_masks(sampling, logits.shape[-1]) if self._special else {}
         outputs: list[RequestOutput | None] = []
         picking = []  # requests that pick a token, all sampled in one call
         for i, request in enumerate(sampling):
@@ -289,6 +293,7 @@ class LLMEngine:
             if out.finished:
                 self.scheduler.finish(request.seq)
                 del self.requests[request.request_id]
+                self._special -= request.matcher is not None or request.pooler is not None
         return outputs
 
     def _verify(self, chunks: list[Chunk], requests: list[Request], rows: list[int], logits,
@@ -337,9 +342,10 @@ class LLMEngine:
         ``sample_batch``; device logits (an nvidia model) are sampled there for the requests the
         device can serve (``Request.device_pickable``), only their ids crossing, and only the
         other rows are copied to the host for ``sample_batch``."""
-        on_device: list[int] = []
-        if self._device_sampling is not None:
-            on_device = [j for j, r in enumerate(requests) if r.device_pickable(allowed[j])]
+        if self._device_sampling is None:  # host logits: every row to the host sampler
+            picks = logits if rows == list(range(logits.shape[0])) else logits[rows]  # (P, V)
+            return self._sample_on_host(requests, picks, allowed)
+        on_device = [j for j, r in enumerate(requests) if r.device_pickable(allowed[j])]
         device_set = set(on_device)
         on_host = [j for j in range(len(requests)) if j not in device_set]
         picked: dict[int, SampledToken] = {}
@@ -347,18 +353,17 @@ class LLMEngine:
             picked.update(zip(on_device, self._sample_on_device([requests[j] for j in on_device], logits,
                                                                 [rows[j] for j in on_device])))
         if on_host:
-            host_rows = [rows[j] for j in on_host]
-            if self._device_sampling is not None:
-                picks = self._device_sampling.rows_to_host(logits, host_rows)  # (P, V) only these rows cross
-            elif host_rows == list(range(logits.shape[0])):
-                picks = logits  # (P, V)
-            else:
-                picks = logits[host_rows]  # (P, V)
-            hosted = [requests[j] for j in on_host]
-            picked.update(zip(on_host, sample_batch([r.sampler for r in hosted], picks,
-                                                    [r.penalized_context() for r in hosted],
-                                                    [r.seq.output_ids for r in hosted], [allowed[j] for j in on_host])))
+            picks = self._device_sampling.rows_to_host(logits, [rows[j] for j in on_host])  # (P, V) only these cross
+            picked.update(zip(on_host, self._sample_on_host([requests[j] for j in on_host], picks,
+                                                            [allowed[j] for j in on_host])))
         return [picked[j] for j in range(len(requests))]
+
+    @staticmethod
+    def _sample_on_host(requests: list[Request], logits: np.ndarray, allowed: list[np.ndarray | None]
+                        ) -> list[SampledToken]:
+        """``sample_batch`` of ``requests`` over their host rows ``logits`` (P, V)."""
+        return sample_batch([r.sampler for r in requests], logits, [r.penalized_context() for r in requests],
+                            [r.seq.output_ids for r in requests], allowed)
 
     def _sample_on_device(self, requests: list[Request], logits, rows: list[int]) -> list[SampledToken]:
         """One ``sample`` call for ``rows`` of the device ``logits``: greedy rows take the
