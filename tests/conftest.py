@@ -473,6 +473,11 @@ class ScriptedModel:
     generation_defaults: dict = {}
     forwarded = 0
 
+    @property
+    def runner(self) -> "ScriptedModel":
+        """It runs itself (a model's runner is what the engine calls)."""
+        return self
+
     def kv_bytes_per_token(self) -> int:
         return 1 << 16
 

@@ -7,7 +7,7 @@
             print(out.request_id, out.text_delta)
 
 Each ``step`` asks the scheduler for a batch (decode tokens of running requests, prefill chunks
-of new ones), runs it through ``model.forward_batch`` over the paged KV cache so every weight
+of new ones), runs it through the model's runner (``forward_batch``) over the paged KV cache so every weight
 is read once for all of them, then lets each request that reached its end pick its next token
 with its own sampler, all of the step's rows in one ``sample_batch`` call (the tokens each
 sampler would pick alone). A request whose config carries a grammar (``grammar.GuidedConfig``)
@@ -123,7 +123,8 @@ class LLMEngine:
         self.model = model
         self.speculative_tokens = speculative_tokens
         self.context_length = int(model.config.max_position_embeddings)
-        per_token = model.kv_bytes_per_token()
+        self.runner = model.runner  # runs the model's passes (models.runner.ModelRunner)
+        per_token = self.runner.kv_bytes_per_token()
         if kv_cache_tokens is None:
             budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
             if not isinstance(budget, int) or budget < 1:
@@ -135,7 +136,7 @@ class LLMEngine:
             raise ValueError(f"the KV cache must hold at least one block of {block_size} tokens; "
                              f"got {kv_cache_tokens!r} tokens ({per_token} bytes each)")
         num_blocks = kv_cache_tokens // block_size
-        self.cache = model.new_paged_cache(num_blocks, block_size)
+        self.cache = self.runner.new_paged_cache(num_blocks, block_size)
         config = getattr(model, "config", None)
         window = config.kv_window() if hasattr(config, "kv_window") else 0
         self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching, window)
@@ -259,9 +260,9 @@ class LLMEngine:
         batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
         batch.logit_rows = np.asarray(logit_rows, np.int64)  # (R,)
         if self._device_sampling is None:
-            logits = self.model.forward_batch(batch, self.cache)  # (R, V) float32 on the host
+            logits = self.runner.forward_batch(batch, self.cache)  # (R, V) float32 on the host
         else:
-            logits = self.model.forward_batch_logits(batch, self.cache)  # (R, V) on the device
+            logits = self.runner.forward_batch_logits(batch, self.cache)  # (R, V) on the device
         if self._special:
             self._pool(step.chunks, batch.num_tokens)
         self.scheduler.commit(step)
@@ -394,7 +395,7 @@ class LLMEngine:
     def model_hidden(self, num_tokens: int) -> np.ndarray:
         """The final hidden states (N, D) float32 (after the last norm) of the batch of
         ``num_tokens`` tokens the model just ran over this engine's cache."""
-        hidden_states = getattr(self.model, "hidden_states", None)
+        hidden_states = getattr(self.runner, "hidden_states", None)
         if hidden_states is None:
             raise RuntimeError("this model does not expose its hidden states; it cannot give embeddings")
         return hidden_states(self.cache, num_tokens)[:num_tokens]

@@ -66,7 +66,10 @@ class RequestStream:
     def __next__(self) -> RequestOutput:
         if self.finished:
             raise StopIteration
-        item = self._queue.get()
+        return self._take(self._queue.get())
+
+    def _take(self, item: "RequestOutput | BaseException") -> RequestOutput:
+        """The next output read: ``item``, or raised when it is the error that ended the request."""
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -114,12 +117,7 @@ class AsyncRequestStream(RequestStream):
                 await self._waiter
             finally:
                 self._waiter = None
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+        return self._take(self._items.popleft())
 
 
 def _deliver_all(items: list[tuple[AsyncRequestStream, "RequestOutput | BaseException"]]) -> None:

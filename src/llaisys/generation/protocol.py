@@ -33,20 +33,26 @@ class PagedCacheLike(Protocol):
     max_blocks: int
 
 
-class LanguageModel(Protocol):
-    """What the engine runs: the model's config (``vocab_size``, ``max_position_embeddings``),
-    tokenizer and end ids, a paged cache of its own, and one pass over a batch of sequences
-    returning the float32 logits (R, V) of the batch's ``logit_rows``. A model may also have
-    ``device`` (speculation and device sampling look at it), ``hidden_states`` (embeddings)
-    and ``forward_batch_logits`` (logits left on an nvidia device)."""
-
-    config: Any
-    tokenizer: TokenizerLike
-    eos_token_ids: list[int]
-    generation_defaults: dict
+class ModelRunnerLike(Protocol):
+    """How a model runs (``models.runner.ModelRunner``): a paged cache of its own and one pass
+    over a batch of sequences returning the float32 logits (R, V) of the batch's
+    ``logit_rows``. It may also have ``hidden_states`` (embeddings) and
+    ``forward_batch_logits`` (logits left on an nvidia device)."""
 
     def kv_bytes_per_token(self) -> int: ...
 
     def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedCacheLike: ...
 
     def forward_batch(self, batch: Any, cache: PagedCacheLike) -> np.ndarray: ...
+
+
+class LanguageModel(Protocol):
+    """What the engine runs: the model's config (``vocab_size``, ``max_position_embeddings``),
+    tokenizer and end ids, and its ``runner``. A model may also have ``device`` (speculation
+    and device sampling look at it) and ``shard`` (tensor parallelism)."""
+
+    config: Any
+    tokenizer: TokenizerLike
+    eos_token_ids: list[int]
+    generation_defaults: dict
+    runner: ModelRunnerLike

@@ -201,9 +201,10 @@ class ModelRunner:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence of ints; got shape {ids.shape}")
         if ids.dtype.kind not in "iu":
             raise TypeError(f"token_ids must be integers, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= self.model.config.vocab_size)
-        if bad.any():
-            raise ValueError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.model.config.vocab_size})")
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
         return ids.astype(np.int64, copy=False)
 
     def _check_cache(self, cache: KVCache, s: int) -> None:
@@ -262,8 +263,9 @@ class ModelRunner:
         graphs replays its bucket's graph, padded to it."""
         m = self.model
         n, b, r = batch.num_tokens, batch.num_seqs, int(batch.logit_rows.shape[0])
-        decode = n == b and np.array_equal(batch.query_starts, np.arange(b + 1))
-        graphs = self._graphs(cache) if decode else None
+        graphs = self._graphs(cache)  # None on the CPU: then no decoding step needs telling apart
+        if graphs is not None and not (n == b and np.array_equal(batch.query_starts, np.arange(b + 1))):
+            graphs = None  # graphs replay decoding steps (a token per sequence) only
         if graphs is not None:
             size = graphs.bucket(b)
             batch = pad_decode_batch(batch, size)

@@ -14,27 +14,27 @@ error after the start is an ``error`` event. A whole response is built by the sa
 stream, so the two agree block for block.
 
 Every error on these routes has Anthropic's shape, ``{"type": "error", "error": {"type",
-"message"}}``: ``AnthropicErrors`` reshapes the server's own (OpenAI-shaped) error answers,
-those of the API key check, the body guards and unknown routes included.
+"message"}}`` (``bodies.error_body``): ``middleware.AnthropicErrors`` reshapes the server's own
+(OpenAI-shaped) error answers, those of the API key check, the body guards and unknown routes
+included.
 """
 from __future__ import annotations
 
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError, field_validator, model_validator
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import RequestOutput
-from .bodies import is_json_type, json_kind, media_type, render_json
+from .bodies import error_body, json_kind
 from .completions import ChatFormat, Run, answer, chat_format, submit_jobs, until_disconnected
 from .errors import APIError, bad_request, validation_error
+from .middleware import AnthropicErrors, reshape_error  # noqa: F401  (the Messages API's, importable from here too)
 from .protocol import MAX_TOOLS, ChatCompletionRequest, FastList, PositiveInt, Strict
 from .reasoning import ReplyDeltas
 from .requests import Job, build_request, chat_prompt
@@ -42,12 +42,7 @@ from .service import ModelService
 
 log = logging.getLogger(__name__)
 
-PATH = "/v1/messages"
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # Anthropic's rule for a custom tool's name
-# Anthropic's error type by HTTP status (other 4xx: invalid_request_error, other 5xx: api_error)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-               500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 _thinking_noted: set[str] = set()  # models whose template cannot think, logged once each
 
 
@@ -164,12 +159,15 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
                 if fmt is not None else None}
 
 
-def _block_type(block: Any, where: str) -> str:
-    kind = block.get("type") if isinstance(block, dict) else None
-    if not isinstance(kind, str):
-        raise bad_request(f"{where}: must be a content block {{'type': ..., ...}}, got {json_kind(block)}",
-                          param=where)
-    return kind
+def _typed_blocks(blocks: list[Any], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each content block of ``blocks`` (at ``where``) with its place, ``where[j]``, and its type;
+    400 for an item that is not a block with a type."""
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            raise bad_request(f"{at}: must be a content block {{'type': ..., ...}}, got {json_kind(block)}", param=at)
+        yield at, kind, block
 
 
 def _unsupported(kind: str, where: str, allowed: str) -> APIError:
@@ -194,9 +192,7 @@ def _texts(blocks: str | list[Any] | None, where: str, allowed: str = "text") ->
         raise bad_request(f"{where}: must be a string or a list of text blocks, got {json_kind(blocks)}",
                           param=where)
     texts = []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind != "text":
             raise _unsupported(kind, at, allowed)
         texts.append(_str_field(block, "text", at))
@@ -206,9 +202,7 @@ def _texts(blocks: str | list[Any] | None, where: str, allowed: str = "text") ->
 def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """The chat messages of a user turn: a tool message per ``tool_result``, then its text."""
     tools, texts = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
             texts.append(_str_field(block, "text", at))
         elif kind == "tool_result":
@@ -230,9 +224,7 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     """The chat message of an assistant turn: its text and its ``tool_use`` blocks as tool calls
     (earlier thinking is not shown to the model again)."""
     texts, calls = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
             texts.append(_str_field(block, "text", at))
         elif kind == "tool_use":
@@ -411,12 +403,6 @@ def matched_stop(text: str, stops: list[str] | None) -> str | None:
     return min(found)[2] if found else None
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """An error in Anthropic's shape, its type chosen by the HTTP ``status``."""
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
 def _event(kind: str, body: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -519,72 +505,3 @@ async def count_tokens(service: ModelService, chat: ChatCompletionRequest) -> di
     """Answer POST /v1/messages/count_tokens, given ``chat``: ``chat_request(req)``: the tokens of
     the prompt the same Messages request would have (rendered and counted in a worker)."""
     return {"input_tokens": len(await chat_prompt(service, chat))}
-
-
-# ---- errors ------------------------------------------------------------------------------------
-def is_messages_path(path: str) -> bool:
-    """Whether ``path`` is one of the Messages API's (its errors take Anthropic's shape)."""
-    return path == PATH or path.startswith(PATH + "/")
-
-
-def reshape_error(status: int, raw: bytes) -> bytes:
-    """An error answer's JSON body in Anthropic's shape (one that has it already, unchanged)."""
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if isinstance(value, dict) and value.get("type") == "error":
-        return raw
-    error = value.get("error") if isinstance(value, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    if not isinstance(message, str):
-        message = raw.decode("utf-8", "replace") or f"HTTP {status}"
-    return render_json(error_body(status, message))
-
-
-class AnthropicErrors:
-    """Gives the Messages API's error answers Anthropic's shape: an answer of status 400 or more
-    with a JSON body, on a path under /v1/messages, is held and rewritten (``reshape_error``); an
-    unexpected exception there is answered with an ``api_error`` 500 before it goes on up (to
-    be logged). Other paths, and successful answers (streams), pass through untouched."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not is_messages_path(scope["path"]):
-            return await self.app(scope, receive, send)
-        held: Message | None = None  # the start of an error answer, sent once its body is rewritten
-        chunks: list[bytes] = []
-        started = False
-
-        async def reshaping(message: Message) -> None:
-            nonlocal held, started
-            if message["type"] == "http.response.start":
-                started = True
-                content_type = Headers(raw=message.get("headers", [])).get("content-type")
-                if message["status"] >= 400 and is_json_type(media_type(content_type)):
-                    held = message
-                    return
-            elif held is not None and message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-                if message.get("more_body", False):
-                    return
-                body = reshape_error(held["status"], b"".join(chunks))
-                headers = MutableHeaders(raw=list(held.get("headers", [])))
-                headers["content-length"] = str(len(body))
-                await send({**held, "headers": headers.raw})
-                await send({"type": "http.response.body", "body": body})
-                return
-            await send(message)
-
-        try:
-            await self.app(scope, receive, reshaping)
-        except Exception as exc:
-            if not started:
-                body = render_json(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
-                await send({"type": "http.response.start", "status": 500,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-            raise

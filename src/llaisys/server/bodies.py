@@ -10,6 +10,9 @@ with several threads the loop could wait for several of them back to back.
 The work runs with Python's cyclic garbage collector paused (``gc_paused``): a parser making
 millions of lists would otherwise trigger collections that walk every object made so far,
 inside the same C call, several times the parse's own time with the GIL held.
+
+Also the small pieces of JSON bodies the other modules share: media types, ``render_json``, and
+Anthropic's error body (``error_body``: for the Messages API's errors, answered or streamed).
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ from .protocol import load_json_body
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
+# Anthropic's error type by HTTP status (other 4xx: invalid_request_error, other 5xx: api_error)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
+                         529: "overloaded_error"}
 INLINE_BODY = 64 << 10  # bodies up to this size are parsed on the event loop (a few milliseconds)
 BODY_THREAD = ThreadPoolExecutor(1, thread_name_prefix="llaisys-body")
 
@@ -117,3 +125,9 @@ def json_kind(value: Any) -> str:
 def render_json(value: Any) -> bytes:
     """``value`` as Starlette's JSONResponse writes it (UTF-8, compact, no NaN)."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape, its type chosen by the HTTP ``status``."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

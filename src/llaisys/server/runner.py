@@ -8,7 +8,7 @@ has waited longest without a request (a stalled client, or an idle keep-alive), 
 connection has a request running, is answered 503 and closed. So stalled clients can neither
 use up the descriptors nor keep others out. Should the process run out of descriptors anyway,
 the log says so once a minute, not once per connection. Bodies are bounded by the app
-(``app.BodyGuard``).
+(``middleware.BodyGuard``).
 
 Shutdown: on SIGINT or SIGTERM uvicorn stops accepting connections and waits for the open
 ones; we also refuse new requests on connections still open, give the running ones
