@@ -17,53 +17,33 @@ typedef struct mallinfo2 glibc_mallinfo2; /* the grammar sandbox's heap counts *
 #endif
 
 static const layout_entry LAYOUTS[] = {
-#define F(f) LAYOUT_FIELD(T, f) /* a field of the structure T the lines below name */
-#define T C_Device_st
-    LAYOUT_TYPE(T), F(id),
-#undef T
-#define T C_CCLRootId
-    LAYOUT_TYPE(T), F(sz), F(data),
-#undef T
-#define T C_DeviceInterface
-    LAYOUT_TYPE(T), F(size), F(initialize), F(finalize), F(init_device), F(set_device), F(get_device), F(deinit_device),
-    F(create_stream), F(destroy_stream), F(query_stream), F(stream_add_callback), F(create_event), F(record_event),
-    F(destroy_event), F(query_event), F(synchronize_device), F(synchronize_stream), F(synchronize_event),
-    F(stream_wait_event), F(reserved_dev_api), F(device_memory_allocate), F(device_memory_deallocate),
-    F(device_memory_set), F(host_memory_allocate), F(host_memory_deallocate), F(unified_memory_allocate),
-    F(unified_memory_deallocate), F(memory_copy_h2d), F(memory_copy_d2h), F(memory_copy_d2d), F(memory_copy_p2p),
-    F(async_memory_copy_h2d), F(async_memory_copy_d2h), F(async_memory_copy_d2d), F(async_memory_copy_p2p),
-    F(reserved_mem_api), F(get_device_count), F(get_device_list), F(device_memory_stats), F(device_min_chunk_size),
-    F(device_max_chunk_size), F(device_max_alloc_size), F(device_extra_padding_size), F(device_init_alloc_size),
-    F(device_realloc_size), F(get_compute_capability), F(get_runtime_version), F(get_driver_version),
-    F(reserved_info_api), F(xccl_get_unique_id_size), F(xccl_get_unique_id), F(xccl_comm_init_rank),
-    F(xccl_destroy_comm), F(xccl_all_reduce), F(xccl_broadcast), F(xccl_reduce), F(xccl_all_gather),
-    F(xccl_reduce_scatter), F(xccl_group_start), F(xccl_group_end), F(xccl_send), F(xccl_recv), F(xccl_all_to_all),
-    F(reserved_ccl_api), F(profiler_initialize), F(profiler_finalize), F(profiler_prepare_tracing),
-    F(profiler_start_tracing), F(profiler_stop_tracing), F(profiler_collect_trace_data), F(reserved_profiler_api),
-    F(blas_axpby), F(reserved_other_api),
-#undef T
-#define T CustomRuntimeVersion
-    LAYOUT_TYPE(T), F(major), F(minor), F(patch),
-#undef T
-#define T CustomRuntimeParams
-    LAYOUT_TYPE(T), F(size), F(interface), F(version), F(device_type), F(sub_device_type), F(reserved),
-#undef T
-#define T LlaisysTensorDesc
-    LAYOUT_TYPE(T), F(data), F(dtype), F(ndim), F(shape), F(strides),
-#undef T
-#define T LlaisysKernelAttr
-    LAYOUT_TYPE(T), F(name), F(value),
-#undef T
-#define T LlaisysKernelRegistrar
-    LAYOUT_TYPE(T), F(size), F(abi_version), F(context), F(register_kernel),
-#undef T
+    LAYOUT(C_Device_st, id),
+    LAYOUT(C_CCLRootId, sz, data),
+    LAYOUT(C_DeviceInterface, size, initialize, finalize, init_device, set_device, get_device, deinit_device,
+                              create_stream, destroy_stream, query_stream, stream_add_callback, create_event,
+                              record_event, destroy_event, query_event, synchronize_device, synchronize_stream,
+                              synchronize_event, stream_wait_event, reserved_dev_api, device_memory_allocate,
+                              device_memory_deallocate, device_memory_set, host_memory_allocate, host_memory_deallocate,
+                              unified_memory_allocate, unified_memory_deallocate, memory_copy_h2d, memory_copy_d2h,
+                              memory_copy_d2d, memory_copy_p2p, async_memory_copy_h2d, async_memory_copy_d2h,
+                              async_memory_copy_d2d, async_memory_copy_p2p, reserved_mem_api, get_device_count,
+                              get_device_list, device_memory_stats, device_min_chunk_size, device_max_chunk_size,
+                              device_max_alloc_size, device_extra_padding_size, device_init_alloc_size,
+                              device_realloc_size, get_compute_capability, get_runtime_version, get_driver_version,
+                              reserved_info_api, xccl_get_unique_id_size, xccl_get_unique_id, xccl_comm_init_rank,
+                              xccl_destroy_comm, xccl_all_reduce, xccl_broadcast, xccl_reduce, xccl_all_gather,
+                              xccl_reduce_scatter, xccl_group_start, xccl_group_end, xccl_send, xccl_recv,
+                              xccl_all_to_all, reserved_ccl_api, profiler_initialize, profiler_finalize,
+                              profiler_prepare_tracing, profiler_start_tracing, profiler_stop_tracing,
+                              profiler_collect_trace_data, reserved_profiler_api, blas_axpby, reserved_other_api),
+    LAYOUT(CustomRuntimeVersion, major, minor, patch),
+    LAYOUT(CustomRuntimeParams, size, interface, version, device_type, sub_device_type, reserved),
+    LAYOUT(LlaisysTensorDesc, data, dtype, ndim, shape, strides),
+    LAYOUT(LlaisysKernelAttr, name, value),
+    LAYOUT(LlaisysKernelRegistrar, size, abi_version, context, register_kernel),
 #ifdef HAVE_MALLINFO2
-#define T glibc_mallinfo2
-    LAYOUT_TYPE(T), F(arena), F(ordblks), F(smblks), F(hblks), F(hblkhd), F(usmblks), F(fsmblks), F(uordblks),
-    F(fordblks), F(keepcost),
-#undef T
+    LAYOUT(glibc_mallinfo2, arena, ordblks, smblks, hblks, hblkhd, usmblks, fsmblks, uordblks, fordblks, keepcost),
 #endif
-#undef F
 };
 
 /* common/layout.h: the size of `type` (i < 0) or the offset, name and size of its i-th field. */

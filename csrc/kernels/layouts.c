@@ -7,27 +7,15 @@
 #include "quant.h"
 
 static const layout_entry LAYOUTS[] = {
-#define F(f) LAYOUT_FIELD(T, f) /* a field of the structure T the lines below name */
-#define T lq_linear_call
-    LAYOUT_TYPE(T), F(type), F(w), F(n), F(k), F(x), F(ldx), F(m), F(y), F(ldy), F(bias), F(packed),
-#undef T
-#define T lq_gather_call
-    LAYOUT_TYPE(T), F(type), F(n), F(k), F(index_s), F(rows), F(out_s), F(w), F(index), F(out), F(bad),
-#undef T
-#define T lp_attention_args
-    LAYOUT_TYPE(T), F(out), F(out_s0), F(out_s1), F(q), F(q_s0), F(q_s1), F(k_cache), F(k_s0), F(k_s1), F(k_s2),
-    F(v_cache), F(v_s0), F(v_s1), F(v_s2), F(block_tables), F(bt_s0), F(bt_s1), F(query_starts), F(qs_s0),
-    F(context_lens), F(cl_s0), F(n), F(h), F(kh), F(d), F(dv), F(nb), F(bs), F(b), F(mb), F(scale), F(bad), F(window),
-#undef T
-#define T lp_write_args
-    LAYOUT_TYPE(T), F(k_cache), F(kc_s0), F(kc_s1), F(kc_s2), F(v_cache), F(vc_s0), F(vc_s1), F(vc_s2), F(k), F(k_s0),
-    F(k_s1), F(v), F(v_s0), F(v_s1), F(slots), F(sl_s0), F(n), F(kh), F(d), F(dv), F(nb), F(bs), F(itemsize), F(bad),
-#undef T
-#define T lm_moe_args
-    LAYOUT_TYPE(T), F(out), F(ldo), F(h), F(ldh), F(logits), F(ldl), F(gate), F(up), F(down), F(gate_type), F(up_type),
-    F(down_type), F(n), F(d), F(e), F(inter), F(top_k), F(norm), F(swiglu),
-#undef T
-#undef F
+    LAYOUT(lq_linear_call, type, w, n, k, x, ldx, m, y, ldy, bias, packed),
+    LAYOUT(lq_gather_call, type, n, k, index_s, rows, out_s, w, index, out, bad),
+    LAYOUT(lp_attention_args, out, out_s0, out_s1, q, q_s0, q_s1, k_cache, k_s0, k_s1, k_s2, v_cache, v_s0, v_s1, v_s2,
+                              block_tables, bt_s0, bt_s1, query_starts, qs_s0, context_lens, cl_s0, n, h, kh, d, dv, nb,
+                              bs, b, mb, scale, bad, window),
+    LAYOUT(lp_write_args, k_cache, kc_s0, kc_s1, kc_s2, v_cache, vc_s0, vc_s1, vc_s2, k, k_s0, k_s1, v, v_s0, v_s1,
+                          slots, sl_s0, n, kh, d, dv, nb, bs, itemsize, bad),
+    LAYOUT(lm_moe_args, out, ldo, h, ldh, logits, ldl, gate, up, down, gate_type, up_type, down_type, n, d, e, inter,
+                        top_k, norm, swiglu),
 };
 
 /* common/layout.h: the size of `type` (i < 0) or the offset, name and size of its i-th field. */

@@ -120,6 +120,26 @@ INLINE float exp_neg(float x) {
     return y * two_n;
 }
 
+/* exp_neg on a vector of `bits` bits (256 or 512: the intrinsics are named after it), as
+ * `attr name`: the same float32 operations lane by lane (GCC's vector operators for + - *,
+ * fmadd for fmaf). */
+#define LP_EXP_NEG_VECTOR(attr, name, bits)                                                                        \
+    attr __m##bits name(__m##bits x) {                                                                             \
+        x = _mm##bits##_max_ps(x, _mm##bits##_set1_ps(-87.0f));                                                    \
+        const __m##bits n = (x * EXP_LOG2E + EXP_ROUND) - EXP_ROUND;                                               \
+        __m##bits r = x - n * EXP_C1;                                                                              \
+        r = r - n * EXP_C2;                                                                                        \
+        __m##bits p = _mm##bits##_set1_ps(EXP_P0);                                                                 \
+        p = _mm##bits##_fmadd_ps(p, r, _mm##bits##_set1_ps(EXP_P1));                                               \
+        p = _mm##bits##_fmadd_ps(p, r, _mm##bits##_set1_ps(EXP_P2));                                               \
+        p = _mm##bits##_fmadd_ps(p, r, _mm##bits##_set1_ps(EXP_P3));                                               \
+        p = _mm##bits##_fmadd_ps(p, r, _mm##bits##_set1_ps(EXP_P4));                                               \
+        p = _mm##bits##_fmadd_ps(p, r, _mm##bits##_set1_ps(EXP_P5));                                               \
+        const __m##bits y = _mm##bits##_fmadd_ps(p, r * r, r) + 1.0f;                                              \
+        const __m##bits##i n_int = _mm##bits##_add_epi32(_mm##bits##_cvttps_epi32(n), _mm##bits##_set1_epi32(127)); \
+        return y * _mm##bits##_castsi##bits##_ps(_mm##bits##_slli_epi32(n_int, 23)); /* times 2^n */               \
+    }
+
 /* A row's acc and partial sums rescaled from maximum `old` to m (the same elementwise products
  * at every level). */
 INLINE void rescale(float *acc, int64_t dv, float *sum, float old, float m) {

@@ -40,47 +40,42 @@ static const char *const UNIT_NAMES[UNIT_COUNT] = {"avx512_vnni", "avx_vnni", "a
 
 /* Accumulator chains: 16 zmm ones cover two units of up to 8 cycles' latency; VEX reaches 16
  * ymm registers only, so 12 beside the two operands. Each is a variable of its own, and each step
- * inline assembly, because compilers shuffle an array of vpdpbusd accumulators through memory. */
-#define CHAINS16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
-#define CHAINS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+ * inline assembly, because compilers shuffle an array of vpdpbusd accumulators through memory.
+ * CHAINSn(X, bits) writes X(n, bits) for each chain n. */
+#define CHAINS16(X, bits) CHAINS12(X, bits) X(12, bits) X(13, bits) X(14, bits) X(15, bits)
+#define CHAINS12(X, bits)                                                                                          \
+    X(0, bits) X(1, bits) X(2, bits) X(3, bits) X(4, bits) X(5, bits) X(6, bits) X(7, bits) X(8, bits) X(9, bits) \
+    X(10, bits) X(11, bits)
 #define AMX_MACS (16 * 16 * 64)
 
 /* ---- the loops: `rounds` rounds of every chain; each returns a sum of its accumulators ---- */
 
+/* The body of a vpdpbusd loop on __m<bits>i registers (bits 512 or 256, the intrinsics are named
+ * after it): chains c0, c1, ... (`chains` CHAINS16 or CHAINS12) of `rounds` steps (`step`:
+ * VNNI_EVEX or VNNI_VEX), leaving the sum of the chains in s. */
+#define VNNI_CHAIN_INIT(n, bits) __m##bits##i c##n = _mm##bits##_set1_epi32(n);
+#define VNNI_CHAIN_ADD(n, bits) s = _mm##bits##_add_epi32(s, c##n);
+#define VNNI_EVEX(n, bits) __asm__("vpdpbusd %2, %1, %0" : "+v"(c##n) : "v"(a), "v"(b));
+#define VNNI_VEX(n, bits) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(c##n) : "x"(a), "x"(b));
+#define VNNI_LOOP(bits, chains, step)                                                                              \
+    const __m##bits##i a = _mm##bits##_set1_epi32((int)(rounds | 0x01010101)), b = _mm##bits##_set1_epi32(0x01fe02fd); \
+    chains(VNNI_CHAIN_INIT, bits)                                                                                  \
+    for (size_t r = 0; r < rounds; r++) {                                                                          \
+        chains(step, bits)                                                                                         \
+    }                                                                                                              \
+    __m##bits##i s = _mm##bits##_setzero_si##bits();                                                               \
+    chains(VNNI_CHAIN_ADD, bits)
+
 #ifdef HAVE_VNNI512
 static __attribute__((target("avx512f,avx512vnni"))) int32_t vnni512_loop(size_t rounds) {
-    const __m512i a = _mm512_set1_epi32((int)(rounds | 0x01010101)), b = _mm512_set1_epi32(0x01fe02fd);
-#define INIT(i) __m512i c##i = _mm512_set1_epi32(i);
-#define STEP(i) __asm__("vpdpbusd %2, %1, %0" : "+v"(c##i) : "v"(a), "v"(b));
-#define ADD(i) s = _mm512_add_epi32(s, c##i);
-    CHAINS16(INIT)
-    for (size_t r = 0; r < rounds; r++) {
-        CHAINS16(STEP)
-    }
-    __m512i s = _mm512_setzero_si512();
-    CHAINS16(ADD)
-#undef INIT
-#undef STEP
-#undef ADD
+    VNNI_LOOP(512, CHAINS16, VNNI_EVEX)
     return _mm512_reduce_add_epi32(s);
 }
 #endif
 
 #ifdef HAVE_VNNI256
 static __attribute__((target("avx2,avxvnni"))) int32_t vnni256_loop(size_t rounds) {
-    const __m256i a = _mm256_set1_epi32((int)(rounds | 0x01010101)), b = _mm256_set1_epi32(0x01fe02fd);
-#define INIT(i) __m256i c##i = _mm256_set1_epi32(i);
-#define STEP(i) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(c##i) : "x"(a), "x"(b));
-#define ADD(i) s = _mm256_add_epi32(s, c##i);
-    CHAINS12(INIT)
-    for (size_t r = 0; r < rounds; r++) {
-        CHAINS12(STEP)
-    }
-    __m256i s = _mm256_setzero_si256();
-    CHAINS12(ADD)
-#undef INIT
-#undef STEP
-#undef ADD
+    VNNI_LOOP(256, CHAINS12, VNNI_VEX)
     const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     return _mm_cvtsi128_si32(h) + _mm_extract_epi32(h, 1) + _mm_extract_epi32(h, 2) + _mm_extract_epi32(h, 3);
 }

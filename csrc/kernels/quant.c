@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/simd_level.h"
+#include "common/simd_choice.h"
 
 #include "quant.h"
 #include "quant_int.h"
@@ -48,47 +48,24 @@ static const format_t *find_format(int type) {
 
 /* ---- scalar decoders (the portable reference for the SIMD ones) -------------------------- */
 
+/* The shared bodies below are inlined into each decoder, where their constant flags fold away. */
+#define INLINE static inline __attribute__((always_inline))
+
 void lq_decode_f32(const void *row, float *dst, size_t k) { memcpy(dst, row, k * sizeof(float)); }
 
-static void decode_f16(const void *row, float *dst, size_t k) {
-    const uint8_t *p = row;
-    for (size_t i = 0; i < k; i++) {
-        lq_half h;
-        memcpy(&h, p + 2 * i, 2);
-        dst[i] = lq_half_to_float(h);
-    }
-}
-
-static void decode_bf16(const void *row, float *dst, size_t k) {
+/* A row of f16 values, or with bf16 of bf16 ones. */
+INLINE void decode_16bit(const void *row, float *dst, size_t k, const int bf16) {
     const uint8_t *p = row;
     for (size_t i = 0; i < k; i++) {
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
-        dst[i] = lq_bf16_to_float(h);
+        dst[i] = bf16 ? lq_bf16_to_float(h) : lq_half_to_float(h);
     }
 }
 
-static void decode_q4_0(const void *row, float *dst, size_t k) {
-    const block_q4_0 *b = row;
-    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
-        const float d = lq_half_to_float(b->d);
-        for (int j = 0; j < QK / 2; j++) {
-            dst[j] = d * (float)((b->qs[j] & 0x0f) - 8);
-            dst[j + QK / 2] = d * (float)((b->qs[j] >> 4) - 8);
-        }
-    }
-}
+static void decode_f16(const void *row, float *dst, size_t k) { decode_16bit(row, dst, k, 0); }
 
-static void decode_q4_1(const void *row, float *dst, size_t k) {
-    const block_q4_1 *b = row;
-    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
-        const float d = lq_half_to_float(b->d), m = lq_half_to_float(b->m);
-        for (int j = 0; j < QK / 2; j++) {
-            dst[j] = d * (float)(b->qs[j] & 0x0f) + m;
-            dst[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
-        }
-    }
-}
+static void decode_bf16(const void *row, float *dst, size_t k) { decode_16bit(row, dst, k, 1); }
 
 static uint32_t load_u32(const uint8_t *p) {
     uint32_t v;
@@ -96,32 +73,39 @@ static uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
+/* The 32 values of a q4_0 / q4_1 / q5_0 / q5_1 block: codes q from the nibbles of qs (element
+ * j low, j + 16 high), with bit j of the 32-bit word at qh as bit 4 where qh is not NULL;
+ * d * (q - offset), or with offset 0 (the formats with a minimum) d * q + m. */
+INLINE void decode_nibbles(const uint8_t *qs, const uint8_t *qh, float d, float m, const int offset, float *dst) {
+    const uint32_t high = qh ? load_u32(qh) : 0;
+    for (int j = 0; j < QK / 2; j++) {
+        const int lo = (qs[j] & 0x0f) | (((high >> j) & 1) << 4);
+        const int hi = (qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4);
+        dst[j] = offset ? d * (float)(lo - offset) : d * (float)lo + m;
+        dst[j + QK / 2] = offset ? d * (float)(hi - offset) : d * (float)hi + m;
+    }
+}
+
+static void decode_q4_0(const void *row, float *dst, size_t k) {
+    const block_q4_0 *b = row;
+    for (size_t i = 0; i < k / QK; i++) decode_nibbles(b[i].qs, NULL, lq_half_to_float(b[i].d), 0, 8, dst + i * QK);
+}
+
+static void decode_q4_1(const void *row, float *dst, size_t k) {
+    const block_q4_1 *b = row;
+    for (size_t i = 0; i < k / QK; i++)
+        decode_nibbles(b[i].qs, NULL, lq_half_to_float(b[i].d), lq_half_to_float(b[i].m), 0, dst + i * QK);
+}
+
 static void decode_q5_0(const void *row, float *dst, size_t k) {
     const block_q5_0 *b = row;
-    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
-        const float d = lq_half_to_float(b->d);
-        const uint32_t qh = load_u32(b->qh);
-        for (int j = 0; j < QK / 2; j++) {
-            const int lo = (b->qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
-            const int hi = (b->qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            dst[j] = d * (float)(lo - 16);
-            dst[j + QK / 2] = d * (float)(hi - 16);
-        }
-    }
+    for (size_t i = 0; i < k / QK; i++) decode_nibbles(b[i].qs, b[i].qh, lq_half_to_float(b[i].d), 0, 16, dst + i * QK);
 }
 
 static void decode_q5_1(const void *row, float *dst, size_t k) {
     const block_q5_1 *b = row;
-    for (size_t i = 0; i < k / QK; i++, b++, dst += QK) {
-        const float d = lq_half_to_float(b->d), m = lq_half_to_float(b->m);
-        const uint32_t qh = load_u32(b->qh);
-        for (int j = 0; j < QK / 2; j++) {
-            const int lo = (b->qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
-            const int hi = (b->qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            dst[j] = d * (float)lo + m;
-            dst[j + QK / 2] = d * (float)hi + m;
-        }
-    }
+    for (size_t i = 0; i < k / QK; i++)
+        decode_nibbles(b[i].qs, b[i].qh, lq_half_to_float(b[i].d), lq_half_to_float(b[i].m), 0, dst + i * QK);
 }
 
 static void decode_q8_0(const void *row, float *dst, size_t k) {
@@ -132,46 +116,38 @@ static void decode_q8_0(const void *row, float *dst, size_t k) {
     }
 }
 
-static void decode_q4_K(const void *row, float *dst, size_t k) {
-    const block_q4_K *b = row;
-    for (size_t i = 0; i < k / QK_K; i++, b++) {
-        const float d = lq_half_to_float(b->d), dmin = lq_half_to_float(b->dmin);
-        for (int c = 0; c < 4; c++) { /* 32 bytes -> sub-blocks 2c (low nibbles), 2c+1 (high) */
-            uint8_t sc0, m0, sc1, m1;
-            unpack_scales_k4(b->scales, 2 * c, &sc0, &m0);
-            unpack_scales_k4(b->scales, 2 * c + 1, &sc1, &m1);
-            const float d0 = d * (float)sc0, min0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, min1 = dmin * (float)m1;
-            const uint8_t *q = b->qs + 32 * c;
-            for (int l = 0; l < 32; l++) {
-                dst[l] = d0 * (float)(q[l] & 0x0f) - min0;
-                dst[l + 32] = d1 * (float)(q[l] >> 4) - min1;
-            }
-            dst += 64;
+/* A q4_K / q5_K super-block (qh NULL for q4_K): d_j * q - min_j per sub-block j, chunk c of 32
+ * bytes holding sub-blocks 2c (low nibbles) and 2c+1 (high), bit 2c (2c+1) of qh[l] the fifth
+ * bit of their element l. */
+INLINE void decode_k4(const uint8_t *scales, const uint8_t *qs, const uint8_t *qh, float d, float dmin,
+                      float *dst) {
+    for (int c = 0; c < 4; c++, dst += 64) {
+        uint8_t sc0, m0, sc1, m1;
+        unpack_scales_k4(scales, 2 * c, &sc0, &m0);
+        unpack_scales_k4(scales, 2 * c + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, min0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, min1 = dmin * (float)m1;
+        const uint8_t *q = qs + 32 * c;
+        for (int l = 0; l < 32; l++) {
+            const int lo = (q[l] & 0x0f) | (qh ? ((qh[l] >> (2 * c)) & 1) << 4 : 0);
+            const int hi = (q[l] >> 4) | (qh ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0);
+            dst[l] = d0 * (float)lo - min0;
+            dst[l + 32] = d1 * (float)hi - min1;
         }
     }
 }
 
+static void decode_q4_K(const void *row, float *dst, size_t k) {
+    const block_q4_K *b = row;
+    for (size_t i = 0; i < k / QK_K; i++)
+        decode_k4(b[i].scales, b[i].qs, NULL, lq_half_to_float(b[i].d), lq_half_to_float(b[i].dmin), dst + i * QK_K);
+}
+
 static void decode_q5_K(const void *row, float *dst, size_t k) {
     const block_q5_K *b = row;
-    for (size_t i = 0; i < k / QK_K; i++, b++) {
-        const float d = lq_half_to_float(b->d), dmin = lq_half_to_float(b->dmin);
-        for (int c = 0; c < 4; c++) {
-            uint8_t sc0, m0, sc1, m1;
-            unpack_scales_k4(b->scales, 2 * c, &sc0, &m0);
-            unpack_scales_k4(b->scales, 2 * c + 1, &sc1, &m1);
-            const float d0 = d * (float)sc0, min0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, min1 = dmin * (float)m1;
-            const uint8_t *q = b->qs + 32 * c;
-            for (int l = 0; l < 32; l++) {
-                const int lo = (q[l] & 0x0f) | (((b->qh[l] >> (2 * c)) & 1) << 4);
-                const int hi = (q[l] >> 4) | (((b->qh[l] >> (2 * c + 1)) & 1) << 4);
-                dst[l] = d0 * (float)lo - min0;
-                dst[l + 32] = d1 * (float)hi - min1;
-            }
-            dst += 64;
-        }
-    }
+    for (size_t i = 0; i < k / QK_K; i++)
+        decode_k4(b[i].scales, b[i].qs, b[i].qh, lq_half_to_float(b[i].d), lq_half_to_float(b[i].dmin),
+                  dst + i * QK_K);
 }
 
 /* Q6_K, per 128-element half: for l < 32, ql[l] and ql[l+32] give the low nibbles of elements
@@ -234,12 +210,7 @@ static float fma_loop_scalar(size_t rounds) {
 
 const lq_kernels lq_kernels_scalar = {
     .name = "scalar",
-    .decode = {
-        [IX_F32] = lq_decode_f32, [IX_F16] = decode_f16, [IX_BF16] = decode_bf16,
-        [IX_Q4_0] = decode_q4_0, [IX_Q4_1] = decode_q4_1, [IX_Q5_0] = decode_q5_0,
-        [IX_Q5_1] = decode_q5_1, [IX_Q8_0] = decode_q8_0, [IX_Q4_K] = decode_q4_K,
-        [IX_Q5_K] = decode_q5_K, [IX_Q6_K] = decode_q6_K,
-    },
+    .decode = LQ_DECODERS,
     .dot = {NULL},
     .dotm = {NULL},
     .tile = tile_scalar,
@@ -253,16 +224,7 @@ const lq_kernels lq_kernels_scalar = {
 
 /* ---- SIMD level -------------------------------------------------------------------------- */
 
-static const lq_kernels *level_kernels(int level) {
-    switch (level) {
-    case SIMD_SCALAR: return &lq_kernels_scalar;
-    case SIMD_AVX2: return lq_kernels_avx2();
-    case SIMD_AVX512: return lq_kernels_avx512();
-    default: return NULL;
-    }
-}
-
-static _Atomic(const lq_kernels *) active; /* NULL until first use */
+SIMD_CHOICE(lq_kernels, lq_kernels_scalar, lq_kernels_avx2, lq_kernels_avx512) /* kernels(): the level in use */
 
 /* The arithmetic of the block formats: ARITH_F32 (the level's float kernels), ARITH_INT16 or
  * ARITH_INT8 (quant_int.c, where this CPU has the units), chosen at first use: int16 where it
@@ -290,19 +252,6 @@ static int arithmetic(void) {
         atomic_store_explicit(&arith, a, memory_order_release);
     }
     return a;
-}
-
-static const void *table_of(int level) { return level_kernels(level); }
-
-static const lq_kernels *initial_kernels(void) { return level_kernels(simd_initial_level(table_of)); }
-
-static const lq_kernels *kernels(void) {
-    const lq_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
-    if (!k) {
-        k = initial_kernels();
-        atomic_store_explicit(&active, k, memory_order_release);
-    }
-    return k;
 }
 
 /* ---- jobs -------------------------------------------------------------------------------- */
@@ -518,6 +467,24 @@ LQ_EXPORT int llaisys_quant_linear_f32(int type, const void *w, int64_t n, int64
     return lq_linear_f32(type, w, n, k, x, ldx, m, y, ldy, bias);
 }
 
+/* Rows of W per decoded tile (linear_chunk_tiles) for m rows of X of k elements. Many rows of
+ * X: 4x taller tiles of W (L2-sized), so X streams through the cache 4x less often (measured:
+ * up to 20% faster at M = 512). Up to 32 rows: a tile of about LQ_TILE_BYTES, which stays in L1
+ * beside the rows of X while it meets all of them (measured: 10-25% faster than 16-row tiles at
+ * M = 8..16, K = 576..1536). */
+static size_t decoded_tile_rows(const lq_kernels *kern, size_t k, size_t m) {
+    const size_t align = (size_t)kern->tile_align;
+    size_t tile = (size_t)kern->tile_rows * 4;
+    const size_t fits = LQ_TILE_L2_BYTES / (k * sizeof(float)) / align * align;
+    if (tile > fits) tile = fits > align ? fits : align;
+    if (m <= 32) {
+        tile = LQ_TILE_BYTES / (k * sizeof(float)) / align * align;
+        if (tile < align) tile = align;
+        if (tile > (size_t)kern->tile_rows) tile = (size_t)kern->tile_rows;
+    }
+    return tile;
+}
+
 static int quant_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t ldx, int64_t m,
                         float *y, int64_t ldy, const float *bias, const void *packed, int arith) {
     const format_t *f = find_format(type);
@@ -555,35 +522,18 @@ static int quant_linear(int type, const void *w, int64_t n, int64_t k, const flo
         j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, (size_t)j.kern->dot_rows, (size_t)threads);
         const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
         lq_pool_run(linear_chunk_fused, &j, n_chunks, n_chunks < (size_t)threads ? (int)n_chunks : threads);
-    } else if (j.kern->fused[f->index] && (j.m <= LQ_FUSED_MAX_M || j.m * j.k * sizeof(float) <= LQ_FUSED_X_BYTES)) {
-        const size_t tile = (size_t)j.kern->fused_rows;
-        j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, tile, (size_t)threads);
-        const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
-        const int slots = n_chunks < (size_t)threads ? (int)n_chunks : threads;
-        if ((j.scratch = take_floats(local, &used, (size_t)slots * tile * j.k, &tile_heap)))
-            lq_pool_run(linear_chunk_fused_tiles, &j, n_chunks, slots);
-        else
-            status = LQ_ERR_MEMORY;
     } else {
-        /* Many rows of X: 4x taller tiles of W (L2-sized), so X streams through the cache 4x
-         * less often (measured: up to 20% faster at M = 512). Up to 32 rows: a tile of about
-         * LQ_TILE_BYTES, which stays in L1 beside the rows of X while it meets all of them
-         * (measured: 10-25% faster than 16-row tiles at M = 8..16, K = 576..1536). */
-        const size_t align = (size_t)j.kern->tile_align;
-        size_t tile = (size_t)j.kern->tile_rows * 4;
-        const size_t fits = LQ_TILE_L2_BYTES / (j.k * sizeof(float)) / align * align;
-        if (tile > fits) tile = fits > align ? fits : align;
-        if (j.m <= 32) {
-            tile = LQ_TILE_BYTES / (j.k * sizeof(float)) / align * align;
-            if (tile < align) tile = align;
-            if (tile > (size_t)j.kern->tile_rows) tile = (size_t)j.kern->tile_rows;
-        }
+        /* Tiles of W decoded once each into the thread's scratch: by the fused kernels, or
+         * decoded whole, then multiplied (tile). */
+        const int fused =
+            j.kern->fused[f->index] && (j.m <= LQ_FUSED_MAX_M || j.m * j.k * sizeof(float) <= LQ_FUSED_X_BYTES);
+        const size_t tile = fused ? (size_t)j.kern->fused_rows : decoded_tile_rows(j.kern, j.k, j.m);
         j.tile_rows = tile;
         j.rows_per_chunk = chunk_rows(j.n, j.k * j.m, tile, (size_t)threads);
         const size_t n_chunks = (j.n + j.rows_per_chunk - 1) / j.rows_per_chunk;
         const int slots = n_chunks < (size_t)threads ? (int)n_chunks : threads;
         if ((j.scratch = take_floats(local, &used, (size_t)slots * tile * j.k, &tile_heap)))
-            lq_pool_run(linear_chunk_tiles, &j, n_chunks, slots);
+            lq_pool_run(fused ? linear_chunk_fused_tiles : linear_chunk_tiles, &j, n_chunks, slots);
         else
             status = LQ_ERR_MEMORY;
     }

@@ -228,6 +228,25 @@ void lq_decode_f32(const void *row, float *dst, size_t k); /* a copy: shared by 
 const lq_kernels *lq_kernels_avx2(void);   /* NULL unless this CPU (and build) has the level */
 const lq_kernels *lq_kernels_avx512(void);
 
+/* Designated initializers of a per-format table (decode, dot, ...) whose entry for format X is
+ * the including file's function <p>_<x><s> (decode_q4_0, dot_q6_K_m): the block formats; f16,
+ * bf16 and the block formats; all formats. LQ_DECODERS: a level's decode table (f32 is a copy
+ * at every level). */
+#define LQ_BLOCK_ENTRIES(p, s)                                                                              \
+    [IX_Q4_0] = p##_q4_0##s, [IX_Q4_1] = p##_q4_1##s, [IX_Q5_0] = p##_q5_0##s, [IX_Q5_1] = p##_q5_1##s,  \
+    [IX_Q8_0] = p##_q8_0##s, [IX_Q4_K] = p##_q4_K##s, [IX_Q5_K] = p##_q5_K##s, [IX_Q6_K] = p##_q6_K##s
+#define LQ_NON_F32_ENTRIES(p, s) [IX_F16] = p##_f16##s, [IX_BF16] = p##_bf16##s, LQ_BLOCK_ENTRIES(p, s)
+#define LQ_ALL_ENTRIES(p, s) [IX_F32] = p##_f32##s, LQ_NON_F32_ENTRIES(p, s)
+#define LQ_DECODERS {[IX_F32] = lq_decode_f32, LQ_NON_F32_ENTRIES(decode, )}
+
+/* The entries of a SIMD level's table (quant_avx2.c, quant_avx512.c) that every level fills
+ * alike, from its decode_* and dot_* of every format, tile, fma_loop, DOT_ROWS, TILE_ROWS and
+ * MAX_MX; `lanes` and `align` are its fma_lanes and tile_align. */
+#define LQ_SIMD_LEVEL(level_name, lanes, align)                                                           \
+    .name = level_name, .decode = LQ_DECODERS, .dot = {LQ_ALL_ENTRIES(dot, )}, .dotm_max = MAX_MX,        \
+    .tile = tile, .fma_loop = fma_loop, .fma_lanes = lanes, .dot_rows = DOT_ROWS, .tile_rows = TILE_ROWS, \
+    .tile_align = align
+
 /* The int16 arithmetic (quant_int.c): activations as 16-bit integers per 32-element block, in
  * two signed 8-bit parts, meeting the weights' integer codes on the integer dot-product units;
  * and the int8 arithmetic, the same with 8-bit activations (one part: hi = 0). `bits` below

@@ -15,7 +15,7 @@
 #include "quant.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "quant_x86.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
@@ -25,8 +25,6 @@
 #define GROUP 4     /* rows of W decoded together in registers at M = 1 (independent FMA chains) */
 #define MAX_MX 2    /* rows of X the block formats' kernels of a few rows take at once (16 registers) */
 
-AVX2_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
-
 AVX2_INLINE __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
 AVX2_INLINE __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -34,11 +32,6 @@ AVX2_INLINE __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loa
 AVX2_INLINE __m256i tail_mask(size_t n) { /* the first n of 8 lanes */
     static const int32_t ones[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     return _mm256_loadu_si256((const __m256i *)(ones + 8 - n));
-}
-
-/* Ask for the weight bytes a few rows ahead of [p, p + n) (see quant_avx512.c). */
-AVX2_INLINE void prefetch_ahead(const void *p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + LQ_PREFETCH_BYTES + i, _MM_HINT_T0);
 }
 
 /* ---- integer values of 32 elements as floats: v[g] = elements 8g .. 8g+7 ----------------- */
@@ -123,17 +116,10 @@ AVX2_INLINE void q6_values(const block_q6_K *b, int h, int g, __m256 v[4]) {
     for (int t = 0; t < 4; t++) v[t] = to_float(_mm256_sub_epi32(q[t], off));
 }
 
-/* q - 32 for the 32 elements 128h + 32t .. +31 of a q6_K super-block, as floats v[g] =
- * elements 128h + 32t + 8g .. +7: the low (t < 2) or high nibbles of ql[64h + 32(t & 1) ..]
- * under the bit pair t of qh[32h ..], worked out on all 32 bytes at once. (16-bit shifts
- * carry bits across bytes only into positions the masks clear.) */
+/* q - 32 for the 32 elements 128h + 32t .. +31 of a q6_K super-block (quant_x86.h: q6_codes),
+ * as floats v[g] = elements 128h + 32t + 8g .. +7. */
 AVX2_INLINE void q6_quarter(const block_q6_K *b, int h, int t, __m256 v[4]) {
-    const __m256i l = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (t & 1)));
-    const __m256i hq = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-    const __m256i low = _mm256_and_si256(t < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
-    const __m256i top = t < 2 ? _mm256_slli_epi16(hq, 4 - 2 * t) : _mm256_srli_epi16(hq, 2 * t - 4);
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30))),
-                                      _mm256_set1_epi8(32));
+    const __m256i q = q6_codes(b, h, t);
     const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
     v[0] = to_float(_mm256_cvtepi8_epi32(q0));
     v[1] = to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
@@ -283,16 +269,11 @@ static AVX2 void decode_q6_K(const void *row, float *dst, size_t k) {
 /* Lane i of the result is the sum of the 8 lanes of a[i], every a[i] reduced by the same tree:
  * 128-bit halves, then element pairs. */
 AVX2_INLINE __m256 reduce8(const __m256 a[8]) {
-    __m256 b[4], c[2];
-    for (int i = 0; i < 4; i++) /* [a2i (4 lanes) | a2i+1 (4 lanes)] */
-        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++) /* half h: [a4i+h, a4i+2+h], 2 lanes each */
-        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
-    /* half h: [ah, a2+h, a4+h, a6+h] -> natural order */
-    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
-    return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    __m256 b[4], c[2], e[1];
+    LQ_TREE_STEP(b, a, 4, _mm256_add_ps, _mm256_permute2f128_ps, 0x20, 0x31); /* [a2i (4 lanes) | a2i+1 (4 lanes)] */
+    LQ_TREE_STEP(c, b, 2, _mm256_add_ps, _mm256_shuffle_ps, 0x44, 0xee); /* half h: [a4i+h, a4i+2+h], 2 lanes each */
+    LQ_TREE_STEP(e, c, 1, _mm256_add_ps, _mm256_shuffle_ps, 0x88, 0xdd); /* half h: [ah, a2+h, a4+h, a6+h] */
+    return _mm256_permutevar8x32_ps(e[0], _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* natural order */
 }
 
 /* y[j] = v[j] (+ bias[j]) for j < n <= 8. */
@@ -591,43 +572,17 @@ static AVX2 void tile(const float *w, size_t rows, size_t k, const float *x, siz
         }
 }
 
-/* The level's multiply-add peak (quant.h: fma_loop). */
-static AVX2 float fma_loop(size_t rounds) {
-    __m256 a[LQ_FMA_CHAINS];
-    const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-    for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
-    for (size_t r = 0; r < rounds; r++)
-        for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], b, c);
-    __m256 s = a[0];
-    for (int i = 1; i < LQ_FMA_CHAINS; i++) s = _mm256_add_ps(s, a[i]);
+/* Lane 0 of the sum of the two 128-bit halves of s: what fma_loop returns (any lane would do). */
+AVX2_INLINE float halves_lane0(__m256 s) {
     return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
 }
 
+/* The level's multiply-add peak (quant.h: fma_loop). */
+LQ_FMA_LOOP(AVX2, 256, halves_lane0)
+
 static const lq_kernels KERNELS = {
-    .name = "avx2",
-    .decode = {
-        [IX_F32] = lq_decode_f32, [IX_F16] = decode_f16, [IX_BF16] = decode_bf16,
-        [IX_Q4_0] = decode_q4_0, [IX_Q4_1] = decode_q4_1, [IX_Q5_0] = decode_q5_0,
-        [IX_Q5_1] = decode_q5_1, [IX_Q8_0] = decode_q8_0, [IX_Q4_K] = decode_q4_K,
-        [IX_Q5_K] = decode_q5_K, [IX_Q6_K] = decode_q6_K,
-    },
-    .dot = {
-        [IX_F32] = dot_f32, [IX_F16] = dot_f16, [IX_BF16] = dot_bf16,
-        [IX_Q4_0] = dot_q4_0, [IX_Q4_1] = dot_q4_1, [IX_Q5_0] = dot_q5_0,
-        [IX_Q5_1] = dot_q5_1, [IX_Q8_0] = dot_q8_0, [IX_Q4_K] = dot_q4_K,
-        [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
-    },
-    .dotm = { /* the block formats: f32/f16/bf16 rows of any length keep to decode + tile */
-        [IX_Q4_0] = dot_q4_0_m, [IX_Q4_1] = dot_q4_1_m, [IX_Q5_0] = dot_q5_0_m, [IX_Q5_1] = dot_q5_1_m,
-        [IX_Q8_0] = dot_q8_0_m, [IX_Q4_K] = dot_q4_K_m, [IX_Q5_K] = dot_q5_K_m, [IX_Q6_K] = dot_q6_K_m,
-    },
-    .dotm_max = MAX_MX,
-    .tile = tile,
-    .fma_loop = fma_loop,
-    .fma_lanes = 8,
-    .dot_rows = DOT_ROWS,
-    .tile_rows = TILE_ROWS,
-    .tile_align = 8,
+    LQ_SIMD_LEVEL("avx2", 8, 8),
+    .dotm = {LQ_BLOCK_ENTRIES(dot, _m)}, /* f32/f16/bf16 rows of any length keep to decode + tile */
 };
 
 const lq_kernels *lq_kernels_avx2(void) {

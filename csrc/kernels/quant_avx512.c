@@ -20,7 +20,7 @@
 #include "quant.h"
 
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "quant_x86.h"
 
 #define TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 #define AVX512 __attribute__((target(TARGET)))
@@ -32,8 +32,6 @@
 #define GROUP_MAX 8  /* ... for the 32-element formats at M = 1 (measured: Q4_1 3-6% faster than 4) */
 #define MAX_MX 4     /* rows of X the kernels of a few rows (dot_rows) take at once */
 
-AVX512_INLINE float half(lq_half h) { return _cvtsh_ss(h); }
-
 AVX512_INLINE __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
 
 AVX512_INLINE __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -41,13 +39,6 @@ AVX512_INLINE __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_
 AVX512_INLINE __mmask16 tail_mask(size_t n) { return (__mmask16)((1u << n) - 1); }
 
 AVX512_INLINE __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-/* Ask for the weight bytes a few rows ahead of [p, p + n): at M = 1 the kernels stream weights
- * at close to memory speed, and the hardware prefetcher alone leaves ~10% on the table (the
- * decoders too: without it, decoding the 30 MB output head took 1.5x as long). */
-AVX512_INLINE void prefetch_ahead(const void *p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + LQ_PREFETCH_BYTES + i, _MM_HINT_T0);
-}
 
 /* ---- exact weights of one block, in registers -------------------------------------------- */
 
@@ -180,16 +171,9 @@ AVX512_INLINE void q6_scales(const block_q6_K *b, float scale[16]) {
 }
 
 /* Weights 128h + 32t .. +31 of a q6_K super-block, (d * scale) * (q - 32), in w[0] (scale
- * group 8h + 2t) and w[1] (8h + 2t + 1): their low 4 bits are the low (t < 2) or high nibbles
- * of ql[64h + 32(t & 1) ..] and top 2 bits the pair t of qh[32h ..], worked out on all 32
- * bytes at once. (16-bit shifts carry bits across bytes only into positions the masks clear.) */
+ * group 8h + 2t) and w[1] (8h + 2t + 1); q - 32 from quant_x86.h's q6_codes. */
 AVX512_INLINE void q6_pair(const block_q6_K *b, int h, int t, const float scale[16], __m512 w[2]) {
-    const __m256i l = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (t & 1)));
-    const __m256i hq = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-    const __m256i low = _mm256_and_si256(t < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
-    const __m256i top = t < 2 ? _mm256_slli_epi16(hq, 4 - 2 * t) : _mm256_srli_epi16(hq, 2 * t - 4);
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30))),
-                                      _mm256_set1_epi8(32));
+    const __m256i q = q6_codes(b, h, t);
     w[0] = _mm512_mul_ps(_mm512_set1_ps(scale[8 * h + 2 * t]),
                          to_float(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
     w[1] = _mm512_mul_ps(_mm512_set1_ps(scale[8 * h + 2 * t + 1]),
@@ -303,20 +287,13 @@ static AVX512 void decode_q6_K(const void *row, float *dst, size_t k) {
 /* Lane i of the result is the sum of the 16 lanes of a[i], every a[i] reduced by the same tree:
  * lanes l and l + 8, then l and l + 4, then l and l + 2, then the last pair. */
 AVX512_INLINE __m512 reduce16(const __m512 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++) /* [a2i (8 lanes) | a2i+1 (8 lanes)] */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
-    for (int i = 0; i < 4; i++) /* [a4i | a4i+1 | a4i+2 | a4i+3], 4 lanes each */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
-    for (int i = 0; i < 2; i++) /* quarter q: [a8i+q, a8i+4+q], 2 lanes each */
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
-    /* quarter q: [aq, a4+q, a8+q, a12+q] -> natural order */
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+    __m512 b[8], c[4], d[2], e[1];
+    LQ_TREE_STEP(b, a, 8, _mm512_add_ps, _mm512_shuffle_f32x4, 0x44, 0xee); /* [a2i (8 lanes) | a2i+1 (8 lanes)] */
+    LQ_TREE_STEP(c, b, 4, _mm512_add_ps, _mm512_shuffle_f32x4, 0x88, 0xdd); /* [a4i | .. | a4i+3], 4 lanes each */
+    LQ_TREE_STEP(d, c, 2, _mm512_add_ps, _mm512_shuffle_ps, 0x44, 0xee); /* quarter q: [a8i+q, a8i+4+q], 2 lanes */
+    LQ_TREE_STEP(e, d, 1, _mm512_add_ps, _mm512_shuffle_ps, 0x88, 0xdd); /* quarter q: [aq, a4+q, a8+q, a12+q] */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, e);
+    return _mm512_permutexvar_ps(order, e[0]); /* natural order */
 }
 
 /* ---- few rows of X (M <= MAX_MX): 4 (or 8) rows of W at a time, decoded in registers ------- */
@@ -689,49 +666,16 @@ FUSED(fused_q6_K, IX_Q6_K)
 #undef FUSED
 
 /* The level's multiply-add peak (quant.h: fma_loop). */
-static AVX512 float fma_loop(size_t rounds) {
-    __m512 a[LQ_FMA_CHAINS];
-    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-    for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
-    for (size_t r = 0; r < rounds; r++)
-        for (int i = 0; i < LQ_FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    __m512 s = a[0];
-    for (int i = 1; i < LQ_FMA_CHAINS; i++) s = _mm512_add_ps(s, a[i]);
-    return _mm512_reduce_add_ps(s);
-}
+LQ_FMA_LOOP(AVX512, 512, _mm512_reduce_add_ps)
 
 static const lq_kernels KERNELS = {
-    .name = "avx512",
-    .decode = {
-        [IX_F32] = lq_decode_f32, [IX_F16] = decode_f16, [IX_BF16] = decode_bf16,
-        [IX_Q4_0] = decode_q4_0, [IX_Q4_1] = decode_q4_1, [IX_Q5_0] = decode_q5_0,
-        [IX_Q5_1] = decode_q5_1, [IX_Q8_0] = decode_q8_0, [IX_Q4_K] = decode_q4_K,
-        [IX_Q5_K] = decode_q5_K, [IX_Q6_K] = decode_q6_K,
-    },
-    .dot = {
-        [IX_F32] = dot_f32, [IX_F16] = dot_f16, [IX_BF16] = dot_bf16,
-        [IX_Q4_0] = dot_q4_0, [IX_Q4_1] = dot_q4_1, [IX_Q5_0] = dot_q5_0,
-        [IX_Q5_1] = dot_q5_1, [IX_Q8_0] = dot_q8_0, [IX_Q4_K] = dot_q4_K,
-        [IX_Q5_K] = dot_q5_K, [IX_Q6_K] = dot_q6_K,
-    },
-    .dotm = {
-        [IX_F32] = dot_f32_m, [IX_F16] = dot_f16_m, [IX_BF16] = dot_bf16_m,
-        [IX_Q4_0] = dot_q4_0_m, [IX_Q4_1] = dot_q4_1_m, [IX_Q5_0] = dot_q5_0_m,
-        [IX_Q5_1] = dot_q5_1_m, [IX_Q8_0] = dot_q8_0_m, [IX_Q4_K] = dot_q4_K_m,
-        [IX_Q5_K] = dot_q5_K_m, [IX_Q6_K] = dot_q6_K_m,
-    },
-    .dotm_max = MAX_MX,
+    LQ_SIMD_LEVEL("avx512", 16, 4),
+    .dotm = {LQ_ALL_ENTRIES(dot, _m)},
     .fused = {
         [IX_Q4_0] = fused_q4_0, [IX_Q4_1] = fused_q4_1, [IX_Q5_0] = fused_q5_0, [IX_Q5_1] = fused_q5_1,
         [IX_Q8_0] = fused_q8_0, [IX_Q6_K] = fused_q6_K,
     },
     .fused_rows = GROUP,
-    .tile = tile,
-    .fma_loop = fma_loop,
-    .fma_lanes = 16,
-    .dot_rows = DOT_ROWS,
-    .tile_rows = TILE_ROWS,
-    .tile_align = 4,
 };
 
 const lq_kernels *lq_kernels_avx512(void) {

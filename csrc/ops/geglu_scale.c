@@ -2,10 +2,11 @@
  * the NumPy kernels in src/llaisys/kernels/cpu/elementwise.py.
  *
  * gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in PyTorch's order of
- * operations (gelu(approximate="tanh")). Each element is one fixed sequence of float
- * operations; the SIMD levels compile the same bodies for wider vectors (no FMA:
- * -ffp-contract=off), so every level gives the same bits. The level is the one the rest of the
- * library uses (llaisys_ops_simd_level), which ops.c only picks when this CPU runs it.
+ * operations (gelu(approximate="tanh")); geglu's body is swiglu's (ops_body.h: lo_gated_body).
+ * Each element is one fixed sequence of float operations; the SIMD levels compile the same
+ * bodies for wider vectors (no FMA: -ffp-contract=off), so every level gives the same bits. The
+ * level is the one the rest of the library uses (llaisys_ops_simd_level), which ops.c only
+ * picks when this CPU runs it.
  * Strides are in elements; the last dimension is contiguous.
  */
 #include <string.h>
@@ -13,38 +14,6 @@
 #include "ops_body.h"
 
 const char *llaisys_ops_simd_level(void); /* ops.c */
-
-/* tanh in float32 within about 2 ulp (Cephes tanhf): an odd polynomial below |x| = 0.625, else
- * 1 - 2 / (e^2|x| + 1) with x's sign, which has no cancellation there (the result is >= 0.55).
- * Large |x| gives +-1 (e^2|x| overflows to inf), NaN stays NaN. Branch-free, so it vectorizes. */
-LO_INLINE float lo_tanh(float x) {
-    const uint32_t sign = lo_bits(x) & 0x80000000u;
-    const float ax = lo_from_bits(lo_bits(x) & 0x7fffffffu);
-    const float z = x * x;
-    float p = -5.70498872745e-3f;
-    p = p * z + 2.06390887954e-2f;
-    p = p * z - 5.37397155531e-2f;
-    p = p * z + 1.33314422036e-1f;
-    p = p * z - 3.33332819422e-1f;
-    const float small = p * z * x + x;
-    const float big = 1.0f - 2.0f / (lo_exp(2.0f * ax) + 1.0f);
-    return lo_select(ax < 0.625f, small, lo_from_bits(lo_bits(big) | sign));
-}
-
-/* out = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up, the NumPy kernel's order. */
-LO_INLINE void lo_geglu_body(const lo_swiglu_args *a) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2/pi) rounded to float, as torch has it */
-    const int64_t n = a->n;
-    for (int64_t r = 0; r < a->rows; r++) {
-        const float *g = a->gate + r * a->gate_s, *u = a->up + r * a->up_s;
-        float *o = a->out + r * a->out_s;
-        for (int64_t j = 0; j < n; j++) {
-            const float gj = g[j], uj = u[j];
-            const float inner = beta * (gj + kappa * (gj * gj * gj));
-            o[j] = 0.5f * gj * (1.0f + lo_tanh(inner)) * uj;
-        }
-    }
-}
 
 LO_INLINE void lo_scale_body(const lo_scale_args *a) {
     const float f = a->factor;
@@ -56,15 +25,15 @@ LO_INLINE void lo_scale_body(const lo_scale_args *a) {
     }
 }
 
-static void geglu_scalar(const lo_swiglu_args *a) { lo_geglu_body(a); }
+static void geglu_scalar(const lo_swiglu_args *a) { lo_gated_body(a, 1); }
 static void scale_scalar(const lo_scale_args *a) { lo_scale_body(a); }
 
 #if defined(__x86_64__)
 #define TARGET_AVX2 __attribute__((target("avx2")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2")))
-static TARGET_AVX2 void geglu_avx2(const lo_swiglu_args *a) { lo_geglu_body(a); }
+static TARGET_AVX2 void geglu_avx2(const lo_swiglu_args *a) { lo_gated_body(a, 1); }
 static TARGET_AVX2 void scale_avx2(const lo_scale_args *a) { lo_scale_body(a); }
-static TARGET_AVX512 void geglu_avx512(const lo_swiglu_args *a) { lo_geglu_body(a); }
+static TARGET_AVX512 void geglu_avx512(const lo_swiglu_args *a) { lo_gated_body(a, 1); }
 static TARGET_AVX512 void scale_avx512(const lo_scale_args *a) { lo_scale_body(a); }
 #endif
 

@@ -5,64 +5,24 @@
 #include "plugin_calls.h"
 
 static const layout_entry LAYOUTS[] = {
-#define F(f) LAYOUT_FIELD(T, f) /* a field of the structure T the lines below name */
-#define T lo_norm_args
-    LAYOUT_TYPE(T), F(out), F(out_s), F(total), F(total_s), F(a), F(a_s), F(b), F(b_s), F(rows), F(d), F(eps),
-#undef T
-#define T lo_swiglu_args
-    LAYOUT_TYPE(T), F(out), F(out_s), F(gate), F(gate_s), F(up), F(up_s), F(rows), F(n),
-#undef T
-#define T lo_rope_args
-    LAYOUT_TYPE(T), F(out), F(out_s0), F(out_s1), F(x), F(x_s0), F(x_s1), F(s), F(h), F(d), F(r),
-#undef T
-#define T lo_attention_args
-    LAYOUT_TYPE(T), F(out), F(out_s0), F(out_s1), F(q), F(q_s0), F(q_s1), F(k_s0), F(k_s1), F(v_s0), F(v_s1), F(s),
-    F(h), F(d), F(kh), F(dv), F(scale),
-#undef T
-#define T lo_scale_args
-    LAYOUT_TYPE(T), F(out), F(out_s), F(x), F(x_s), F(rows), F(n), F(factor),
-#undef T
-#define T lo_call
-    LAYOUT_TYPE(T), F(fn), F(block),
-#undef T
-#define T lo_norm_call
-    LAYOUT_TYPE(T), F(a), F(w),
-#undef T
-#define T lo_swiglu_call
-    LAYOUT_TYPE(T), F(a),
-#undef T
-#define T lo_rope_call
-    LAYOUT_TYPE(T), F(a), F(cos), F(sin),
-#undef T
-#define T lo_attention_call
-    LAYOUT_TYPE(T), F(a), F(k), F(v), F(t),
-#undef T
-#define T lo_geglu_call
-    LAYOUT_TYPE(T), F(a),
-#undef T
-#define T lo_scale_call
-    LAYOUT_TYPE(T), F(a),
-#undef T
-#define T lo_copy_call
-    LAYOUT_TYPE(T), F(dst), F(src), F(nbytes),
-#undef T
-#define T lo_add_call
-    LAYOUT_TYPE(T), F(out), F(a), F(b), F(n),
-#undef T
-#define T lo_gather_call
-    LAYOUT_TYPE(T), F(out), F(out_s), F(index), F(index_s), F(weight), F(weight_s), F(rows), F(row_bytes), F(v), F(bad),
-    F(widen),
-#undef T
-#define T lo_plugin_kernel_call
-    LAYOUT_TYPE(T), F(fn), F(device), F(outputs), F(num_outputs), F(inputs), F(num_inputs), F(attrs), F(num_attrs),
-#undef T
-#define T lo_plugin_copy_call
-    LAYOUT_TYPE(T), F(fn), F(device), F(dst), F(src), F(nbytes),
-#undef T
-#define T lo_row_field
-    LAYOUT_TYPE(T), F(field), F(base), F(per_start), F(per_end),
-#undef T
-#undef F
+    LAYOUT(lo_norm_args, out, out_s, total, total_s, a, a_s, b, b_s, rows, d, eps),
+    LAYOUT(lo_swiglu_args, out, out_s, gate, gate_s, up, up_s, rows, n),
+    LAYOUT(lo_rope_args, out, out_s0, out_s1, x, x_s0, x_s1, s, h, d, r),
+    LAYOUT(lo_attention_args, out, out_s0, out_s1, q, q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, s, h, d, kh, dv, scale),
+    LAYOUT(lo_scale_args, out, out_s, x, x_s, rows, n, factor),
+    LAYOUT(lo_call, fn, block),
+    LAYOUT(lo_norm_call, a, w),
+    LAYOUT(lo_swiglu_call, a),
+    LAYOUT(lo_rope_call, a, cos, sin),
+    LAYOUT(lo_attention_call, a, k, v, t),
+    LAYOUT(lo_geglu_call, a),
+    LAYOUT(lo_scale_call, a),
+    LAYOUT(lo_copy_call, dst, src, nbytes),
+    LAYOUT(lo_add_call, out, a, b, n),
+    LAYOUT(lo_gather_call, out, out_s, index, index_s, weight, weight_s, rows, row_bytes, v, bad, widen),
+    LAYOUT(lo_plugin_kernel_call, fn, device, outputs, num_outputs, inputs, num_inputs, attrs, num_attrs),
+    LAYOUT(lo_plugin_copy_call, fn, device, dst, src, nbytes),
+    LAYOUT(lo_row_field, field, base, per_start, per_end),
 };
 
 /* common/layout.h: the size of `type` (i < 0) or the offset, name and size of its i-th field. */

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/simd_level.h"
+#include "common/simd_choice.h"
 #include "kernels/quant.h" /* lq_half_to_float, lq_bf16_to_float */
 
 #include "ops_body.h"
@@ -15,7 +15,7 @@
 /* ---- the portable level (whatever vectors the baseline ISA has) --------------------------- */
 
 static void norm_scalar(const lo_norm_args *a, const float *w) { lo_norm_body(a, w); }
-static void swiglu_scalar(const lo_swiglu_args *a) { lo_swiglu_body(a); }
+static void swiglu_scalar(const lo_swiglu_args *a) { lo_gated_body(a, 0); }
 static void rope_scalar(const lo_rope_args *a, const float *cos, const float *sin) { lo_rope_body(a, cos, sin); }
 static void attention_scalar(const lo_attention_args *a, const float *k, const float *v, int64_t t, float *scratch) {
     lo_attention_body(a, k, v, t, scratch, lo_scores, lo_values);
@@ -25,29 +25,7 @@ const lo_kernels lo_kernels_scalar = {"scalar", norm_scalar, swiglu_scalar, rope
 
 /* ---- choice of level ------------------------------------------------------------------------ */
 
-static const lo_kernels *level_kernels(int level) {
-    switch (level) {
-    case SIMD_SCALAR: return &lo_kernels_scalar;
-    case SIMD_AVX2: return lo_kernels_avx2();
-    case SIMD_AVX512: return lo_kernels_avx512();
-    default: return NULL;
-    }
-}
-
-static _Atomic(const lo_kernels *) active; /* NULL until first use */
-
-static const void *table_of(int level) { return level_kernels(level); }
-
-static const lo_kernels *initial_kernels(void) { return level_kernels(simd_initial_level(table_of)); }
-
-static const lo_kernels *kernels(void) {
-    const lo_kernels *k = atomic_load_explicit(&active, memory_order_acquire);
-    if (!k) {
-        k = initial_kernels();
-        atomic_store_explicit(&active, k, memory_order_release);
-    }
-    return k;
-}
+SIMD_CHOICE(lo_kernels, lo_kernels_scalar, lo_kernels_avx2, lo_kernels_avx512) /* kernels(): the level in use */
 
 /* Name of the SIMD level in use: "scalar", "avx2" or "avx512". */
 LO_EXPORT const char *llaisys_ops_simd_level(void) { return kernels()->name; }

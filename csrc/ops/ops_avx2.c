@@ -127,7 +127,7 @@ static AVX2 void values_avx2(const lo_attention_args *a, const float *scores, co
 }
 
 static AVX2 void norm_avx2(const lo_norm_args *a, const float *w) { lo_norm_body(a, w); }
-static AVX2 void swiglu_avx2(const lo_swiglu_args *a) { lo_swiglu_body(a); }
+static AVX2 void swiglu_avx2(const lo_swiglu_args *a) { lo_gated_body(a, 0); }
 static AVX2 void rope_avx2(const lo_rope_args *a, const float *cos, const float *sin) { lo_rope_body(a, cos, sin); }
 static AVX2 void attention_avx2(const lo_attention_args *a, const float *k, const float *v, int64_t t, float *scratch) {
     lo_attention_body(a, k, v, t, scratch, scores_avx2, values_avx2);

@@ -120,7 +120,7 @@ static AVX512 void values_avx512(const lo_attention_args *a, const float *scores
 }
 
 static AVX512 void norm_avx512(const lo_norm_args *a, const float *w) { lo_norm_body(a, w); }
-static AVX512 void swiglu_avx512(const lo_swiglu_args *a) { lo_swiglu_body(a); }
+static AVX512 void swiglu_avx512(const lo_swiglu_args *a) { lo_gated_body(a, 0); }
 static AVX512 void rope_avx512(const lo_rope_args *a, const float *cos, const float *sin) { lo_rope_body(a, cos, sin); }
 static AVX512 void attention_avx512(const lo_attention_args *a, const float *k, const float *v, int64_t t,
                                     float *scratch) {

@@ -104,17 +104,43 @@ LO_INLINE void lo_norm_body(const lo_norm_args *a, const float *w) {
     }
 }
 
-/* ---- swiglu -------------------------------------------------------------------------------- */
+/* ---- swiglu, geglu ------------------------------------------------------------------------- */
 
-/* out = gate / (1 + e^-gate) * up, the NumPy kernel's order of operations. */
-LO_INLINE void lo_swiglu_body(const lo_swiglu_args *a) {
+/* tanh in float32 within about 2 ulp (Cephes tanhf): an odd polynomial below |x| = 0.625, else
+ * 1 - 2 / (e^2|x| + 1) with x's sign, which has no cancellation there (the result is >= 0.55).
+ * Large |x| gives +-1 (e^2|x| overflows to inf), NaN stays NaN. Branch-free, so it vectorizes. */
+LO_INLINE float lo_tanh(float x) {
+    const uint32_t sign = lo_bits(x) & 0x80000000u;
+    const float ax = lo_from_bits(lo_bits(x) & 0x7fffffffu);
+    const float z = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const float small = p * z * x + x;
+    const float big = 1.0f - 2.0f / (lo_exp(2.0f * ax) + 1.0f);
+    return lo_select(ax < 0.625f, small, lo_from_bits(lo_bits(big) | sign));
+}
+
+/* The gate's activation: silu(g) = g / (1 + e^-g) (swiglu), or with gelu gelu_tanh(g) =
+ * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (geglu, geglu_scale.c), in PyTorch's order of
+ * operations (gelu(approximate="tanh")). */
+LO_INLINE float lo_gate(float g, const int gelu) {
+    if (!gelu) return g / (lo_exp(-g) + 1.0f);
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2/pi) rounded to float, as torch has it */
+    return 0.5f * g * (1.0f + lo_tanh(beta * (g + kappa * (g * g * g))));
+}
+
+/* out = lo_gate(gate, gelu) * up over `rows` rows of n, the NumPy kernels' order of operations. */
+LO_INLINE void lo_gated_body(const lo_swiglu_args *a, const int gelu) {
     const int64_t n = a->n;
     for (int64_t r = 0; r < a->rows; r++) {
         const float *g = a->gate + r * a->gate_s, *u = a->up + r * a->up_s;
         float *o = a->out + r * a->out_s;
         for (int64_t j = 0; j < n; j++) {
             const float gj = g[j], uj = u[j];
-            o[j] = gj / (lo_exp(-gj) + 1.0f) * uj;
+            o[j] = lo_gate(gj, gelu) * uj;
         }
     }
 }

@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ModelLoadError, read_json
 
@@ -233,14 +233,21 @@ def token_ids(value: Any, source: str, key: str) -> list[int]:
     return items
 
 
-def json_flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
-    """The JSON boolean ``raw[key]`` (``default`` when absent or null); any other value is a ModelLoadError."""
+def typed_value(raw: Mapping[str, Any], key: str, default: Any, source: str, kind: type, expected: str,
+                describe: Callable[[Any], str] = repr) -> Any:
+    """``raw[key]`` (``default`` when absent or None) if it is a ``kind``; any other value is a
+    ModelLoadError: "``key`` must be ``expected``, got ``describe(value)``"."""
     value = raw.get(key)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{source}: {key} must be true or false, got {value!r}")
+    if not isinstance(value, kind):
+        raise ModelLoadError(f"{source}: {key} must be {expected}, got {describe(value)}")
     return value
+
+
+def json_flag(raw: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
+    """The JSON boolean ``raw[key]`` (``default`` when absent or null); any other value is a ModelLoadError."""
+    return typed_value(raw, key, default, source, bool, "true or false")
 
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta

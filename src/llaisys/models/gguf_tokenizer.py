@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .config import is_int
+from .config import is_int, typed_value
 from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -189,12 +189,7 @@ def _token_id(meta: Mapping[str, Any], key: str, source: str, n_tokens: int) -> 
 
 def _flag(meta: Mapping[str, Any], key: str, default: bool, source: str) -> bool:
     """``meta[key]`` as a boolean; ``default`` when absent."""
-    value = meta.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{source}: {key} must be a boolean, got {_kind(value)}")
-    return value
+    return typed_value(meta, key, default, source, bool, "a boolean", _kind)
 
 
 def _text(meta: Mapping[str, Any], key: str, default: str, source: str) -> str:

@@ -108,9 +108,7 @@ class CachingAllocator:
             if size > self.sizes.max_chunk_size:
                 ptr = self._device_alloc(size)
                 self._live[ptr] = (None, size, nbytes)
-                st.reserved += size
-                if st.reserved > st.peak_reserved:
-                    st.peak_reserved = st.reserved
+                self._reserve(size)
             else:
                 block = self._take_block(size)
                 ptr = block.ptr
@@ -203,12 +201,16 @@ class CachingAllocator:
         chunk_size = max(size, grow)
         chunk = _Chunk(self._device_alloc(chunk_size), chunk_size)
         self._chunks.append(chunk)
+        self._stats.num_chunks += 1
+        self._reserve(chunk_size)
+        return chunk
+
+    def _reserve(self, size: int) -> None:
+        """Count ``size`` more bytes held from the device (a chunk or a direct allocation)."""
         st = self._stats
-        st.reserved += chunk_size
-        st.num_chunks += 1
+        st.reserved += size
         if st.reserved > st.peak_reserved:
             st.peak_reserved = st.reserved
-        return chunk
 
     def _push_free(self, block: _Block) -> None:
         bucket = self._free_by_size.get(block.size)
@@ -226,22 +228,24 @@ class CachingAllocator:
             del self._free_sizes[bisect.bisect_left(self._free_sizes, block.size)]
 
     def _merge(self, block: _Block) -> _Block:
-        nxt = block.next
+        """``block`` joined with its free neighbours (taken off the free lists); the block that remains."""
+        nxt, prv = block.next, block.prev
         if nxt is not None and nxt.free:
             self._remove_free(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-        prv = block.prev
+            self._absorb(block, nxt)
         if prv is not None and prv.free:
             self._remove_free(prv)
-            prv.size += block.size
-            prv.next = block.next
-            if block.next is not None:
-                block.next.prev = prv
+            self._absorb(prv, block)
             block = prv
         return block
+
+    @staticmethod
+    def _absorb(block: _Block, nxt: _Block) -> None:
+        """Grow ``block`` over ``nxt``, the block after it, and unlink ``nxt``."""
+        block.size += nxt.size
+        block.next = nxt.next
+        if nxt.next is not None:
+            nxt.next.prev = block
 
     def _release_free_chunks(self) -> int:
         released = 0

@@ -203,13 +203,9 @@ COPY_APIS = {
     "memory_copy_d2d": "async_memory_copy_d2d",
 }
 
-# What PaddlePaddle's loader refuses a plugin without. llaisys refuses the same missing APIs,
-# except the events, which have fallbacks here.
-PADDLE_REQUIRED_APIS = (
-    "set_device", "get_device", "get_device_count", "get_device_list",
-    "create_event", "record_event", "destroy_event", "synchronize_event",
-    "device_memory_allocate", "device_memory_deallocate",
-)
+# What PaddlePaddle's loader refuses a plugin without: llaisys's required APIs and the events,
+# which have fallbacks here.
+PADDLE_REQUIRED_APIS = REQUIRED_APIS + ("create_event", "record_event", "destroy_event", "synchronize_event")
 
 FALLBACKS = {
     "initialize": "nothing to initialise",
@@ -249,13 +245,8 @@ FALLBACKS = {
 # ---- kernel ABI --------------------------------------------------------------------------------
 @_native.mirror("host", "LlaisysTensorDesc")
 class LlaisysTensorDesc(ctypes.Structure):
-    _fields_ = [
-        ("data", c_void_p),
-        ("dtype", c_int),
-        ("ndim", c_int32),
-        ("shape", POINTER(c_int64)),
-        ("strides", POINTER(c_int64)),
-    ]
+    _fields_ = [("data", c_void_p), ("dtype", c_int), ("ndim", c_int32), ("shape", POINTER(c_int64)),
+                ("strides", POINTER(c_int64))]
 
 
 @_native.mirror("host", "LlaisysKernelAttr")
@@ -270,12 +261,8 @@ RegisterKernelFn = CFUNCTYPE(Status, c_void_p, c_char_p, c_char_p, c_int, c_int,
 
 @_native.mirror("host", "LlaisysKernelRegistrar")
 class LlaisysKernelRegistrar(ctypes.Structure):
-    _fields_ = [
-        ("size", c_size_t),
-        ("abi_version", c_size_t),
-        ("context", c_void_p),
-        ("register_kernel", RegisterKernelFn),
-    ]
+    _fields_ = [("size", c_size_t), ("abi_version", c_size_t), ("context", c_void_p),
+                ("register_kernel", RegisterKernelFn)]
 
 
 InitPluginKernelsFn = CFUNCTYPE(Status, POINTER(LlaisysKernelRegistrar))

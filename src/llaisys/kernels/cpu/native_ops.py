@@ -12,7 +12,7 @@ rope uses the NumPy kernel's own cos/sin tables, so it gives the same bits.
 
 A decoding step makes about five of these calls per layer, each on a few kilobytes, so the
 Python around a call is most of its cost: the ctypes argument block of a call is built once
-and kept with the output tensor (``Tensor.derived``, as one of the entry dataclasses below),
+and kept with the output tensor (``Tensor.derived``, a ``KeptBlock``),
 reused while the same tensors come back (as a replayed ``ops.Plan`` passes them); what changes
 from call to call at one output (the norm weight, the rope positions' table, a layer's K/V
 rows) is passed beside it. The blocks are the mirrors of ``llaisys._native.structs``.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ... import _native
 from ..._native import structs
@@ -150,87 +150,24 @@ def _writes_safely(outputs: tuple, others: tuple, same_view_ok: bool = True) -> 
 
 
 # ---- what a call keeps with its output tensor (``Tensor.derived``) ------------------------------
-# Each entry holds the argument block made for the tensors and attributes it names, and the
-# block's address (None: the NumPy kernel runs for them), until a call with others replaces it.
 @dataclass(slots=True)
-class _NormEntry:
-    x: "Tensor | None" = None
-    eps: float | None = None
-    args: "structs.NormArgs | None" = None
+class KeptBlock:
+    """An argument block kept with its output tensor until a call with other inputs replaces it:
+    ``key``, the tensors (compared by identity: Tensor has no ``__eq__``) and attributes it was
+    made for; ``args``, the block (None: the NumPy kernel runs for them); ``address``, its address."""
+
+    key: tuple = ()
+    args: Any = None
     address: int | None = None
 
     @staticmethod
-    def fresh(_: Tensor) -> "_NormEntry":
-        return _NormEntry()
+    def fresh(_: Tensor) -> "KeptBlock":
+        return KeptBlock()
 
-
-@dataclass(slots=True)
-class _AddNormEntry:
-    total: "Tensor | None" = None
-    a: "Tensor | None" = None
-    b: "Tensor | None" = None
-    eps: float | None = None
-    args: "structs.NormArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_AddNormEntry":
-        return _AddNormEntry()
-
-
-@dataclass(slots=True)
-class _GatedEntry:
-    """swiglu's or geglu's."""
-
-    gate: "Tensor | None" = None
-    up: "Tensor | None" = None
-    args: "structs.SwigluArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_GatedEntry":
-        return _GatedEntry()
-
-
-@dataclass(slots=True)
-class _RopeEntry:
-    x: "Tensor | None" = None
-    r: int | None = None  # rotated dims
-    args: "structs.RopeArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_RopeEntry":
-        return _RopeEntry()
-
-
-@dataclass(slots=True)
-class _AttentionEntry:
-    """self_attention's: q and the layout of k and v (whose rows come with each call)."""
-
-    q: "Tensor | None" = None
-    scale: float | None = None
-    k_strides: "tuple[int, ...] | None" = None
-    v_strides: "tuple[int, ...] | None" = None
-    kv_heads: int | None = None
-    args: "structs.AttentionArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_AttentionEntry":
-        return _AttentionEntry()
-
-
-@dataclass(slots=True)
-class _ScaleEntry:
-    x: "Tensor | None" = None
-    factor: float | None = None
-    args: "structs.ScaleArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_ScaleEntry":
-        return _ScaleEntry()
+    def keep(self, key: tuple, args: Any) -> None:
+        """Hold ``args``, the block made for ``key`` (callers compare ``key`` first), and its address."""
+        self.key, self.args = key, args
+        self.address = None if args is None else ctypes.addressof(args)
 
 
 @dataclass(slots=True)
@@ -255,10 +192,6 @@ class _RopeKept:
     args: "structs.RopeArgs"
     table: "_RopeTable | None"
     freqs: "Tensor | None"
-
-
-def _address(args: "ctypes.Structure | None") -> int | None:
-    return None if args is None else ctypes.addressof(args)
 
 
 def _ptr(t: Tensor) -> int:
@@ -286,39 +219,50 @@ def _weight_ok(w: Tensor, outputs: tuple) -> bool:
     return (w.strides[0] == 1 or w.shape[0] == 1) and not any(_overlap(w, o) for o in outputs)
 
 
-def rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``rms_norm`` kernel: native where it applies, else ``norm_rope.rms_norm``."""
-    out = outputs[0]
-    x, w = inputs
-    eps = attrs["eps"]
-    e = out.derived("native_ops.rms_norm", _NormEntry.fresh)
-    if e.x is not x or e.eps != eps:
-        e.x, e.eps, e.args = x, eps, _norm_args(out, None, x, None, eps)
-        e.address = _address(e.args)
-    if e.address is None or ((w.storage is out.storage or w.strides[0] != 1) and not _weight_ok(w, outputs)):
-        norm_rope.rms_norm(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_rms_norm(e.address, w.storage.ptr + w.offset)
-    if status:
-        _failed("rms_norm", status)
+def _norm_kernel(op: str) -> Callable[..., None]:
+    """The F32 kernel ``op``, rms_norm (outputs (out,), inputs (x, w)) or add_rms_norm (outputs
+    (out, total), inputs (a, b, w)): ``llaisys_ops_rms_norm`` on the block kept with the output
+    where it applies, else the NumPy kernel ``norm_rope.<op>``; its ``native_call`` gives the
+    block in a NormCall for a replayed plan."""
+    entry, add = "native_ops." + op, op == "add_rms_norm"
+
+    def kernel(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+        eps = attrs["eps"]
+        if add:
+            (out, total), (a, b, w) = outputs, inputs
+            key = (total, a, b, eps)
+        else:
+            (out,), (a, w) = outputs, inputs
+            total = b = None
+            key = (a, eps)
+        e = out.derived(entry, KeptBlock.fresh)
+        if e.key != key:
+            e.keep(key, _norm_args(out, total, a, b, eps))
+        if e.address is None or ((w.storage is out.storage or (add and w.storage is total.storage) or w.strides[0] != 1)
+                                 and not _weight_ok(w, outputs)):
+            getattr(norm_rope, op)(outputs, inputs, attrs)
+            return
+        status = _lib.llaisys_ops_rms_norm(e.address, w.storage.ptr + w.offset)
+        if status:
+            _failed("rms_norm", status)
+
+    def native_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                    attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+        w = inputs[-1]
+        args = _norm_args(outputs[0], outputs[1] if add else None, inputs[0], inputs[1] if add else None, attrs["eps"])
+        if args is None or not native_calls.available() or not _weight_ok(w, outputs):
+            return None
+        return _call_of(op, "llaisys_ops_rms_norm_call", structs.NormCall(ctypes.addressof(args), _ptr(w)), (args, w))
+
+    kernel.__name__ = kernel.__qualname__ = op
+    kernel.__doc__ = f"The F32 ``{op}`` kernel: native where it applies, else ``norm_rope.{op}``."
+    native_call.__doc__ = f"``{op}`` as an argument block (None where the NumPy kernel would run)."
+    kernel.native_call = native_call  # type: ignore[attr-defined]
+    return kernel
 
 
-def add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``add_rms_norm`` kernel: native where it applies, else ``norm_rope.add_rms_norm``."""
-    out, total = outputs
-    a, b, w = inputs
-    eps = attrs["eps"]
-    e = out.derived("native_ops.add_rms_norm", _AddNormEntry.fresh)
-    if e.total is not total or e.a is not a or e.b is not b or e.eps != eps:
-        e.total, e.a, e.b, e.eps, e.args = total, a, b, eps, _norm_args(out, total, a, b, eps)
-        e.address = _address(e.args)
-    if e.address is None or ((w.storage is out.storage or w.storage is total.storage or w.strides[0] != 1)
-                             and not _weight_ok(w, outputs)):
-        norm_rope.add_rms_norm(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_rms_norm(e.address, w.storage.ptr + w.offset)
-    if status:
-        _failed("rms_norm", status)
+rms_norm = _norm_kernel("rms_norm")
+add_rms_norm = _norm_kernel("add_rms_norm")
 
 
 # ---- swiglu -------------------------------------------------------------------------------------
@@ -330,20 +274,44 @@ def _swiglu_args(out: Tensor, gate: Tensor, up: Tensor) -> structs.SwigluArgs | 
     return structs.SwigluArgs(_ptr(out), out_s, _ptr(gate), gate_s, _ptr(up), up_s, rows, out.shape[-1])
 
 
-def swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``swiglu`` kernel: native where it applies, else ``elementwise.swiglu``."""
-    out = outputs[0]
-    gate, up = inputs
-    e = out.derived("native_ops.swiglu", _GatedEntry.fresh)
-    if e.gate is not gate or e.up is not up:
-        e.gate, e.up, e.args = gate, up, _swiglu_args(out, gate, up)
-        e.address = _address(e.args)
-    if e.address is None:
-        elementwise.swiglu(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_swiglu(e.address)
-    if status:
-        _failed("swiglu", status)
+def _block_kernel(op: str, make: Callable[..., Any], block: type, attr: str | None = None) -> Callable[..., None]:
+    """The F32 kernel ``op`` (swiglu, geglu, scale) of one argument block: ``llaisys_ops_<op>``
+    on the block ``make(out, *inputs)`` (with ``attr``, a kernel of one input: ``make(out, x,
+    attrs[attr])``) kept with the output, else the NumPy kernel ``elementwise.<op>``; its
+    ``native_call`` gives the same block in a ``block`` (the ``*Call`` mirror) for a replayed plan."""
+    entry, function = "native_ops." + op, "llaisys_ops_" + op
+    run = None  # the C function, looked up when the first block runs (the library is loaded then)
+
+    def kernel(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+        nonlocal run
+        key = inputs if attr is None else (inputs[0], attrs[attr])
+        e = outputs[0].derived(entry, KeptBlock.fresh)
+        if e.key != key:
+            e.keep(key, make(outputs[0], *key))
+        if e.address is None:
+            getattr(elementwise, op)(outputs, inputs, attrs)
+            return
+        if run is None:
+            run = getattr(_lib, function)
+        status = run(e.address)
+        if status:
+            _failed(op, status)
+
+    def native_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                    attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+        args = make(outputs[0], *(inputs if attr is None else (inputs[0], attrs[attr])))
+        if args is None or not native_calls.available():
+            return None
+        return _call_of(op, function + "_call", block(ctypes.addressof(args)), args)
+
+    kernel.__name__ = kernel.__qualname__ = op
+    kernel.__doc__ = f"The F32 ``{op}`` kernel: native where it applies, else ``elementwise.{op}``."
+    native_call.__doc__ = f"``{op}`` as an argument block (None where the NumPy kernel would run)."
+    kernel.native_call = native_call  # type: ignore[attr-defined]
+    return kernel
+
+
+swiglu = _block_kernel("swiglu", _swiglu_args, structs.SwigluCall)
 
 
 # ---- rope ---------------------------------------------------------------------------------------
@@ -398,10 +366,9 @@ def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: 
     x, pos = inputs[:2]
     freqs = inputs[2] if len(inputs) > 2 else None
     r = x.shape[2] if freqs is None else 2 * freqs.shape[0]
-    e = out.derived("native_ops.rope", _RopeEntry.fresh)
-    if e.x is not x or e.r != r:
-        e.x, e.r, e.args = x, r, _rope_args(out, x, r)
-        e.address = _address(e.args)
+    e = out.derived("native_ops.rope", KeptBlock.fresh)
+    if e.key != (x, r):
+        e.keep((x, r), _rope_args(out, x, r))
     if e.address is None:
         (norm_rope.rope if freqs is None else norm_rope.rope_freqs)(outputs, inputs, attrs)
         return
@@ -430,12 +397,10 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
     out = outputs[0]
     q, k, v = inputs
     scale = attrs["scale"]
-    e = out.derived("native_ops.self_attention", _AttentionEntry.fresh)
-    if (e.q is not q or e.scale != scale or e.k_strides != k.strides or e.v_strides != v.strides
-            or e.kv_heads != k.shape[1]):
-        e.q, e.scale, e.k_strides, e.v_strides, e.kv_heads = q, scale, k.strides, v.strides, k.shape[1]
-        e.args = _attention_args(out, q, k, v, scale)
-        e.address = _address(e.args)
+    key = (q, scale, k.strides, v.strides, k.shape[1])
+    e = out.derived("native_ops.self_attention", KeptBlock.fresh)
+    if e.key != key:
+        e.keep(key, _attention_args(out, q, k, v, scale))
     if e.address is None or ((k.storage is out.storage or v.storage is out.storage) and not
                              _writes_safely((out,), (k, v), same_view_ok=False)):
         attention.self_attention(outputs, inputs, attrs)
@@ -450,37 +415,6 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
 def _call_of(name: str, function: str, block: ctypes.Structure, keep: Any, **hooks: Any) -> native_calls.NativeCall:
     """A NativeCall of ``function`` of the ops library on argument block ``block``."""
     return native_calls.NativeCall(name, native_calls.address(_lib, function), block, keep=keep, **hooks)
-
-
-def native_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                    attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``rms_norm`` as an argument block (None where the NumPy kernel would run)."""
-    (out,), (x, w) = outputs, inputs
-    args = _norm_args(out, None, x, None, attrs["eps"])
-    if args is None or not native_calls.available() or not _weight_ok(w, outputs):
-        return None
-    return _call_of("rms_norm", "llaisys_ops_rms_norm_call", structs.NormCall(ctypes.addressof(args), _ptr(w)),
-                    (args, w))
-
-
-def native_add_rms_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                        attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``add_rms_norm`` as an argument block (None where the NumPy kernel would run)."""
-    (out, total), (a, b, w) = outputs, inputs
-    args = _norm_args(out, total, a, b, attrs["eps"])
-    if args is None or not native_calls.available() or not _weight_ok(w, outputs):
-        return None
-    return _call_of("add_rms_norm", "llaisys_ops_rms_norm_call", structs.NormCall(ctypes.addressof(args), _ptr(w)),
-                    (args, w))
-
-
-def native_swiglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                  attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``swiglu`` as an argument block (None where the NumPy kernel would run)."""
-    args = _swiglu_args(outputs[0], *inputs)
-    if args is None or not native_calls.available():
-        return None
-    return _call_of("swiglu", "llaisys_ops_swiglu_call", structs.SwigluCall(ctypes.addressof(args)), args)
 
 
 def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
@@ -557,9 +491,6 @@ def native_add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
 
 
 add.native_call = native_add  # type: ignore[attr-defined]
-rms_norm.native_call = native_rms_norm  # type: ignore[attr-defined]
-add_rms_norm.native_call = native_add_rms_norm  # type: ignore[attr-defined]
-swiglu.native_call = native_swiglu  # type: ignore[attr-defined]
 rope.native_call = native_rope  # type: ignore[attr-defined]
 self_attention.native_call = native_self_attention  # type: ignore[attr-defined]
 
@@ -611,57 +542,8 @@ def _scale_args(out: Tensor, x: Tensor, factor: float) -> structs.ScaleArgs | No
     return structs.ScaleArgs(_ptr(out), out_s, _ptr(x), x_s, rows, out.shape[-1], factor)
 
 
-def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``geglu`` kernel: native where it applies, else ``elementwise.geglu``."""
-    out = outputs[0]
-    gate, up = inputs
-    e = out.derived("native_ops.geglu", _GatedEntry.fresh)
-    if e.gate is not gate or e.up is not up:
-        e.gate, e.up, e.args = gate, up, _geglu_args(out, gate, up)
-        e.address = _address(e.args)
-    if e.address is None:
-        elementwise.geglu(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_geglu(e.address)
-    if status:
-        _failed("geglu", status)
-
-
-def scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``scale`` kernel: native where it applies, else ``elementwise.scale``."""
-    out, x, factor = outputs[0], inputs[0], attrs["factor"]
-    e = out.derived("native_ops.scale", _ScaleEntry.fresh)
-    if e.x is not x or e.factor != factor:
-        e.x, e.factor, e.args = x, factor, _scale_args(out, x, factor)
-        e.address = _address(e.args)
-    if e.address is None:
-        elementwise.scale(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_scale(e.address)
-    if status:
-        _failed("scale", status)
-
-
-def native_geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``geglu`` as an argument block (None where the NumPy kernel would run)."""
-    args = _geglu_args(outputs[0], *inputs)
-    if args is None or not native_calls.available():
-        return None
-    return _call_of("geglu", "llaisys_ops_geglu_call", structs.GegluCall(ctypes.addressof(args)), args)
-
-
-def native_scale(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                 attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``scale`` as an argument block (None where the NumPy kernel would run)."""
-    args = _scale_args(outputs[0], inputs[0], attrs["factor"])
-    if args is None or not native_calls.available():
-        return None
-    return _call_of("scale", "llaisys_ops_scale_call", structs.ScaleCall(ctypes.addressof(args)), args)
-
-
-geglu.native_call = native_geglu  # type: ignore[attr-defined]
-scale.native_call = native_scale  # type: ignore[attr-defined]
+geglu = _block_kernel("geglu", _geglu_args, structs.GegluCall)
+scale = _block_kernel("scale", _scale_args, structs.ScaleCall, "factor")
 KERNELS.update(geglu=geglu, scale=scale)
 NUMPY_KERNELS.update(geglu=elementwise.geglu, scale=elementwise.scale)
 if os.environ.get("LLAISYS_NATIVE_OPS", "1").lower() not in ("0", "false", "no", "off"):

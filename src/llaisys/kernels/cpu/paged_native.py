@@ -11,7 +11,7 @@ was not built, or a float tensor's last dimension is strided, the NumPy kernels 
 
 A decoding step calls these twice per layer, so the ctypes argument block of a call (a mirror
 of ``llaisys._native.structs``) is built once and kept with the output tensor
-(``Tensor.derived``, an ``_AttentionEntry`` or ``_WriteEntry``), reused while the same tensors
+(``Tensor.derived``, a ``native_ops.KeptBlock``), reused while the same tensors
 come back: a direct call then costs a couple of microseconds on top of the C code. The entry
 holds its tensors (so the block's pointers stay valid) until a call with other tensors
 replaces it.
@@ -35,6 +35,7 @@ from ...runtime.dtypes import DataType
 from ..registry import register_kernel
 from . import native_calls, paged
 from ._common import FLOATS
+from .native_ops import KeptBlock
 
 if TYPE_CHECKING:
     from ...tensor import Tensor
@@ -91,43 +92,6 @@ def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
 
 
 @dataclass(slots=True)
-class _AttentionEntry:
-    """A ``paged_attention`` block kept with its output: the tensors and attributes it was made
-    for, the block (None: the NumPy kernel runs for them) and its address."""
-
-    q: "Tensor | None" = None
-    k_cache: "Tensor | None" = None
-    v_cache: "Tensor | None" = None
-    block_tables: "Tensor | None" = None
-    query_starts: "Tensor | None" = None
-    context_lens: "Tensor | None" = None
-    scale: float | None = None
-    window: int | None = None
-    args: "structs.PagedAttentionArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_AttentionEntry":
-        return _AttentionEntry()
-
-
-@dataclass(slots=True)
-class _WriteEntry:
-    """A ``kv_cache_write`` block kept with k_cache (as ``_AttentionEntry``)."""
-
-    v_cache: "Tensor | None" = None
-    k: "Tensor | None" = None
-    v: "Tensor | None" = None
-    slots: "Tensor | None" = None
-    args: "structs.PagedWriteArgs | None" = None
-    address: int | None = None
-
-    @staticmethod
-    def fresh(_: Tensor) -> "_WriteEntry":
-        return _WriteEntry()
-
-
-@dataclass(slots=True)
 class _Kept:
     """What a recorded call's block points into: the block and its tensors (rebinds replace them)."""
 
@@ -136,22 +100,20 @@ class _Kept:
     inputs: tuple
 
 
-def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> _AttentionEntry:
+def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> KeptBlock:
     """The entry of this call, kept with ``out`` while the same tensors come back; its args None
     when the native kernel does not apply."""
-    entry = out.derived("paged_attention", _AttentionEntry.fresh)
-    q, kc, vc, bt, qs, cl = inputs
-    if (entry.q is not q or entry.k_cache is not kc or entry.v_cache is not vc or entry.block_tables is not bt
-            or entry.query_starts is not qs or entry.context_lens is not cl or entry.scale != scale
-            or entry.window != window):
-        entry.q, entry.k_cache, entry.v_cache, entry.block_tables, entry.query_starts, entry.context_lens = inputs
-        entry.scale, entry.window = scale, window
-        entry.args = _make_attention_args(out, inputs, scale, window)
-        entry.address = None if entry.args is None else ctypes.addressof(entry.args)
+    entry, key = out.derived("paged_attention", KeptBlock.fresh), (inputs, scale, window)
+    if entry.key != key:
+        entry.keep(key, _make_attention_args(out, inputs, scale, window))
     return entry
 
 
-def _run_attention(entry: _AttentionEntry, inputs: tuple) -> None:
+def _run_attention(entry: KeptBlock, inputs: tuple) -> None:
+    """The native kernel on ``entry``'s block; RuntimeError where there is none."""
+    if entry.args is None:
+        raise RuntimeError("the native paged_attention needs the native library, F32 tensors and contiguous last "
+                           "dimensions")
     status = _lib.llaisys_paged_attention(entry.address)
     if status:
         bad = entry.args.bad
@@ -173,11 +135,7 @@ def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | N
     """``paged_attention`` (with ``attrs["window"]``, its windowed form) on the native kernel
     only (tests, benchmarks); RuntimeError when the library is missing, the type is not F32 or
     a float tensor's last dimension is strided."""
-    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
-    if entry.args is None:
-        raise RuntimeError("the native paged_attention needs the native library, F32 tensors and contiguous last "
-                           "dimensions")
-    _run_attention(entry, inputs)
+    _run_attention(_attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0))), inputs)
 
 
 def _make_write_args(outputs: tuple, inputs: tuple) -> structs.PagedWriteArgs | None:
@@ -192,18 +150,18 @@ def _make_write_args(outputs: tuple, inputs: tuple) -> structs.PagedWriteArgs | 
                                   k.shape[0], kh, d, vc.shape[3], nb, bs, kc.dtype.itemsize)
 
 
-def _write_args(outputs: tuple, inputs: tuple) -> _WriteEntry:
+def _write_args(outputs: tuple, inputs: tuple) -> KeptBlock:
     """The entry of this call, kept with k_cache (as ``_attention_args``)."""
-    entry = outputs[0].derived("kv_cache_write", _WriteEntry.fresh)
-    k, v, slots = inputs
-    if entry.v_cache is not outputs[1] or entry.k is not k or entry.v is not v or entry.slots is not slots:
-        entry.v_cache, entry.k, entry.v, entry.slots = outputs[1], k, v, slots
-        entry.args = _make_write_args(outputs, inputs)
-        entry.address = None if entry.args is None else ctypes.addressof(entry.args)
+    entry, key = outputs[0].derived("kv_cache_write", KeptBlock.fresh), (outputs[1], inputs)
+    if entry.key != key:
+        entry.keep(key, _make_write_args(outputs, inputs))
     return entry
 
 
-def _run_write(entry: _WriteEntry, outputs: tuple) -> None:
+def _run_write(entry: KeptBlock, outputs: tuple) -> None:
+    """The native kernel on ``entry``'s block; RuntimeError where there is none."""
+    if entry.args is None:
+        raise RuntimeError("the native kv_cache_write needs the native library and contiguous last dimensions")
     if _lib.llaisys_paged_kv_write(entry.address):
         bad, (nb, bs) = entry.args.bad, outputs[0].shape[:2]
         raise paged.slot_error(bad[0], bad[1], nb, bs)
@@ -226,10 +184,7 @@ def native_kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
                           attrs: dict[str, Any]) -> None:
     """``kv_cache_write`` on the native kernel only (tests, benchmarks); RuntimeError when the
     library is missing or a float tensor's last dimension is strided."""
-    entry = _write_args(outputs, inputs)
-    if entry.args is None:
-        raise RuntimeError("the native kv_cache_write needs the native library and contiguous last dimensions")
-    _run_write(entry, outputs)
+    _run_write(_write_args(outputs, inputs), outputs)
 
 
 # ---- the same calls as argument blocks, for a replayed plan (``native_calls``) ------------------

@@ -88,23 +88,25 @@ def index_space(out: "Tensor", a: "Tensor", b: "Tensor | None") -> tuple:
     return (out.numel(), sizes[1], sizes[2], sizes[3], *strides[0], *strides[1], *strides[2])
 
 
-def elementwise(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None) -> None:
-    """Launch the elementwise kernel for ``op`` on llaisys tensors of one shape."""
-    args = (tv(out), tv(a), tv(a if b is None else b), *index_space(out, a, b))
-    launch(_elementwise, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
+def launch_strided(kernel: Any, op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None,
+                   *scalars: float) -> None:
+    """Launch ``kernel`` (``_elementwise``, or ``_geglu_scale`` with its factor in ``scalars``)
+    for ``op`` on llaisys tensors of one shape."""
+    args = (tv(out), tv(a), tv(a if b is None else b), *scalars, *index_space(out, a, b))
+    launch(kernel, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
            exact=out.dtype is DataType.F32)
 
 
 @register_kernel("add", "nvidia", dtypes=FLOATS)
 def add(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """c = a + b for outputs (c,), inputs (a, b) of one shape, any strides; summed in F32."""
-    elementwise(ADD, outputs[0], inputs[0], inputs[1])
+    launch_strided(_elementwise, ADD, outputs[0], inputs[0], inputs[1])
 
 
 @register_kernel("swiglu", "nvidia", dtypes=FLOATS)
 def swiglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """out = up * gate / (1 + exp(-gate)) for outputs (out,), inputs (gate, up), in F32."""
-    elementwise(SWIGLU, outputs[0], inputs[0], inputs[1])
+    launch_strided(_elementwise, SWIGLU, outputs[0], inputs[0], inputs[1])
 
 
 @register_kernel("rearrange", "nvidia", dtypes=tuple(TORCH_DTYPES))
@@ -114,7 +116,7 @@ def rearrange(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...]
     if out.is_contiguous() and src.is_contiguous():
         tv(out).copy_(tv(src))  # a plain device memcpy
         return
-    elementwise(COPY, out, src)
+    launch_strided(_elementwise, COPY, out, src)
 
 
 GEGLU, SCALE = 0, 1
@@ -153,20 +155,13 @@ def _geglu_scale(out, a, b, factor, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a
     tl.store(out + i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, y.to(out.dtype.element_ty), mask=mask)
 
 
-def geglu_scale(op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None, factor: float = 1.0) -> None:
-    """Launch ``_geglu_scale`` for ``op`` on llaisys tensors of one shape."""
-    args = (tv(out), tv(a), tv(a if b is None else b), float(factor), *index_space(out, a, b))
-    launch(_geglu_scale, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
-           exact=out.dtype is DataType.F32)
-
-
 @register_kernel("geglu", "nvidia", dtypes=FLOATS)
 def geglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """out = up * gelu_tanh(gate) for outputs (out,), inputs (gate, up) of one shape, any strides, in F32."""
-    geglu_scale(GEGLU, outputs[0], inputs[0], inputs[1])
+    launch_strided(_geglu_scale, GEGLU, outputs[0], inputs[0], inputs[1], 1.0)
 
 
 @register_kernel("scale", "nvidia", dtypes=FLOATS)
 def scale(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """out = in * float32(factor) for outputs (out,), inputs (in,) of one shape (out may be in), in F32."""
-    geglu_scale(SCALE, outputs[0], inputs[0], factor=attrs["factor"])
+    launch_strided(_geglu_scale, SCALE, outputs[0], inputs[0], None, float(attrs["factor"]))

@@ -73,38 +73,22 @@ def add_rms_norm(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", .
 
 
 @triton.jit
-def _rope(out, x, pos, inv_freq, H, HALF, x_s, x_h, x_d, o_s, o_h, o_d,
-          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Row s: halves (a, b) of every head rotated by pos[s] * inv_freq (angles in F64)."""
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    m = (h < H) & (j < HALF)
-    p = tl.load(pos + s).to(tl.float64)
-    angle = p * tl.load(inv_freq + j, mask=j < HALF, other=0.0)  # (1, HALF) float64
-    cos = tl.cos(angle).to(tl.float32)
-    sin = tl.sin(angle).to(tl.float32)
-    src = x + s * x_s + h * x_h + j * x_d
-    a = tl.load(src, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(src + HALF * x_d, mask=m, other=0.0).to(tl.float32)
-    dst = out + s * o_s + h * o_h + j * o_d
-    tl.store(dst, (a * cos - b * sin).to(out.dtype.element_ty), mask=m)
-    tl.store(dst + HALF * o_d, (b * cos + a * sin).to(out.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _rope_freqs(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d, factor,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _rotate(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d, factor, SCALED: tl.constexpr,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """Row s: halves (a, b) of the first R = 2 * HALF dims of every head rotated by pos[s] * freqs
-    (angles in F64), cos and sin times ``factor``; the REST dims after them copied."""
+    (angles in F64), cos and sin times ``factor`` where SCALED; the REST dims after them copied."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     m = (h < H) & (j < HALF)
     p = tl.load(pos + s).to(tl.float64)
     angle = p * tl.load(freqs + j, mask=j < HALF, other=0.0).to(tl.float64)  # (1, HALF) float64
-    cos = (tl.cos(angle) * factor).to(tl.float32)
-    sin = (tl.sin(angle) * factor).to(tl.float32)
+    if SCALED:
+        cos = (tl.cos(angle) * factor).to(tl.float32)
+        sin = (tl.sin(angle) * factor).to(tl.float32)
+    else:
+        cos = tl.cos(angle).to(tl.float32)
+        sin = tl.sin(angle).to(tl.float32)
     src = x + s * x_s + h * x_h + j * x_d
     a = tl.load(src, mask=m, other=0.0).to(tl.float32)
     b = tl.load(src + HALF * x_d, mask=m, other=0.0).to(tl.float32)
@@ -116,6 +100,21 @@ def _rope_freqs(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d,
         mk = (h < H) & (k < REST)
         rest = tl.load(x + s * x_s + h * x_h + (2 * HALF + k) * x_d, mask=mk, other=0.0)
         tl.store(out + s * o_s + h * o_h + (2 * HALF + k) * o_d, rest.to(out.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def _rope(out, x, pos, inv_freq, H, HALF, x_s, x_h, x_d, o_s, o_h, o_d,
+          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Row s: halves (a, b) of every head rotated by pos[s] * inv_freq (F64)."""
+    _rotate(out, x, pos, inv_freq, H, HALF, 0, x_s, x_h, x_d, o_s, o_h, o_d, 1.0, False, BLOCK_H, BLOCK_HALF, 0)
+
+
+@triton.jit
+def _rope_freqs(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d, factor,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """``_rotate`` by freqs (F32), cos and sin times ``factor``, the REST dims copied."""
+    _rotate(out, x, pos, freqs, H, HALF, REST, x_s, x_h, x_d, o_s, o_h, o_d, factor, True, BLOCK_H, BLOCK_HALF,
+            BLOCK_REST)
 
 
 @functools.lru_cache(maxsize=32)
