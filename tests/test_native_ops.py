@@ -197,6 +197,28 @@ def test_rope_in_place_and_new_positions(rng):
     np.testing.assert_array_equal(y.numpy(), expected[7])
 
 
+@native
+@pytest.mark.parametrize("kind", ["rope", "rope_freqs"])
+def test_rope_rows_read_in_place_equal_each_call_computed(kind, rng):
+    """Consecutive positions (a decoding step, a prompt's chunk) read the rows of a table of all
+    positions so far, grown as they pass its end: the same cos and sin, bit for bit, as the
+    NumPy kernel computes for each call's own positions, over several growths."""
+    x = rand((1, 3, 16), rng)
+    attrs = {"theta": 1e4} if kind == "rope" else {"attention_factor": 1.25}
+    extra = () if kind == "rope" else (Tensor.from_numpy(rng.uniform(1e-4, 1.0, 8).astype(np.float32)),)
+    pos = Tensor.empty((1,), DataType.I64)
+    out = Tensor.empty((1, 3, 16))
+    for p in [*range(0, 300), *range(511, 530), 1023, 1024, 5000, 4999, 3]:
+        pos.load(np.array([p], np.int64))
+        NATIVE[kind]((out,), (x, pos, *extra), attrs)
+        want = run(NUMPY[kind], fresh((1, 3, 16)), (x, Tensor.from_numpy(np.array([p], np.int64)), *extra), attrs)[0]
+        np.testing.assert_array_equal(out.numpy(), want, err_msg=f"position {p}")
+    chunk = rand((6, 3, 16), rng)  # a prompt's chunk at 4990 .. 4995
+    positions = Tensor.from_numpy(np.arange(4990, 4996, dtype=np.int64))
+    (ours,), (ref,) = (run(k[kind], fresh((6, 3, 16)), (chunk, positions, *extra), attrs) for k in (NATIVE, NUMPY))
+    np.testing.assert_array_equal(ours, ref)
+
+
 # ---- self_attention -----------------------------------------------------------------------------
 def attention_ref(q, k, v, scale):
     s, h, _ = q.shape

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from ... import _native
 from ..._native import structs
 from ...runtime.dtypes import DataType
@@ -353,11 +355,49 @@ def _rope_args(out: Tensor, x: Tensor, r: int) -> structs.RopeArgs | None:
     return structs.RopeArgs(_ptr(out), *heads[0], _ptr(x), *heads[1], s, h, d, r)
 
 
-def _table_key(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str, Any]) -> tuple:
-    """The ``_tables`` key of a call: positions, then D and theta, or freqs and the factor."""
-    if freqs is None:
-        return pos.host_array().tobytes(), x.shape[2], attrs["theta"]
-    return pos.host_array().tobytes(), freqs.host_array().tobytes(), attrs["attention_factor"]
+class _PositionTable:
+    """cos and sin (P, 1, R/2) float32 of positions 0 .. P-1 for one rotation (D and theta, or
+    inverse frequencies and the attention factor), computed as the NumPy kernel computes any
+    set of positions and grown (doubled) when a pass reaches past it: a pass at consecutive
+    positions (a decoding step, a prompt's chunk) reads its rows in place."""
+
+    __slots__ = ("rotation", "cos", "sin", "row_bytes", "cos_address", "sin_address")
+
+    def __init__(self, rotation: tuple) -> None:
+        self.rotation = rotation
+        self.cos = self.sin = None
+        self.row_bytes = self.cos_address = self.sin_address = 0
+
+    def rows(self, start: int, count: int) -> _RopeTable:
+        """The rows of positions ``start`` .. ``start + count - 1``."""
+        end = start + count
+        if self.cos is None or end > self.cos.shape[0]:
+            size = max(end, 2 * (0 if self.cos is None else self.cos.shape[0]), 256)
+            make = norm_rope._cos_sin_freqs if isinstance(self.rotation[0], bytes) else norm_rope._cos_sin
+            self.cos, self.sin = make.__wrapped__(np.arange(size, dtype=np.int64).tobytes(), *self.rotation)
+            self.row_bytes, self.cos_address, self.sin_address = self.cos.strides[0], self.cos.ctypes.data, \
+                self.sin.ctypes.data
+        at = start * self.row_bytes
+        return _RopeTable(self.cos, self.sin, self.cos_address + at, self.sin_address + at)
+
+
+_position_tables: dict[tuple, _PositionTable] = {}  # rotation -> its table
+
+
+def _rope_table(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str, Any]) -> _RopeTable:
+    """The cos and sin a call rotates with: rows of its rotation's ``_PositionTable`` when its
+    positions are consecutive, else the table of its own positions (``_tables``)."""
+    p = pos.host_array()  # (S,)
+    rotation = (x.shape[2], attrs["theta"]) if freqs is None else (freqs.host_array().tobytes(),
+                                                                   attrs["attention_factor"])
+    first = int(p[0]) if p.size else -1
+    if first >= 0 and (p.size == 1 or int(p[-1]) - first == p.size - 1 and bool((np.diff(p) == 1).all())):
+        table = _position_tables.get(rotation)
+        if table is None:
+            table = _position_tables[rotation] = _PositionTable(rotation)
+        return table.rows(first, p.size)
+    key = (p.tobytes(), *rotation)
+    return _tables.get(key) or _table(key)
 
 
 def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
@@ -372,8 +412,7 @@ def rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: 
     if e.address is None:
         (norm_rope.rope if freqs is None else norm_rope.rope_freqs)(outputs, inputs, attrs)
         return
-    key = _table_key(x, pos, freqs, attrs)
-    table = _tables.get(key) or _table(key)
+    table = _rope_table(x, pos, freqs, attrs)
     status = _lib.llaisys_ops_rope(e.address, table.cos_address, table.sin_address)
     if status:
         _failed("rope", status)
@@ -437,8 +476,7 @@ def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     kept = _RopeKept(args, None, freqs)
 
     def refresh() -> None:
-        key = _table_key(x, pos, freqs, attrs)
-        kept.table = table = _tables.get(key) or _table(key)
+        kept.table = table = _rope_table(x, pos, freqs, attrs)
         block.cos, block.sin = table.cos_address, table.sin_address
 
     refresh()
