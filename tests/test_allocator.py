@@ -276,3 +276,32 @@ def test_cpu_out_of_memory_is_a_clear_error():
     with pytest.raises(llaisys.runtime.OutOfMemoryError, match="cpu:0: allocate failed: no host memory for"):
         llaisys.Tensor.empty((1 << 62,), "u8")  # more than any address space
     assert allocator.stats().allocated == before
+
+
+def test_a_free_from_inside_malloc_waits_for_it_instead_of_deadlocking():
+    """The garbage collector may run a tensor's finalizer inside malloc, on the same thread,
+    and that finalizer frees: the free is done when malloc is, with the lists left whole."""
+    alloc, device = make()
+    held = [alloc.malloc(1000) for _ in range(4)]
+    inner = device.alloc
+    freed_inside = []
+
+    def alloc_and_collect(size: int) -> int:  # the device call malloc makes, a finalizer running in it
+        if held:
+            ptr = held.pop()
+            alloc.free(ptr)
+            freed_inside.append(ptr)
+        return inner(size)
+
+    alloc._raw_alloc = alloc_and_collect
+    done = []
+    worker = threading.Thread(target=lambda: done.append(alloc.malloc(200 * KiB)))  # past max_chunk: a device call
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "malloc deadlocked on a free from inside it"
+    assert freed_inside and done
+    stats = alloc.stats()
+    assert stats.allocated == 3 * alloc.round_size(1000) + alloc.round_size(200 * KiB)  # the inner free counted
+    for ptr in [*done, *held]:
+        alloc.free(ptr)
+    assert alloc.stats().allocated == 0

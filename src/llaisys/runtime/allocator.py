@@ -9,9 +9,10 @@ neighbours in its chunk. On out-of-memory the cache is emptied and the request t
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import OutOfMemoryError
 from .interface import AllocatorSizes
@@ -81,7 +82,11 @@ class CachingAllocator:
         self._raw_free = raw_free
         self.sizes = sizes
         self.name = name
-        self._lock = threading.Lock()
+        # Reentrant: a Storage finalizer run by the garbage collector inside malloc frees on the
+        # same thread; such frees wait in _deferred until the outer call is done with the lists.
+        self._lock = threading.RLock()
+        self._busy = False
+        self._deferred: list[int] = []
         self._chunks: list[_Chunk] = []
         # Free blocks by size: the sorted distinct sizes for best fit, and the blocks of each.
         self._free_sizes: list[int] = []
@@ -103,7 +108,7 @@ class CachingAllocator:
         if nbytes < 0:
             raise ValueError(f"{self.name}: cannot allocate a negative size ({nbytes})")
         size = self.round_size(nbytes)
-        with self._lock:
+        with self._exclusive():
             st = self._stats
             if size > self.sizes.max_chunk_size:
                 ptr = self._device_alloc(size)
@@ -121,7 +126,17 @@ class CachingAllocator:
             return ptr
 
     def free(self, ptr: int) -> None:
-        """Return memory from ``malloc`` to the cache (direct allocations go back to the device)."""
+        """Return memory from ``malloc`` to the cache (direct allocations go back to the device).
+        Called from inside another call of this allocator on the same thread (a finalizer the
+        garbage collector ran there), it is done when that call ends."""
+        with self._lock:
+            if self._busy:
+                self._deferred.append(ptr)
+                return
+        with self._exclusive():
+            self._free(ptr)
+
+    def _free(self, ptr: int) -> None:
         with self._lock:
             try:
                 block, size, requested = self._live.pop(ptr)
@@ -140,7 +155,7 @@ class CachingAllocator:
 
     def empty_cache(self) -> int:
         """Give every wholly free chunk back to the device; returns the bytes released."""
-        with self._lock:
+        with self._exclusive():
             return self._release_free_chunks()
 
     def stats(self) -> AllocatorStats:
@@ -155,6 +170,23 @@ class CachingAllocator:
             self._stats.peak_reserved = self._stats.reserved
 
     # ---- internals -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the lock for a call that changes the lists; the frees deferred meanwhile run
+        before it lets go (still marked busy, so frees they set off wait their turn too)."""
+        with self._lock:
+            if self._busy:
+                raise RuntimeError(f"{self.name}: an allocation from inside the allocator (a finalizer that allocates)")
+            self._busy = True
+            try:
+                yield
+            finally:
+                try:
+                    while self._deferred:
+                        self._free(self._deferred.pop())
+                finally:
+                    self._busy = False
+
     def _device_alloc(self, size: int) -> int:
         cap = self.sizes.max_alloc_size
         if cap and self._stats.reserved + size > cap:

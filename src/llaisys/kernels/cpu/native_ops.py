@@ -382,6 +382,9 @@ class _PositionTable:
 
 
 _position_tables: dict[tuple, _PositionTable] = {}  # rotation -> its table
+# Positions past this go by their own tables (a table of every position up to them would be
+# large; and a staging buffer read before its first copy may hold any value).
+TABLE_POSITIONS = 1 << 17
 
 
 def _rope_table(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str, Any]) -> _RopeTable:
@@ -390,8 +393,9 @@ def _rope_table(x: Tensor, pos: Tensor, freqs: "Tensor | None", attrs: dict[str,
     p = pos.host_array()  # (S,)
     rotation = (x.shape[2], attrs["theta"]) if freqs is None else (freqs.host_array().tobytes(),
                                                                    attrs["attention_factor"])
-    first = int(p[0]) if p.size else -1
-    if first >= 0 and (p.size == 1 or int(p[-1]) - first == p.size - 1 and bool((np.diff(p) == 1).all())):
+    first, last = (int(p[0]), int(p[-1])) if p.size else (-1, -1)
+    if 0 <= first and last < TABLE_POSITIONS and (p.size == 1 or last - first == p.size - 1
+                                                  and bool((np.diff(p) == 1).all())):
         table = _position_tables.get(rotation)
         if table is None:
             table = _position_tables[rotation] = _PositionTable(rotation)
