@@ -128,7 +128,8 @@ class GenerationStream:
             self.engine.abort(self.request_id)  # a no-op once it finished
 
 
-def _engine_and_ids(target, prompt_ids: list[int], config: GenerationConfig) -> LLMEngine:
+def _engine_of(target, prompt_ids: list[int], config: GenerationConfig) -> LLMEngine:
+    """``target`` when it is an engine, else an engine of its own for this request."""
     return target if isinstance(target, LLMEngine) else engine_for(target, len(prompt_ids), config.max_new_tokens)
 
 
@@ -140,7 +141,7 @@ def stream(target, prompt: str | Sequence[int] | np.ndarray, config: GenerationC
     config = config or GenerationConfig()
     model = target.model if isinstance(target, LLMEngine) else target
     ids = encode_prompt(model, prompt)
-    return GenerationStream(_engine_and_ids(target, ids, config), ids, config, prefill_progress)
+    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress)
 
 
 def generate(target, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig | None = None, *,
@@ -157,7 +158,7 @@ def stream_chat(target, messages: Sequence[dict], config: GenerationConfig | Non
     config = config or GenerationConfig()
     model = target.model if isinstance(target, LLMEngine) else target
     ids = chat_prompt_ids(model, messages)
-    return GenerationStream(_engine_and_ids(target, ids, config), ids, config, prefill_progress)
+    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress)
 
 
 def chat(target, messages: Sequence[dict], config: GenerationConfig | None = None, *,

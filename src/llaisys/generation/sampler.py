@@ -85,8 +85,8 @@ class Sampler:
         """The filtered logits (V,) float32 a sampling draw would use: penalties and the min-tokens
         mask, then temperature, top-k, top-p, min-p. ``context_ids``: prompt and generated ids;
         ``generated_ids``: generated ids only (see ``sample``)."""
-        _check_rows(logits[None] if isinstance(logits, np.ndarray) else logits, "Sampler")
-        x, top, kept = _filtered([0], [self], logits[None], [context_ids], [generated_ids], [None])
+        _check_row(logits)
+        x, _, kept = _filtered([0], [self], logits[None], [context_ids], [generated_ids], [None])
         return _kept_row(x[0], kept.get(0), self.config)
 
     def sample(self, logits: np.ndarray, context_ids: TokenIds, generated_ids: TokenIds, *,
@@ -102,9 +102,7 @@ class Sampler:
         the only tokens that may be picked (a grammar's mask; the others get ``-inf`` before the
         penalties), the logprobs still being the raw logits'.
         """
-        if not isinstance(logits, np.ndarray) or logits.ndim != 1 or logits.size == 0:
-            shape = getattr(logits, "shape", type(logits).__name__)
-            raise ValueError(f"Sampler expects logits of shape (V,), got {shape}")
+        _check_row(logits)
         return sample_batch([self], logits[None], [context_ids], [generated_ids], [allowed])[0]
 
     def __call__(self, logits: np.ndarray, context_ids: TokenIds = (), generated_ids: TokenIds = ()) -> int:
@@ -156,6 +154,12 @@ def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray, context_ids: S
             lse = P.logsumexp(logits[r])
             out.append(SampledToken(t, float(logits[r, t]) - lse, P.top_logprobs(logits[r], lse, k)))
     return out
+
+
+def _check_row(logits: np.ndarray) -> None:
+    if not isinstance(logits, np.ndarray) or logits.ndim != 1 or logits.size == 0:
+        shape = getattr(logits, "shape", type(logits).__name__)
+        raise ValueError(f"Sampler expects logits of shape (V,), got {shape}")
 
 
 def _check_rows(logits: np.ndarray, who: str) -> None:
