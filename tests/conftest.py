@@ -496,3 +496,50 @@ class ScriptedModel:
             ids = cache.tokens[batch.block_tables[b, pos // bs] * bs + pos % bs]
             rows.append(np.asarray(self.next_logits([int(t) for t in ids]), np.float32))
         return np.stack(rows) if rows else np.empty((0, self.config.vocab_size), np.float32)  # (R, V)
+
+
+# SmolVLM's chat template (its processor's): contents are lists of text and image parts
+SMOLVLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+                    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+                    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+                    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+                    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+SMOLVLM_TOKENS = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+                  + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm(hf_smollm2_tokenizer, tmp_path_factory) -> Path:
+    """A random-weight SmolVLM (transformers' Idefics3ForConditionalGeneration: a 2-layer Llama
+    on SmolLM2's tokenizer with SmolVLM's image tokens, a 2-layer SigLIP of 64 px tiles of 8 px
+    patches, pixel shuffle by 2: 16 image tokens a tile) saved as a Hugging Face folder, with its
+    image processor's preprocessor_config.json (longest edge 128, tiles of 64) and chat template."""
+    import copy
+
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("smolvlm")
+    tok = copy.deepcopy(hf_smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": SMOLVLM_TOKENS})
+    tok.chat_template = SMOLVLM_TEMPLATE
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=8),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64}).save_pretrained(folder)
+    return folder
+
+
+def random_image(rng: np.random.Generator, width: int, height: int):
+    """An RGB PIL image of random pixels."""
+    from PIL import Image
+
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

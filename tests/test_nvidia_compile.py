@@ -3,7 +3,7 @@ the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process
 (Triton must not be in interpreter mode there; the two run side by side), through ptxas to
 cubins. This catches what Triton's interpreter forgives: types, layouts, shared-memory and
 register limits. CI compiles the covering subset (``aot --cover``: every argument type and
-constexpr value of each kernel, and its largest tiles per float type; 68 of 146 variants);
+constexpr value of each kernel, and its largest tiles per float type; 76 of 176 variants);
 ``LLAISYS_AOT_FULL=1`` compiles every variant."""
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-KERNELS = {"_attention", "_dequantize", "_rms_norm", "_elementwise", "_rope", "_rope_freqs", "_kv_write", "_embedding", "_argmax",
-           "_qlinear", "_geglu_scale", "_route", "_group", "_gate_up", "_down", "_combine"}
+KERNELS = {"_attention", "_dequantize", "_rms_norm", "_layer_norm", "_elementwise", "_gelu", "_rope", "_rope_freqs",
+           "_kv_write", "_embedding", "_argmax", "_qlinear", "_geglu_scale", "_route", "_group", "_gate_up", "_down",
+           "_combine"}
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from .kv_events import KVEventLog
 from .pooling import pooling_of
 from .request import Request, RequestOutput
 from .scheduler import Chunk, Scheduler
+
+if TYPE_CHECKING:
+    from ..models.multimodal.tower import PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +165,11 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: "str | Sequence[int] | np.ndarray",
-                    config: GenerationConfig | None = None) -> str:
+                    config: GenerationConfig | None = None, images: "PromptImages | None" = None) -> str:
         """Queue a request (text, encoded with the tokenizer's special tokens, or token ids);
-        returns its id (a new one when ``request_id`` is None). Raises ValueError for a bad or
+        returns its id (a new one when ``request_id`` is None). ``images``: the rows of the
+        prompt's image tokens (``VisionTower.place``), which take those tokens' places in the
+        model's input. Raises ValueError for a bad or
         duplicate id, a prompt that fills the model's context, or one that could never fit in
         the KV pool, for stop strings on a model without a tokenizer, and for a grammar compiled
         for another vocabulary size than the model's (TypeError for a grammar that is not a
@@ -198,11 +203,26 @@ class LLMEngine:
         max_tokens = min(config.max_new_tokens, self.context_length - len(ids) + 1)
         eos = set() if config.ignore_eos else {*config.eos_token_ids, *self._eos}
         request = Request(request_id, ids, config, max_tokens, self._tokenizer, eos)
+        if images is not None and len(images.positions):
+            self._check_images(images, ids)
+            request.images = images
+            request.seq.prompt_keys = images.key_ids(ids)
         request.seq.drafter = self._drafter(config, grammar is not None or pooling is not None)
         self.scheduler.add(request.seq)  # raises when it alone could never fit
         self.requests[request_id] = request
         self._special += request.matcher is not None or request.pooler is not None
         return request_id
+
+    def _check_images(self, images: "PromptImages", ids: list[int]) -> None:
+        """ValueError unless ``images`` fit the prompt ``ids``: its rows at positions inside
+        the prompt, ascending, each as wide as the model's hidden size."""
+        d = int(self.model.config.hidden_size)
+        pos = images.positions
+        if images.rows.shape != (len(pos), d):
+            raise ValueError(f"the prompt's image rows have shape {images.rows.shape}; expected ({len(pos)}, {d}) "
+                             "for its image positions and this model's hidden size")
+        if pos.min() < 0 or pos.max() >= len(ids) or np.any(np.diff(pos) <= 0):
+            raise ValueError(f"the prompt's image positions must be ascending positions of its {len(ids)} tokens")
 
     def _drafter(self, config: GenerationConfig, constrained: bool) -> Drafter | None:
         """The drafter of a request with ``config``: None when it does not speculate (k = 0, a
@@ -245,6 +265,7 @@ class LLMEngine:
         logit_rows: list[int] = []  # the last row of each sampling chunk, every row of a speculating one
         first_row: list[int] = []  # each sampling chunk's first row of logits
         at = 0
+        given: list[tuple[np.ndarray, np.ndarray]] = []  # rows of the batch whose input is an image's
         for c in step.chunks:
             seq = c.seq
             request = self.requests[seq.seq_id]
@@ -253,12 +274,18 @@ class LLMEngine:
             chunks.append((c.token_ids, c.start, self.blocks.block_table(seq.seq_id), c.samples))
             if c.start < len(seq.prompt_ids):  # prompt tokens (recomputed ones too) count as prompt work
                 self.prompt_tokens += min(c.length, len(seq.prompt_ids) - c.start)
+                if request.images is not None:
+                    offsets, rows = request.images.between(c.start, c.start + c.length - len(c.draft))
+                    if len(offsets):
+                        given.append((offsets + at, rows))
             at += c.length
             if c.samples:
                 first_row.append(len(logit_rows))
                 logit_rows.extend(range(at - 1 - len(c.draft), at))
         batch = TokenBatch.build(chunks, self.cache.block_size, self.cache.max_blocks)
         batch.logit_rows = np.asarray(logit_rows, np.int64)  # (R,)
+        if given:
+            batch.input_rows = (np.concatenate([g[0] for g in given]), np.concatenate([g[1] for g in given]))
         if self._device_sampling is None:
             logits = self.runner.forward_batch(batch, self.cache)  # (R, V) float32 on the host
         else:

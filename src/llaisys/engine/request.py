@@ -82,7 +82,7 @@ class Request:
     """Engine-side state of one request."""
 
     __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
-                 "pooler", "device_rng", "drafted", "accepted", "error")
+                 "pooler", "device_rng", "drafted", "accepted", "error", "images")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -102,6 +102,7 @@ class Request:
         self.drafted = 0  # speculative decoding: draft tokens run, and those that held
         self.accepted = 0
         self.error: str | None = None  # why its grammar could not be enforced
+        self.images = None  # the rows of its prompt's image tokens (PromptImages), if any
 
     def device_pickable(self, allowed: np.ndarray | None) -> bool:
         """Whether this step's token may be picked on the model's device (``prepare`` done):

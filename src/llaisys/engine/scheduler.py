@@ -52,6 +52,9 @@ class Sequence:
     status: Status = Status.WAITING
     preemptions: int = 0
     drafter: Drafter | None = None  # speculative decoding: drafts for its decoding steps (None: off)
+    # the prompt ids its cached blocks are hashed by, where they differ from ``prompt_ids`` (an
+    # image's tokens stand for its digest: ``PromptImages.key_ids``); None: the prompt ids
+    prompt_keys: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +64,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """Prompt then generated ids."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The ids its blocks are named by in the prefix cache: prompt (as ``prompt_keys``
+        says) then generated ids."""
+        return (self.prompt_keys if self.prompt_keys is not None else self.prompt_ids) + self.output_ids
 
     @property
     def prefilling(self) -> bool:
@@ -183,16 +192,16 @@ class Scheduler:
             budget = self._draft(chunks, budget)
             while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
                 seq = self.waiting[0]
-                cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
+                cached = self.blocks.match_prefix(seq.seq_id, seq.block_ids)
                 n = min(seq.num_tokens - cached, budget)
                 # Wait while another sequence computes the next block of this prefix (it is
                 # shared a step later), or while the pool is short; hold no blocks meanwhile.
-                if (self.blocks.next_block_in_flight(seq.seq_id, seq.token_ids, cached)
+                if (self.blocks.next_block_in_flight(seq.seq_id, seq.block_ids, cached)
                         or not self.blocks.grow(seq.seq_id, cached + n)):
                     self.blocks.free(seq.seq_id)
                     break
                 self.blocks.count_lookup(seq.num_tokens, cached)
-                self.blocks.claim(seq.seq_id, seq.token_ids, cached)
+                self.blocks.claim(seq.seq_id, seq.block_ids, cached)
                 seq.num_cached = seq.num_computed = cached
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
@@ -239,7 +248,7 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
             if self.blocks.prefix_caching:
-                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+                self.blocks.commit(seq.seq_id, seq.block_ids, seq.num_computed)
             self.blocks.release_behind(seq.seq_id, seq.num_computed)
 
     def accept_draft(self, seq: Sequence, accepted: int) -> None:
@@ -249,7 +258,7 @@ class Scheduler:
         Call after appending the tokens the step picked."""
         seq.num_computed += accepted
         assert seq.num_computed < seq.num_tokens, "an accepted draft ran past the sequence"
-        self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        self.blocks.commit(seq.seq_id, seq.block_ids, seq.num_computed)
         self.blocks.trim(seq.seq_id, seq.num_tokens)
         self.blocks.release_behind(seq.seq_id, seq.num_computed)
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..generation import GenerationConfig, GenerationResult, StreamEvent, Timings, chat_prompt_ids, encode_prompt
+from ..generation import GenerationConfig, GenerationResult, StreamEvent, Timings, encode_prompt
+from ..generation.chat import chat_prompt
+from ..generation.prompts import image_prompt
 from .engine import LLMEngine
 from .request import RequestOutput
 
@@ -49,7 +52,7 @@ class GenerationStream:
     """
 
     def __init__(self, engine: LLMEngine, prompt_ids: list[int], config: GenerationConfig,
-                 prefill_progress: PrefillProgress | None = None) -> None:
+                 prefill_progress: PrefillProgress | None = None, images: Any = None) -> None:
         if engine.has_unfinished():
             raise RuntimeError("this engine is running other requests; a GenerationStream runs one request alone "
                                "(finish or close the previous stream first)")
@@ -61,7 +64,7 @@ class GenerationStream:
         self.token_ids: list[int] = []
         self.finish_reason = None
         self.timings = Timings(prompt_tokens=len(prompt_ids))
-        self.request_id = engine.add_request(None, prompt_ids, config)
+        self.request_id = engine.add_request(None, prompt_ids, config, images)
         self._request = engine.requests[self.request_id]
         self._events = self._run()
 
@@ -134,31 +137,42 @@ def _engine_of(target, prompt_ids: list[int], config: GenerationConfig) -> LLMEn
 
 
 def stream(target, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig | None = None, *,
-           prefill_progress: PrefillProgress | None = None) -> GenerationStream:
+           prefill_progress: PrefillProgress | None = None, images: Sequence = ()) -> GenerationStream:
     """Generate from ``prompt`` (text, encoded with the tokenizer's special tokens, or token ids
     (S,)) on ``target`` (a model, or an ``LLMEngine`` whose prefix cache consecutive calls
-    share) and stream it: iterate the returned GenerationStream for StreamEvents."""
+    share) and stream it: iterate the returned GenerationStream for StreamEvents. ``images``
+    (RGB PIL images, for a text prompt to a vision-language model) take the places of the
+    image placeholders in the text (``generation.prompts.image_prompt``)."""
     config = config or GenerationConfig()
     model = target.model if isinstance(target, LLMEngine) else target
-    ids = encode_prompt(model, prompt)
-    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress)
+    placed = None
+    if images:
+        if not isinstance(prompt, str):
+            raise TypeError("images go with a text prompt, whose placeholders say where they sit")
+        ids, placed = image_prompt(model, prompt, images)
+        ids = encode_prompt(model, ids)
+    else:
+        ids = encode_prompt(model, prompt)
+    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress, placed)
 
 
 def generate(target, prompt: str | Sequence[int] | np.ndarray, config: GenerationConfig | None = None, *,
-             prefill_progress: PrefillProgress | None = None) -> GenerationResult:
+             prefill_progress: PrefillProgress | None = None, images: Sequence = ()) -> GenerationResult:
     """Generate from ``prompt`` (text, or token ids (S,)) to the end; returns the text, the
-    generated ids, the finish reason ("stop" or "length"), the prompt length and timings."""
-    return stream(target, prompt, config, prefill_progress=prefill_progress).result()
+    generated ids, the finish reason ("stop" or "length"), the prompt length and timings.
+    ``images`` as ``stream`` takes them."""
+    return stream(target, prompt, config, prefill_progress=prefill_progress, images=images).result()
 
 
 def stream_chat(target, messages: Sequence[dict], config: GenerationConfig | None = None, *,
                 prefill_progress: PrefillProgress | None = None) -> GenerationStream:
-    """Stream the assistant's reply to ``messages`` (rendered with the chat template); see
+    """Stream the assistant's reply to ``messages`` (rendered with the chat template; image
+    parts {"type": "image", "image": <RGB PIL image>} for a vision-language model); see
     ``stream``. On an engine kept across turns, each turn runs only what earlier ones did not."""
     config = config or GenerationConfig()
     model = target.model if isinstance(target, LLMEngine) else target
-    ids = chat_prompt_ids(model, messages)
-    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress)
+    ids, placed = chat_prompt(model, messages)
+    return GenerationStream(_engine_of(target, ids, config), ids, config, prefill_progress, placed)
 
 
 def chat(target, messages: Sequence[dict], config: GenerationConfig | None = None, *,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from .prompts import image_prompt, message_images
 from .protocol import LanguageModel
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -39,3 +41,22 @@ def chat_prompt_ids(model: LanguageModel, messages: Sequence[dict]) -> list[int]
     if not ids:
         raise ValueError("the chat template rendered an empty prompt")
     return ids
+
+
+def chat_prompt(model: LanguageModel, messages: Sequence[dict]) -> tuple[list[int], Any]:
+    """``chat_prompt_ids`` of messages that may hold images (parts {"type": "image", "image":
+    <RGB PIL image>}): the prompt ids (S,) and where the images' rows go (``PromptImages``, None
+    without images). A vision-language model's template gets every content as a list of parts.
+    ValueError for images given to a model without a vision encoder."""
+    messages = check_messages(messages)
+    images = message_images(messages)
+    vision = getattr(model, "vision", None)
+    if vision is None and not images:
+        return chat_prompt_ids(model, messages), None
+    if vision is None:
+        raise ValueError("this model has no vision encoder; it takes text only (send no images)")
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, parts=True)
+    ids, placed = image_prompt(model, text, images, add_special_tokens=False)
+    if not ids:
+        raise ValueError("the chat template rendered an empty prompt")
+    return ids, placed

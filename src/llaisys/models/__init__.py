@@ -145,8 +145,9 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, h
                  comm: "Communicator | None" = None) -> CausalLM:
     from .loaders.safetensors import read_folder
 
+    vision: dict = {}
     with contextlib.ExitStack() as stack:
-        config, weights = read_folder(folder, stack)
+        config, weights = read_folder(folder, stack, vision)
         if (folder / "tokenizer.json").exists():
             tokenizer = Tokenizer.from_folder(folder)
         else:
@@ -161,13 +162,27 @@ def _load_folder(folder: Path, dtype: DataType | None, device, progress: bool, h
         shard = _shard(config, comm)
         params = build_params(weights, config, dtype, device, bar, keep_half=half_weights, shard=shard)
         bar.finish()
+        tower = _vision_tower(folder, config, vision, device)
     gen_path = folder / "generation_config.json"
     gen = read_json_object(gen_path)
     gen_eos = token_ids(gen.get("eos_token_id"), str(gen_path), "eos_token_id")
     defaults = {k: gen[k] for k in GENERATION_KEYS if k in gen}
     file_info = {"format": "safetensors", "tensor_types": dict(sorted(_count(w.kind for w in weights.values()).items()))}
     return CausalLM(config, params, tokenizer, dtype=dtype, device=device, source=str(folder),
-                    generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info, comm=comm, shard=shard)
+                    generation_defaults=defaults, eos_token_ids=gen_eos, file_info=file_info, comm=comm, shard=shard,
+                    vision=tower)
+
+
+def _vision_tower(folder: Path, config: ModelConfig, weights: dict, device):
+    """The vision tower of a vision-language folder (None for a text model), in float32."""
+    from .config import read_config_json
+    from .multimodal.families import family_of
+
+    raw = read_config_json(folder / "config.json")
+    family = family_of(raw)
+    if family is None:
+        return None
+    return family.build(raw, weights, folder, config.hidden_size, config.vocab_size, DataType.F32, device)
 
 
 def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True,

@@ -95,10 +95,32 @@ def _content_text(content: list, where: str) -> str:
     return "\n".join(texts)
 
 
-def prepare_messages(messages: Sequence[dict]) -> list[dict]:
+def _content_parts(content: "str | list", where: str) -> list[dict]:
+    """``content`` as the list of parts a vision-language template iterates: a str becomes one
+    text part; text parts and image parts ({"type": "image"}, whatever else it holds) are kept,
+    an image part as {"type": "image"}; any other part is an error."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            parts.append({"type": "image"})
+        else:
+            what = f"a {kind!r} part" if isinstance(kind, str) else repr(part)[:80]
+            raise ValueError(f"{where}[{j}] is {what}; expected a text part {{'type': 'text', 'text': '...'}} or "
+                             "an image part {'type': 'image'}")
+    return parts
+
+
+def prepare_messages(messages: Sequence[dict], parts: bool = False) -> list[dict]:
     """Copies of ``messages`` ready for a template: each a dict whose "role" is a str and whose
     "content" is a str, a list of text parts (joined into one str) or, for an assistant
-    message, None. Raises TypeError or ValueError naming the bad message."""
+    message, None. With ``parts`` (a vision-language model's template), content is a list of
+    text and image parts instead, a str becoming one text part. Raises TypeError or ValueError
+    naming the bad message."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
     out = []
@@ -110,7 +132,9 @@ def prepare_messages(messages: Sequence[dict]) -> list[dict]:
         role, content = m["role"], m.get("content")
         if not isinstance(role, str):
             raise TypeError(f"messages[{i}]['role'] must be a str, got {type(role).__name__} {role!r}")
-        if isinstance(content, list):
+        if parts and isinstance(content, (str, list)):
+            m = {**m, "content": _content_parts(content, f"messages[{i}]['content']")}
+        elif isinstance(content, list):
             m = {**m, "content": _content_text(content, f"messages[{i}]['content']")}
         elif not (isinstance(content, str) or (content is None and role == "assistant")):
             allowed = "a str, a list of text parts or None" if role == "assistant" else "a str or a list of text parts"
@@ -119,16 +143,18 @@ def prepare_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
-def render_chat(source: str, messages: Sequence[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
-    """Render ``messages`` (dicts with "role" and "content", see ``prepare_messages``) through
-    template ``source`` (a str, or a ChatTemplate that knows its origin).
+def render_chat(source: str, messages: Sequence[dict], add_generation_prompt: bool = True, *, parts: bool = False,
+                **variables: Any) -> str:
+    """Render ``messages`` (dicts with "role" and "content", see ``prepare_messages``; with
+    ``parts``, contents as lists of text and image parts) through template ``source`` (a str,
+    or a ChatTemplate that knows its origin).
 
     ``variables`` (bos_token, eos_token, tools, ...) are passed to the template as well;
     ``tools`` and ``documents`` are None unless given, as transformers has them. Any error
     inside the template (``raise_exception``, a Python error, a rendering limit) and a result
     that is not valid Unicode (a lone surrogate) give a ValueError naming the template's origin.
     """
-    prepared = prepare_messages(messages)
+    prepared = prepare_messages(messages, parts)
     template = compile_template(source)
     variables.setdefault("tools", None)
     variables.setdefault("documents", None)

@@ -37,7 +37,7 @@ class CausalLM:
     def __init__(self, config: ModelConfig, params: DecoderParams, tokenizer: Tokenizer, *, dtype: DataType,
                  device: Device, source: str, generation_defaults: dict | None = None,
                  eos_token_ids: Sequence[int] = (), file_info: dict[str, Any] | None = None,
-                 comm: Communicator | None = None, shard: Shard | None = None):
+                 comm: Communicator | None = None, shard: Shard | None = None, vision: Any = None):
         self.config = config
         self.comm = comm if comm is not None else SingleProcess()
         self.shard = shard if self.comm.size > 1 else None
@@ -52,6 +52,7 @@ class CausalLM:
         self.eos_token_ids: list[int] = list(dict.fromkeys(
             [*config.eos_token_id, *eos_token_ids, *tokenizer.eos_token_ids]))
         self._file_info = dict(file_info or {})
+        self.vision = vision  # its VisionTower (models.multimodal) when it takes images, else None
         self.runner = ModelRunner(self)  # runs it: caches, checked passes, recordings, graphs
 
     # ---- running: the runner's ---------------------------------------------------------
@@ -150,6 +151,7 @@ class CausalLM:
             "device": str(self.device),
             "eos_token_ids": list(self.eos_token_ids),
             "has_chat_template": bool(self.tokenizer.chat_template),
+            "vision": None if self.vision is None else self.vision.family,
             **self._file_info,
         }
 

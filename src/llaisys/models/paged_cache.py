@@ -29,6 +29,8 @@ class TokenBatch:
     block_tables (B, MB): sequence b's blocks in order (unused entries -1).
     query_starts (B+1,): row offsets; context_lens (B,): keys each sequence has after the pass.
     logit_rows (R,): the rows whose logits are returned, in the order wanted.
+    input_rows: None, or (rows (K,), values (K, D) float32): rows of the batch whose input is
+    given instead of their token's embedding (an image's rows in a prompt).
     """
 
     token_ids: np.ndarray
@@ -38,6 +40,7 @@ class TokenBatch:
     query_starts: np.ndarray
     context_lens: np.ndarray
     logit_rows: np.ndarray
+    input_rows: "tuple[np.ndarray, np.ndarray] | None" = None
 
     @property
     def num_tokens(self) -> int:

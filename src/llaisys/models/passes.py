@@ -34,15 +34,18 @@ if TYPE_CHECKING:
 
 
 def record_layers(model: "CausalLM", ws: Workspace, plan: ops.Plan,
-                  attend: Callable[[int, LayerParams], None]) -> None:
+                  attend: Callable[[int, LayerParams], None], embed_plan: ops.Plan | None = None) -> None:
     """Record embedding, every layer (``attend(i, lp)`` records layer i's attention block) and
-    the final norm into ``plan``: afterwards ws.h holds the finally normalised rows."""
+    the final norm into ``plan``: afterwards ws.h holds the finally normalised rows. With
+    ``embed_plan``, the embedding goes there instead (its rows may be replaced before ``plan``
+    runs: ``BatchPass.run``)."""
     p, layer, c = model.params, model.architecture.decoder_layer, model.config
-    ops.embedding(ws.x, ws.ids, p.embed, plan=plan)  # (N, D)
+    first = embed_plan if embed_plan is not None else plan
+    ops.embedding(ws.x, ws.ids, p.embed, plan=first)  # (N, D)
     if ws.comm is not None:  # each rank looked up the ids of its vocabulary range, zeros for the rest
-        record_all_reduce(plan, ws.comm, ws.x)
+        record_all_reduce(first, ws.comm, ws.x)
     if c.arch_args.embedding_scale() != 1.0:
-        ops.scale(ws.x, ws.x, c.arch_args.embedding_scale(), plan=plan)  # (N, D)
+        ops.scale(ws.x, ws.x, c.arch_args.embedding_scale(), plan=first)  # (N, D)
     ops.rms_norm(ws.h, ws.x, p.layers[0].attn_norm, model.config.rms_norm_eps, plan=plan)  # (N, D)
     next_norms = [lp.attn_norm for lp in p.layers[1:]] + [p.norm]
     for i, (lp, next_norm) in enumerate(zip(p.layers, next_norms)):
@@ -74,23 +77,43 @@ class BatchPass:
     (per layer (K, V), each (NB, BS, KH, Dh), block tables ``max_blocks`` wide), the head
     included: the rows whose logits are wanted are gathered, normalised, then projected. Its
     inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
-    so a run can be replayed from a graph."""
+    so a run can be replayed from a graph. A pass made ``with_inputs`` records the embedding
+    in a plan of its own, so that given rows can replace its output (``run``)."""
 
     def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
-                 n: int, b: int, r: int):
+                 n: int, b: int, r: int, with_inputs: bool = False):
         self.ws = ws
         self.idx = BatchIndex(n, b, max_blocks, r, model.device)
         self.plan = plan = ops.Plan()
+        self.embed = ops.Plan() if with_inputs else None
         self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
         self.logits = Tensor.empty((r, model.local_config.vocab_size), model.dtype, model.device)  # (R, V or c)
 
         def attend(i: int, lp: LayerParams) -> None:
             paged_attention(ws, lp, pools[i], self.idx, model.config, plan)
 
-        record_layers(model, ws, plan, attend)
+        record_layers(model, ws, plan, attend, self.embed)
         if r:
             ops.embedding(self.h_rows, self.idx.logit_rows, ws.h, plan=plan)  # (R, D): gather the rows
             ops.linear(self.logits, self.h_rows, model.params.lm_head, plan=plan)  # (R, V)
+
+    def run(self, input_rows: "tuple[np.ndarray, np.ndarray] | None" = None) -> None:
+        """Run the pass; ``input_rows`` (rows (K,) ascending, values (K, D)) replace those rows
+        of the embedded input first (a pass made ``with_inputs`` only)."""
+        if self.embed is None:
+            assert input_rows is None, "a pass given input rows must be made with_inputs"
+            self.plan.run()
+            return
+        self.embed.run()
+        if input_rows is not None:
+            rows, values = input_rows
+            x = self.ws.x  # (N, D)
+            # one copy per run of consecutive rows (an image's rows are consecutive)
+            breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+            for begin, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(rows)]):
+                first = int(rows[begin])
+                x.slice(0, first, first + end - begin).load(values[begin:end])
+        self.plan.run()
 
 
 class RowsPass:

@@ -183,6 +183,13 @@ class ModelRunner:
                              f"query_starts {batch.query_starts.shape} must be ({n},), ({n},) and ({b + 1},)")
         if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
+        if batch.input_rows is not None:
+            rows, values = batch.input_rows
+            d = self.model.config.hidden_size
+            if rows.ndim != 1 or values.shape != (len(rows), d) or (len(rows) and (
+                    rows.min() < 0 or rows.max() >= n or np.any(np.diff(rows) <= 0))):
+                raise ValueError(f"forward_batch: input_rows must be (rows (K,) ascending in [0, {n}), values (K, {d})); "
+                                 f"got rows {rows.shape}, values {values.shape}")
         self._lead("batch", getattr(cache, "tp_key", None), getattr(cache, "tp_spec", None), batch)
         return self.run_batch(batch, cache)
 
@@ -263,18 +270,21 @@ class ModelRunner:
         graphs replays its bucket's graph, padded to it."""
         m = self.model
         n, b, r = batch.num_tokens, batch.num_seqs, int(batch.logit_rows.shape[0])
-        graphs = self._graphs(cache)  # None on the CPU: then no decoding step needs telling apart
+        inputs = batch.input_rows if batch.input_rows is not None and len(batch.input_rows[0]) else None
+        # graphs replay decoding steps (a token per sequence, no rows given as input) only
+        graphs = self._graphs(cache) if inputs is None else None  # None on the CPU too
         if graphs is not None and not (n == b and np.array_equal(batch.query_starts, np.arange(b + 1))):
-            graphs = None  # graphs replay decoding steps (a token per sequence) only
+            graphs = None
         if graphs is not None:
             size = graphs.bucket(b)
             batch = pad_decode_batch(batch, size)
             n = b = size
-        key = (n, b, b if graphs is not None else r)
+        key = (n, b, b if graphs is not None else r) + (("inputs",) if inputs is not None else ())
         step = cache.passes.get(key)
         if step is None:
             pools = list(zip(cache.k_layers, cache.v_layers))
-            step = BatchPass(m, self._workspace(cache, n), pools, cache.max_blocks, *key)
+            step = BatchPass(m, self._workspace(cache, n), pools, cache.max_blocks, n, b, key[2],
+                             with_inputs=inputs is not None)
             cache.passes[key] = step
             self._trim(cache)
             if graphs is not None:
@@ -287,7 +297,7 @@ class ModelRunner:
         if graphs is not None:
             graphs.run(size, step.plan.run)
             return step.logits.slice(0, 0, r)  # (R, V): the batch's own rows
-        step.plan.run()
+        step.run(inputs)
         return step.logits  # (R, V)
 
     # ---- buffers, passes, graphs -----------------------------------------------------------

@@ -75,9 +75,12 @@ class Tokenizer:
             raise ValueError(f"decode: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *, parts: bool = False,
+                            **variables: Any) -> str:
         """The prompt text for ``messages`` (dicts with "role" and "content") rendered with the
-        model's chat template; ``add_generation_prompt`` appends the assistant turn opener."""
+        model's chat template; ``add_generation_prompt`` appends the assistant turn opener;
+        ``parts``: contents go to the template as lists of text and image parts (a
+        vision-language model's template)."""
         self._require()
         if not self.chat_template:
             raise ValueError("this model has no chat template; give a plain prompt instead of chat messages")
@@ -85,7 +88,7 @@ class Tokenizer:
 
         variables.setdefault("bos_token", self.bos_token or "")
         variables.setdefault("eos_token", self.eos_token or "")
-        return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+        return render_chat(self.chat_template, messages, add_generation_prompt, parts=parts, **variables)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_ids})"

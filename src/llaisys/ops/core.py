@@ -106,6 +106,25 @@ def rms_norm(out: Tensor, inp: Tensor, weight: Tensor, eps: float, *, plan: Plan
     return out
 
 
+def layer_norm(out: Tensor, inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, *,
+               plan: Plan | None = None) -> Tensor:
+    """out = (inp - mean) / sqrt(var + eps) * weight + bias over the last dim (torch's
+    LayerNorm: the biased variance): inp, out (..., D), weight (D,), bias (D,) or None; one
+    float type, inp and out of any strides. Computed in F32, F16/BF16 rounded once. Returns out."""
+    tensors_match("layer_norm", ("out", "in", "weight", "bias"), (out, inp, weight, bias))
+    dtype_in("layer_norm", "out", out, FLOAT_TYPES)
+    if inp.ndim < 1:
+        raise ValueError("layer_norm: in must have at least one dimension; got a scalar")
+    shape_is("layer_norm", "out", out, inp.shape)
+    shape_is("layer_norm", "weight", weight, inp.shape[-1:])
+    if bias is not None:
+        shape_is("layer_norm", "bias", bias, inp.shape[-1:])
+    eps = number("layer_norm", "eps", eps, ">= 0")
+    if 0 not in out.shape:
+        _launch(plan, "layer_norm", out.dtype, (out,), (inp, weight, bias), {"eps": eps})
+    return out
+
+
 def add_rms_norm(out: Tensor, total: Tensor, a: Tensor, b: Tensor, weight: Tensor, eps: float, *,
                  plan: Plan | None = None) -> tuple[Tensor, Tensor]:
     """total = a + b, then out = rms_norm(total, weight, eps), in one call (a residual add and
@@ -169,14 +188,16 @@ def rope(out: Tensor, inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor 
 
 
 def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int = 0,
-                   plan: Plan | None = None) -> Tensor:
-    """Causal attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv), attn_val (S, H, Dv), T >= S.
+                   causal: bool = True, plan: Plan | None = None) -> Tensor:
+    """Attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv), attn_val (S, H, Dv); query head h
+    uses KV head h // (H / KH). attn_val = softmax(q k^T * scale + mask) v.
 
-    Query i sits at position T - S + i and sees keys 0..T - S + i (with ``window`` > 0 only
-    the last ``window`` of them, its own included: a sliding window); query head h uses KV
-    head h // (H / KH). attn_val = softmax(q k^T * scale + mask) v. A windowed call dispatches
-    as ``self_attention_window``, so a kernel that knows no window is never handed one.
-    Returns attn_val.
+    Causal (the default, T >= S): query i sits at position T - S + i and sees keys
+    0..T - S + i (with ``window`` > 0 only the last ``window`` of them, its own included: a
+    sliding window). ``causal=False`` (a vision encoder's): every query sees every key, T
+    needs no relation to S, and ``window`` must be 0. A windowed call dispatches as
+    ``self_attention_window`` and a non-causal one as ``self_attention_full``, so a kernel that
+    knows only the causal form is never handed another. Returns attn_val.
     """
     tensors_match("self_attention", ("q", "k", "v", "attn_val"), (q, k, v, attn_val))
     dtype_in("self_attention", "q", q, FLOAT_TYPES)
@@ -191,13 +212,22 @@ def self_attention(attn_val: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: flo
         raise ValueError(f"self_attention: v has shape {v.shape}; expected ({t}, {kh}, Dv) to match k {k.shape}")
     if kh == 0 or h % kh:
         raise ValueError(f"self_attention: q has {h} heads, not a multiple of the {kh} key/value heads of k")
-    if t < s:
+    if not isinstance(causal, bool):
+        raise TypeError(f"self_attention: causal must be a bool, got {type(causal).__name__}")
+    window = window_size("self_attention", window)
+    if causal and t < s:
         raise ValueError(f"self_attention: k and v hold {t} positions, fewer than the {s} queries of q")
+    if not causal and window:
+        raise ValueError(f"self_attention: window={window} needs causal attention; a non-causal call "
+                         "(causal=False) sees every key, so pass window=0")
+    if not causal and t == 0 and s:
+        raise ValueError(f"self_attention: k and v hold no positions for the {s} queries of q to attend to")
     shape_is("self_attention", "attn_val", attn_val, (s, h, v.shape[2]))
     scale = number("self_attention", "scale", scale)
-    window = window_size("self_attention", window)
     if 0 not in attn_val.shape:
-        if window:
+        if not causal:
+            _launch(plan, "self_attention_full", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
+        elif window:
             _launch(plan, "self_attention_window", q.dtype, (attn_val,), (q, k, v), {"scale": scale, "window": window})
         else:
             _launch(plan, "self_attention", q.dtype, (attn_val,), (q, k, v), {"scale": scale})
@@ -244,6 +274,26 @@ def geglu(out: Tensor, gate: Tensor, up: Tensor, *, plan: Plan | None = None) ->
     and float dtype, any strides (gate and up are usually column halves of one (S, 2I) buffer).
     F16/BF16 are computed in F32 and rounded once. Returns out."""
     return _gated("geglu", out, gate, up, plan)
+
+
+GELU_KERNELS = {"tanh": "gelu_tanh", "none": "gelu_erf"}  # approximate= -> kernel name
+
+
+def gelu(out: Tensor, inp: Tensor, *, approximate: str = "tanh", plan: Plan | None = None) -> Tensor:
+    """out = gelu(inp), elementwise, as torch's ``gelu(x, approximate=...)``: "tanh" is
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (``gelu_pytorch_tanh``, SigLIP's), dispatched
+    as ``gelu_tanh``; "none" is x (1 + erf(x / sqrt(2))) / 2, dispatched as ``gelu_erf``. out and
+    inp of one shape and float type, any strides; out may be inp. Computed in F32, F16/BF16
+    rounded once. Returns out."""
+    kernel = GELU_KERNELS.get(approximate) if isinstance(approximate, str) else None
+    if kernel is None:
+        raise ValueError(f"gelu: approximate must be one of {', '.join(map(repr, GELU_KERNELS))}, got {approximate!r}")
+    tensors_match("gelu", ("out", "in"), (out, inp))
+    dtype_in("gelu", "out", out, FLOAT_TYPES)
+    shape_is("gelu", "in", inp, out.shape)
+    if 0 not in out.shape:
+        _launch(plan, kernel, out.dtype, (out,), (inp,), {})
+    return out
 
 
 def scale(out: Tensor, inp: Tensor, factor: float, *, plan: Plan | None = None) -> Tensor:

@@ -62,6 +62,12 @@ def rms_norm(inp: Tensor, weight: Tensor, eps: float) -> Tensor:
     return core.rms_norm(_new(inp), inp, weight, eps)
 
 
+def layer_norm(inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """Layer normalisation of inp (..., D) scaled by weight (D,) plus bias (D,) or None: (..., D)."""
+    tensors_match("layer_norm", ("in", "weight", "bias"), (inp, weight, bias))
+    return core.layer_norm(_new(inp), inp, weight, bias, eps)
+
+
 def rope(inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor | None = None,
          attention_factor: float = 1.0) -> Tensor:
     """Rotary embedding of inp (S, H, D) at positions pos_ids (S,) I64: (S, H, D); ``freqs``
@@ -70,12 +76,13 @@ def rope(inp: Tensor, pos_ids: Tensor, theta: float, freqs: Tensor | None = None
     return core.rope(_new(inp), inp, pos_ids, theta, freqs, attention_factor)
 
 
-def self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Causal attention of q (S, H, D) over k (T, KH, D), v (T, KH, Dv): (S, H, Dv)."""
+def self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool = True) -> Tensor:
+    """Attention of q (S, H, D) over k (T, KH, D), v (T, KH, Dv): (S, H, Dv); causal unless
+    ``causal=False`` (every query sees every key), as ``ops.self_attention``."""
     tensors_match("self_attention", ("q", "k", "v"), (q, k, v))
     ndim_is("self_attention", "q", q, 3, "(S, H, D)")
     ndim_is("self_attention", "v", v, 3, "(T, KH, Dv)")
-    return core.self_attention(_new(q, q.shape[:2] + v.shape[2:]), q, k, v, scale)
+    return core.self_attention(_new(q, q.shape[:2] + v.shape[2:]), q, k, v, scale, causal=causal)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -88,6 +95,12 @@ def geglu(gate: Tensor, up: Tensor) -> Tensor:
     """up * gelu_tanh(gate) as a new tensor of gate's shape."""
     tensors_match("geglu", ("gate", "up"), (gate, up))
     return core.geglu(_new(gate), gate, up)
+
+
+def gelu(inp: Tensor, *, approximate: str = "tanh") -> Tensor:
+    """gelu(inp) ("tanh" or "none", as ``ops.gelu``) as a new tensor of inp's shape and dtype."""
+    tensors_match("gelu", ("in",), (inp,))
+    return core.gelu(_new(inp), inp, approximate=approximate)
 
 
 def scale(inp: Tensor, factor: float) -> Tensor:

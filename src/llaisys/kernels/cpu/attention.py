@@ -1,4 +1,5 @@
-"""Causal self-attention with grouped KV heads on the CPU, with an optional sliding window."""
+"""Self-attention with grouped KV heads on the CPU: causal, with an optional sliding window, or
+non-causal (every query sees every key)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -30,9 +31,7 @@ def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
         # query i sits at T - S + i and may see keys up to there
         future = np.arange(t)[None, :] > (np.arange(s)[:, None] + (t - s))  # (S, T)
         np.copyto(scores, -np.inf, where=future)  # as scores[..., future] = -inf, without building an index
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    _softmax(scores)
     ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
     out[...] = ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)
 
@@ -44,9 +43,7 @@ def _one_query(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     qg = q.reshape(kh, -1, q.shape[2])  # (KH, G, D)
     scores = np.matmul(qg, k.transpose(1, 2, 0))  # (KH, G, T)
     scores *= scale
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    _softmax(scores)
     return np.matmul(scores, v.transpose(1, 0, 2))  # (KH, G, Dv)
 
 
@@ -76,8 +73,31 @@ def windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
     if window:
         hidden |= key <= pos - window
     np.copyto(scores, -np.inf, where=hidden)
+    _softmax(scores)
+    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
+    return ctx.transpose(2, 0, 1, 3).reshape(s, h, dv).astype(np.float32, copy=False)
+
+
+@register_kernel("self_attention_full", "cpu", dtypes=FLOATS)
+def self_attention_full(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                        attrs: dict[str, Any]) -> None:
+    """Non-causal grouped-query attention, every query seeing every key: q (S, H, D),
+    k (T, KH, D), v (T, KH, Dv) into (S, H, Dv), S and T unrelated; attrs: scale."""
+    out = outputs[0].host_array()  # (S, H, Dv)
+    q, k, v = (f32(t.host_array()) for t in inputs)  # (S, H, D), (T, KH, D), (T, KH, Dv)
+    s, h, d = q.shape
+    t, kh, dv = v.shape
+    qg = q.reshape(s, kh, h // kh, d).transpose(1, 2, 0, 3)  # (KH, G, S, D)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])  # (KH, G, S, T)
+    scores *= attrs["scale"]
+    _softmax(scores)
+    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
+    out[...] = ctx.transpose(2, 0, 1, 3).reshape(s, h, dv)
+
+
+def _softmax(scores: np.ndarray) -> None:
+    """Softmax over the last axis of ``scores`` (..., T) in place; each row holds a finite entry
+    (masked entries are -inf)."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    ctx = np.matmul(scores, v.transpose(1, 0, 2)[:, None])  # (KH, G, S, Dv)
-    return ctx.transpose(2, 0, 1, 3).reshape(s, h, dv).astype(np.float32, copy=False)

@@ -1,4 +1,4 @@
-"""add, swiglu, geglu, scale and rearrange on the CPU."""
+"""add, swiglu, geglu, gelu (tanh and erf forms), scale and rearrange on the CPU."""
 from __future__ import annotations
 
 import ctypes
@@ -85,23 +85,64 @@ GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2/pi), rounded to float32 as 
 GELU_KAPPA = np.float32(0.044715)
 
 
+def gelu_tanh(g: np.ndarray) -> np.ndarray:
+    """0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) of float32 g, a new float32 array, in
+    torch's order of operations (gelu(approximate="tanh"))."""
+    inner = g * g  # (g g) g, as torch computes g^3
+    inner *= g
+    inner *= GELU_KAPPA
+    inner += g
+    inner *= GELU_BETA
+    np.tanh(inner, out=inner)
+    inner += np.float32(1.0)
+    res = g * np.float32(0.5)
+    res *= inner
+    return res
+
+
 @register_kernel("geglu", "cpu", dtypes=FLOATS)
 def geglu(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """out = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up for outputs (out,), inputs
     (g, up) of one shape, in F32, in torch's order of operations (gelu(approximate="tanh"))."""
     out = outputs[0].host_array()
     gate, up = (f32(t.host_array()) for t in inputs)
-    inner = gate * gate  # (g g) g, as torch computes g^3
-    inner *= gate
-    inner *= GELU_KAPPA
-    inner += gate
-    inner *= GELU_BETA
-    np.tanh(inner, out=inner)
-    inner += np.float32(1.0)
-    res = gate * np.float32(0.5)
-    res *= inner
+    res = gelu_tanh(gate)
     res *= up
     out[...] = res
+
+
+@register_kernel("gelu_tanh", "cpu", dtypes=FLOATS)
+def gelu_tanh_kernel(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for outputs (out,), inputs (x,) of
+    one shape (out may be x), in F32 as geglu computes it."""
+    outputs[0].host_array()[...] = gelu_tanh(f32(inputs[0].host_array()))
+
+
+# erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z/2), z >= 0 (Numerical Recipes' erfcc; relative
+# error under 1.1e-7 everywhere, so x Phi(x) keeps float32 precision even deep in the left tail).
+_ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
+           1.48851587, -0.82215223, 0.17087277)
+
+
+@register_kernel("gelu_erf", "cpu", dtypes=FLOATS)
+def gelu_erf(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out = x (1 + erf(x / sqrt(2))) / 2 = x erfc(-x / sqrt(2)) / 2 for outputs (out,), inputs
+    (x,) of one shape (out may be x), in F64 (NumPy has no erf) and rounded once to out's type."""
+    x = inputs[0].host_array().astype(np.float64)
+    z = np.abs(x)
+    z *= np.sqrt(0.5)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.full_like(t, _ERFC_P[-1])
+    for c in _ERFC_P[-2::-1]:
+        poly *= t
+        poly += c
+    poly -= z * z
+    tail = t * np.exp(poly)  # erfc(|x| / sqrt(2))
+    # erfc(-x / sqrt(2)) is the tail itself for x <= 0 and 2 - tail above, so no 1 + erf cancels
+    phi = np.where(x <= 0, tail, 2.0 - tail)
+    phi *= 0.5
+    phi *= x
+    outputs[0].host_array()[...] = phi
 
 
 @register_kernel("scale", "cpu", dtypes=FLOATS)

@@ -1,4 +1,4 @@
-"""rms_norm (alone or after a residual add) and rope on the CPU."""
+"""rms_norm (alone or after a residual add), layer_norm and rope on the CPU."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,22 @@ def _normalize(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> Non
     ms += eps
     y = x / np.sqrt(ms)
     y *= w
+    out[...] = y
+
+
+@register_kernel("layer_norm", "cpu", dtypes=FLOATS)
+def layer_norm(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """out (..., D) = (in - mean) / sqrt(var + eps) * weight (D,) + bias (D,), the biased
+    variance, in F32; inputs (in, weight, bias or None); attrs: eps."""
+    out = outputs[0].host_array()  # (..., D)
+    x, w = f32(inputs[0].host_array()), f32(inputs[1].host_array())  # (..., D), (D,)
+    xc = x - x.mean(axis=-1, keepdims=True)  # (..., D)
+    var = np.mean(np.square(xc), axis=-1, keepdims=True)  # (..., 1)
+    var += attrs["eps"]
+    y = xc / np.sqrt(var)
+    y *= w
+    if inputs[2] is not None:
+        y += f32(inputs[2].host_array())
     out[...] = y
 
 

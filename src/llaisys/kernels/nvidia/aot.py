@@ -1,12 +1,13 @@
 """Compile every NVIDIA kernel for GPUs that need not be present, at the shapes and types the
 models use: ``python -m llaisys.kernels.nvidia.aot [--arch 80 90]``.
 
-The ops of a decoder (the bundled SmolLM2-135M's and a Qwen2.5-1.5B's head layout) run on an
-nvidia device whose backend allocates host memory and whose kernels are recorded, not run
-(``_common.recording``); each distinct launch (kernel, argument types, constexprs, options) is
-then compiled with ``triton.compile`` for each target (``GPUTarget("cuda", 80 / 90, 32)``),
-through ptxas to a cubin. This catches what Triton's interpreter forgives (types, layouts,
-register and shared-memory limits). Needs Triton without ``TRITON_INTERPRET``: run it in a
+The ops of a decoder (the bundled SmolLM2-135M's and a Qwen2.5-1.5B's head layout), and those a
+vision encoder adds (layer_norm, gelu, non-causal attention), run on an nvidia device whose
+backend allocates host memory and whose kernels are recorded, not run (``_common.recording``);
+each distinct launch (kernel, argument types, constexprs, options) is then compiled with
+``triton.compile`` for each target (``GPUTarget("cuda", 80 / 90, 32)``), through ptxas to a
+cubin. This catches what Triton's interpreter forgives (types, layouts, register and
+shared-memory limits). Needs Triton without ``TRITON_INTERPRET``: run it in a
 process of its own. ``--cover`` compiles a covering subset instead (``covering``: every
 argument type and constexpr value of each kernel at least once, and its largest tiles in each
 float type), what CI runs; the default compiles every distinct launch.
@@ -57,7 +58,8 @@ def _start_recording_backend() -> None:
 
 def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
     """Run every kernel the decoder runs, at ``shape``, in ``dtype``, on ``device`` (prefill and
-    decoding, one sequence and a paged batch; argmax on logits; routed experts), through the kernel registry
+    decoding, one sequence and a paged batch; argmax on logits; routed experts; a vision encoder's
+    layer_norm, gelu and non-causal attention), through the kernel registry
     with the arguments the ops would pass."""
     from ...runtime.dtypes import DataType
     from ...tensor import Tensor
@@ -93,6 +95,11 @@ def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
         run("swiglu", (new(s, inter),), (gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)))
         run("geglu", (new(s, inter),), (gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)))  # Gemma's MLP
         run("scale", (x,), (x,), {"factor": d ** 0.5})  # Gemma's embeddings, in place
+        for bias in (w, None):  # a vision encoder's norms, MLP activations and attention
+            run("layer_norm", (hbuf,), (x, w, bias), {"eps": 1e-6})
+        for gelu in ("gelu_tanh", "gelu_erf"):
+            run(gelu, (new(s, inter),), (gate_up.slice(1, 0, inter),))
+        run("self_attention_full", (new(s, h, dh),), (qk.slice(1, 0, h), seen, seen), {"scale": 0.125})
         run("add", (x,), (x, hbuf))
     for n, b in ((2, 2), (7, 2)):  # a paged decoding step, and a step with a prompt chunk
         pool_k, pool_v = new(8, 16, kh, dh), new(8, 16, kh, dh)

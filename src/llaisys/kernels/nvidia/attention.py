@@ -2,6 +2,8 @@
 sequence's keys and, for the serving engine, ``kv_cache_write`` and ``paged_attention`` over
 a pool of KV blocks addressed through block tables; both with an optional sliding window (a
 query sees its last ``window`` keys, its own included; the walk starts at the first of them).
+``self_attention_full`` is the one sequence's attention without a mask (``CAUSAL`` off: every
+query sees every key), a vision encoder's.
 
 One kernel serves both attentions (``PAGED`` picks how key p is found). A program takes
 BLOCK_Q queries of one sequence and all G query heads of one KV head, as ROWS = BLOCK_Q * G
@@ -39,11 +41,12 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, w
                q_n, q_h, q_d, o_n, o_h, o_d, k_b, k_s, k_h, k_d, v_b, v_s, v_h, v_d, bt_b,
                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-               FIND_SEQ: tl.constexpr, B_PAD: tl.constexpr, IEEE: tl.constexpr):
+               FIND_SEQ: tl.constexpr, B_PAD: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
     """Grid (B, query blocks, KH), or with FIND_SEQ (BLOCK_Q = 1) (N, 1, KH): a program per
     token, which finds its sequence in qs. Sequence b owns rows qs[b]:qs[b+1] of q and cl[b]
     keys (PAGED), or rows 0:n_rows and t_plain keys (not PAGED); its query j sits at key count
-    - q_len + j and sees keys 0..that position, or with ``window`` > 0 the last ``window`` of them."""
+    - q_len + j and sees keys 0..that position, or with ``window`` > 0 the last ``window`` of them;
+    without CAUSAL (window 0) every query sees every key."""
     kh = tl.program_id(2).to(tl.int64)
     if FIND_SEQ:  # the sequence of token `tok`: how many sequences end at or before it
         tok = tl.program_id(0).to(tl.int64)
@@ -75,7 +78,10 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, w
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DVP], tl.float32)
-    end = tl.minimum(ctx - q_len + (qblk + 1) * BLOCK_Q, ctx)  # keys seen by this block's last query
+    if CAUSAL:
+        end = tl.minimum(ctx - q_len + (qblk + 1) * BLOCK_Q, ctx)  # keys seen by this block's last query
+    else:
+        end = ctx
     end = tl.where(qblk * BLOCK_Q < q_len, end, 0)
     first = ctx - q_len + qblk * BLOCK_Q - window + 1  # the first key this block's first query sees
     lo = tl.where(window > 0, tl.maximum(first, 0) // BLOCK_N * BLOCK_N, 0)
@@ -96,8 +102,11 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, w
         else:
             s = tl.dot(qv, kt)
         s = s * scale  # (ROWS, BLOCK_N)
-        seen = (p[None, :] <= pos[:, None]) & p_ok[None, :]
-        seen = seen & ((window == 0) | (p[None, :] > pos[:, None] - window))
+        if CAUSAL:
+            seen = (p[None, :] <= pos[:, None]) & p_ok[None, :]
+            seen = seen & ((window == 0) | (p[None, :] > pos[:, None] - window))
+        else:
+            seen = p_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -136,16 +145,30 @@ def _block_q(decode: bool, g: int, dtype: DataType) -> int:
 def self_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """Causal grouped-query attention: q (S, H, D), k (T, KH, D), v (T, KH, Dv) into (S, H, Dv);
     attrs: scale, window (0 or absent: every key up to a query's own; else the last that many)."""
-    out, q, k, v = tv(outputs[0]), *(tv(t) for t in inputs)
+    _one_sequence(outputs[0], inputs, float(attrs["scale"]), int(attrs.get("window", 0)), True)
+
+
+@register_kernel("self_attention_full", "nvidia", dtypes=FLOATS)
+def self_attention_full(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...],
+                        attrs: dict[str, Any]) -> None:
+    """Non-causal grouped-query attention, every query seeing every key: q (S, H, D),
+    k (T, KH, D), v (T, KH, Dv) into (S, H, Dv), S and T unrelated; attrs: scale."""
+    _one_sequence(outputs[0], inputs, float(attrs["scale"]), 0, False)
+
+
+def _one_sequence(out_t: "Tensor", inputs: tuple["Tensor | None", ...], scale: float, window: int,
+                  causal: bool) -> None:
+    """``_attention`` over one sequence's q, k, v (not paged) into out_t."""
+    out, q, k, v = tv(out_t), *(tv(t) for t in inputs)
     s, h, d = q.shape
     t, kh, dv = v.shape
     block_q = _block_q(s == 1, h // kh, inputs[0].dtype)
-    args = (out, q, k, v, q, q, q, s, 1, t, 1, float(attrs["scale"]), int(attrs.get("window", 0)),
+    args = (out, q, k, v, q, q, q, s, 1, t, 1, scale, window,
             *q.stride(), *out.stride(),
             0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0)
     launch(_attention, (1, triton.cdiv(s, block_q), kh), args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": False, "FIND_SEQ": False,
-            "B_PAD": 1},
+            "B_PAD": 1, "CAUSAL": causal},
            exact=inputs[0].dtype is DataType.F32)
 
 
@@ -173,7 +196,7 @@ def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None"
             *kc.stride(), *vc.stride(), bt.stride(0))
     launch(_attention, grid, args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": True, "FIND_SEQ": decode,
-            "B_PAD": next_pow2(b) if decode else 1},
+            "B_PAD": next_pow2(b) if decode else 1, "CAUSAL": True},
            exact=inputs[0].dtype is DataType.F32)
 
 

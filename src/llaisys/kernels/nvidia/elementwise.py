@@ -1,5 +1,5 @@
 """add, swiglu and rearrange on NVIDIA GPUs: one strided elementwise Triton kernel; geglu and
-scale: a second one, which takes a float factor.
+scale: a second one, which takes a float factor; gelu (tanh and erf forms): a third.
 
 Tensors of any strides (up to four dimensions once runs of dimensions that are contiguous in
 every operand are merged) are walked by flat index; F16/BF16 are computed in F32 and rounded
@@ -79,7 +79,7 @@ def collapse(shape: tuple, *strides: tuple) -> tuple[list[int], list[list[int]]]
 
 
 def index_space(out: "Tensor", a: "Tensor", b: "Tensor | None") -> tuple:
-    """The arguments after the operands of ``_elementwise`` and ``_geglu_scale``: n, the
+    """The arguments after the operands of the strided kernels (and scalars): n, the
     collapsed sizes s1..s3, then out's, a's and b's element strides (a's again without b)."""
     ops = (out, a) if b is None else (out, a, b)
     sizes, strides = collapse(out.shape, *(t.strides for t in ops))
@@ -90,7 +90,7 @@ def index_space(out: "Tensor", a: "Tensor", b: "Tensor | None") -> tuple:
 
 def launch_strided(kernel: Any, op: int, out: "Tensor", a: "Tensor", b: "Tensor | None" = None,
                    *scalars: float) -> None:
-    """Launch ``kernel`` (``_elementwise``, or ``_geglu_scale`` with its factor in ``scalars``)
+    """Launch ``kernel`` (``_elementwise``, ``_gelu``, or ``_geglu_scale`` with its factor in ``scalars``)
     for ``op`` on llaisys tensors of one shape."""
     args = (tv(out), tv(a), tv(a if b is None else b), *scalars, *index_space(out, a, b))
     launch(kernel, (triton.cdiv(out.numel(), BLOCK),), args, {"OP": op, "BLOCK": BLOCK},
@@ -119,7 +119,8 @@ def rearrange(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...]
     launch_strided(_elementwise, COPY, out, src)
 
 
-GEGLU, SCALE = 0, 1
+GEGLU, SCALE = 0, 1  # _geglu_scale
+GELU_TANH, GELU_ERF = 0, 1  # _gelu
 
 
 @triton.jit
@@ -155,6 +156,23 @@ def _geglu_scale(out, a, b, factor, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a
     tl.store(out + i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, y.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gelu(out, a, b, n, s1, s2, s3, o0, o1, o2, o3, a0, a1, a2, a3, b0, b1, b2, b3,
+          OP: tl.constexpr, BLOCK: tl.constexpr):
+    """out = gelu(a) over the n elements of a 4-D index space, as ``_elementwise`` (b unused):
+    OP 0 the tanh form 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))), as geglu's; OP 1 the erf
+    form 0.5 a (1 + erf(a / sqrt(2)))."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    i0, i1, i2, i3 = _index(idx, s1, s2, s3)
+    x = tl.load(a + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, mask=mask).to(tl.float32)
+    if OP == 0:
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+    else:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    tl.store(out + i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3, y.to(out.dtype.element_ty), mask=mask)
+
+
 @register_kernel("geglu", "nvidia", dtypes=FLOATS)
 def geglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """out = up * gelu_tanh(gate) for outputs (out,), inputs (gate, up) of one shape, any strides, in F32."""
@@ -165,3 +183,17 @@ def geglu(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], at
 def scale(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """out = in * float32(factor) for outputs (out,), inputs (in,) of one shape (out may be in), in F32."""
     launch_strided(_geglu_scale, SCALE, outputs[0], inputs[0], None, float(attrs["factor"]))
+
+
+@register_kernel("gelu_tanh", "nvidia", dtypes=FLOATS)
+def gelu_tanh(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for outputs (out,), inputs (x,) of one
+    shape (out may be x), any strides, in F32."""
+    launch_strided(_gelu, GELU_TANH, outputs[0], inputs[0])
+
+
+@register_kernel("gelu_erf", "nvidia", dtypes=FLOATS)
+def gelu_erf(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out = 0.5 x (1 + erf(x / sqrt(2))) for outputs (out,), inputs (x,) of one shape (out may be
+    x), any strides, in F32."""
+    launch_strided(_gelu, GELU_ERF, outputs[0], inputs[0])

@@ -1,8 +1,9 @@
-"""rms_norm (alone or after a residual add) and rope on NVIDIA GPUs, in Triton.
+"""rms_norm (alone or after a residual add), layer_norm and rope on NVIDIA GPUs, in Triton.
 
-Both compute in F32 with the CPU kernels' order of operations (mean of squares times 1/D, plus
-eps; x divided by the correctly rounded square root, times the weight; rope's angles in F64
-from the same inverse frequencies, cos/sin rounded to F32).
+All compute in F32 with the CPU kernels' order of operations (mean of squares times 1/D, plus
+eps; x divided by the correctly rounded square root, times the weight; layer_norm likewise on x
+minus its mean, then plus the bias; rope's angles in F64 from the same inverse frequencies,
+cos/sin rounded to F32).
 """
 from __future__ import annotations
 
@@ -70,6 +71,39 @@ def add_rms_norm(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", .
     """outputs (out, total), inputs (a, b, weight): total = a + b (rounded to its type), then
     out = rms_norm(total); attrs: eps."""
     _norm(outputs[0], inputs[0], inputs[2], attrs["eps"], total_t=outputs[1], b_t=inputs[1])
+
+
+@triton.jit
+def _layer_norm(out, x, w, b, D, x_s, o_s, eps, BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r: c = x[r] - mean(x[r]); out[r] = c / sqrt(mean(c^2) + eps) * w (+ b where BIAS)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    v = tl.load(x + row * x_s + cols, mask=m, other=0.0).to(tl.float32)
+    c = tl.where(m, v - tl.sum(v, 0) / D, 0.0)
+    var = tl.sum(c * c, 0) / D + eps
+    y = tl.div_rn(c, tl.sqrt_rn(var)) * tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    if BIAS:
+        y = y + tl.load(b + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + row * o_s + cols, y.to(out.dtype.element_ty), mask=m)
+
+
+@register_kernel("layer_norm", "nvidia", dtypes=FLOATS)
+def layer_norm(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
+    """out (..., D) = (in - mean) / sqrt(var + eps) * weight (D,) + bias (D,), the biased
+    variance, in F32; inputs (in, weight, bias or None); attrs: eps."""
+    x_t, w_t, b_t = inputs
+    d = x_t.shape[-1]
+    x2 = rows(tv(x_t), d)  # (M, D)
+    w = tv(w_t).contiguous()  # (D,)
+    b = w if b_t is None else tv(b_t).contiguous()  # (D,); not read without a bias
+    consts = {"BIAS": b_t is not None, "BLOCK_D": next_pow2(d)}
+
+    def run(out2: torch.Tensor) -> None:
+        args = (out2, x2, w, b, d, x2.stride(0), out2.stride(0), float(attrs["eps"]))
+        launch(_layer_norm, (x2.shape[0],), args, consts, 4 if d <= 2048 else 8, exact=outputs[0].dtype is DataType.F32)
+
+    run_rows(tv(outputs[0]), d, run)
 
 
 @triton.jit

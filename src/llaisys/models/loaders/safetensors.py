@@ -17,8 +17,9 @@ from safetensors import SafetensorError, safe_open
 
 from ...runtime.block_formats import BY_NAME
 from .. import architectures
-from ..config import ModelConfig
+from ..config import ModelConfig, read_config_json
 from ..errors import ModelLoadError, read_json_object
+from ..multimodal.families import family_of
 from ..weights import WeightSource, check_weights, map_names, sanitize
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16")
@@ -121,13 +122,21 @@ def _readers(handle, path: Path, name: str):
     return read, read_rows, read_matrix_rows
 
 
-def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -> tuple[ModelConfig, dict[str, WeightSource]]:
+def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack,
+                vision: "dict[str, WeightSource] | None" = None) -> tuple[ModelConfig, dict[str, WeightSource]]:
     """The config and the checked weights (ours -> source) of a Hugging Face model folder.
 
-    Files stay memory-mapped, held open by ``stack``, until the caller closes it.
+    A vision-language folder (``multimodal.families``) gives its text model's; the weights of
+    its vision tower go into ``vision`` (by their names in the file) when it is given, and are
+    left unread otherwise. Files stay memory-mapped, held open by ``stack``, until the caller
+    closes it.
     """
     folder = Path(folder)
-    config = architectures.read_hf_config(folder / "config.json")
+    raw = read_config_json(folder / "config.json")
+    family = family_of(raw) if isinstance(raw, dict) else None
+    if family is not None:
+        raw = family.text_config(raw, str(folder / "config.json"))
+    config = architectures.config_from_hf(raw, str(folder / "config.json"))
     arch = architectures.get(config.architecture)
     sources: dict[str, WeightSource] = {}
     where: dict[str, Path] = {}
@@ -138,18 +147,28 @@ def read_folder(folder: "str | os.PathLike[str]", stack: contextlib.ExitStack) -
         if listed is not None and set(listed) - set(names):
             missing = sorted(set(listed) - set(names))[0]
             raise ModelLoadError(f"{path}: missing tensor {missing!r}, which {INDEX_NAME} places in this file")
-        for name in names:
+        for stored_name in names:
+            name = stored_name
+            if family is not None:
+                if family.is_vision(stored_name):
+                    if vision is not None:
+                        read, _, _ = _readers(handle, path, stored_name)
+                        sl = handle.get_slice(stored_name)
+                        vision[stored_name] = WeightSource(str(path), stored_name, tuple(int(d) for d in sl.get_shape()),
+                                                           sl.get_dtype(), read, None)
+                    continue
+                name = family.text_name(stored_name) or stored_name
             if name in sources:
                 raise ModelLoadError(f"{path}: tensor {name!r} is also in {where[name]}")
-            sl = handle.get_slice(name)
+            sl = handle.get_slice(stored_name)
             kind = sl.get_dtype()
             if kind not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}"
                 )
             shape = tuple(int(d) for d in sl.get_shape())
-            read, read_rows, matrix_rows = _readers(handle, path, name)
-            mapped = (stored[0], stored[1][name]) if stored is not None and name in stored[1] else None
+            read, read_rows, matrix_rows = _readers(handle, path, stored_name)
+            mapped = (stored[0], stored[1][stored_name]) if stored is not None and stored_name in stored[1] else None
             sources[name] = WeightSource(str(path), name, shape, kind, read, read_rows if len(shape) > 1 else None,
                                          mapped=mapped, read_matrix_rows=matrix_rows if len(shape) == 3 else None)
             where[name] = path

@@ -1,0 +1,1 @@
+"""vision: image input for vision-language models."""
