@@ -21,7 +21,7 @@ from typing import Any
 
 from ..engine import LLMEngine, stream
 from ..generation import GenerationConfig, Timings
-from .common import add_model_options, load_from_args, non_negative_int, positive_int
+from .common import add_model_options, load_from_args, non_negative_int, positive_int, read_image
 
 DESCRIPTION = """Measure load time, time to first token, prefill and decode speed and peak memory.
 
@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
                    help="run N sequences of the workload at once and report aggregate figures "
                         "(default 1: one sequence)")
+    p.add_argument("--image", default=None, metavar="PATH",
+                   help="also time a vision-language model's image path on this image: preprocessing, then "
+                        "the encoder and projector (medians over --repeats, the tower's cache bypassed)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_model_options(p)
     p.set_defaults(func=run)
@@ -195,11 +198,35 @@ def bandwidth_figures(model: Any, decode_tok_s: float, concurrency: int) -> dict
             "decode_bandwidth_fraction": per_token * decode_tok_s / bandwidth if bandwidth else None}
 
 
+def image_figures(model: Any, image: Any, warmup: int, repeats: int) -> dict[str, Any]:
+    """Milliseconds to preprocess ``image`` and to encode and project it (medians over
+    ``repeats`` after ``warmup``), its tiles and the rows it becomes; ValueError for a model
+    without vision."""
+    tower = getattr(model, "vision", None)
+    if tower is None:
+        raise ValueError(f"--image: {model.source} has no vision encoder")
+    prep, encode = [], []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        processed = tower.processor(image)
+        t1 = time.perf_counter()
+        rows = tower.projector.project(tower.encoder.encode(processed.pixels))
+        t2 = time.perf_counter()
+        if i >= warmup:
+            prep.append((t1 - t0) * 1000)
+            encode.append((t2 - t1) * 1000)
+    return {"image_size": list(image.size), "image_tiles": int(processed.pixels.shape[0]),
+            "image_rows": int(rows.shape[0]), "image_preprocess_ms": statistics.median(prep),
+            "image_encode_ms": statistics.median(encode)}
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload the options describe; return the figures."""
+    image = read_image(args.image) if getattr(args, "image", None) else None
     t0 = time.perf_counter()
     model = load_from_args(args)
     load_s = time.perf_counter() - t0
+    images = image_figures(model, image, args.warmup, args.repeats) if image is not None else {}
     limit = model.config.max_position_embeddings
     if args.prompt_tokens + args.gen_tokens > limit:
         raise ValueError(f"--prompt-tokens + --gen-tokens = {args.prompt_tokens + args.gen_tokens} exceeds the "
@@ -224,7 +251,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
         "peak_rss_mb": peak_rss_mb(),  # before the bandwidth probe's buffer
-        **bandwidth_figures(model, figures["decode_tok_s"], concurrency),
+        **bandwidth_figures(model, figures["decode_tok_s"], concurrency), **images,
     }
 
 
@@ -257,6 +284,9 @@ def format_table(figures: dict[str, Any]) -> str:
         f"decode         {figures['decode_tok_s']:.1f} tok/s",
         f"peak memory    {figures['peak_rss_mb']:.0f} MiB",
         *format_bandwidth(figures),
+        *([f"image          {figures['image_size'][0]}x{figures['image_size'][1]}: {figures['image_tiles']} tiles, "
+           f"{figures['image_rows']} rows; preprocess {figures['image_preprocess_ms']:.1f} ms, "
+           f"encode {figures['image_encode_ms']:.1f} ms"] if "image_encode_ms" in figures else []),
     ])
 
 

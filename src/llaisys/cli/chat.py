@@ -15,13 +15,14 @@ from ..engine import LLMEngine, stream_chat
 from ..generation import GenerationConfig
 from ..generation.defaults import CHAT_MAX_TOKENS
 from .common import (add_model_options, add_sampling_options, check_sampling_args, config_from_args,
-                     keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
+                     keep_undecodable_stdin, load_from_args, prefill_progress, read_image, user_text)
 from .generate import print_stats
 
 HELP = """commands:
   /help          this text
   /reset         forget the conversation (the system message stays)
   /system TEXT   set the system message and start over (/system alone removes it)
+  /image PATH    attach an image to your next message (a vision-language model)
   /quit          leave (also /exit, Ctrl-D or Ctrl-C)"""
 
 
@@ -44,20 +45,32 @@ class Conversation:
         self.model = model
         self.config = config
         self.system = system
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.images: list[Any] = []  # attached to the next user message
         self.engine = LLMEngine(model)  # each turn runs only the blocks earlier turns did not fill
         self.progress = prefill_progress()
 
     def reset(self) -> None:
-        """Forget the turns, keep the system message. The prefix cache stays: the next prompt shares its start."""
+        """Forget the turns (and attached images), keep the system message. The prefix cache stays:
+        the next prompt shares its start."""
         self.messages.clear()
+        self.images.clear()
 
     def set_system(self, system: str | None) -> None:
         """Replace the system message (None removes it) and start over."""
         self.system = system
         self.messages.clear()
 
-    def _all_messages(self) -> list[dict[str, str]]:
+    def attach(self, path: str) -> str:
+        """Attach the image at ``path`` to the next message; what to tell the user. UsageError
+        for a file that is no image, ValueError for a model without vision."""
+        if getattr(self.model, "vision", None) is None:
+            raise ValueError(f"{self.model.source} has no vision encoder; it takes text only")
+        image = read_image(path)
+        self.images.append(image)
+        return f"[attached {path} ({image.size[0]}x{image.size[1]}); it goes with your next message]"
+
+    def _all_messages(self) -> list[dict[str, Any]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
 
@@ -67,7 +80,10 @@ class Conversation:
         On Ctrl-C the partial reply is dropped with its question; on an error (the conversation
         outgrew the context) the question is dropped and the error goes to the caller.
         """
-        self.messages.append({"role": "user", "content": text})
+        content: Any = text
+        if self.images:
+            content = [{"type": "image", "image": image} for image in self.images] + [{"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content})
         try:
             events = stream_chat(self.engine, self._all_messages(), self.config, prefill_progress=self.progress)
             try:
@@ -82,6 +98,7 @@ class Conversation:
         except BaseException:
             self.messages.pop()
             raise
+        self.images = []
         self.messages.append({"role": "assistant", "content": events.text})
         if stats:
             print_stats(events)
@@ -135,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
                 elif cmd == "/reset":
                     conv.reset()
                     print("[conversation reset]", file=sys.stderr)
+                elif cmd == "/image":
+                    try:
+                        print(conv.attach(rest.strip()), file=sys.stderr)
+                    except ValueError as exc:
+                        print(f"error: {exc}", file=sys.stderr)
                 elif cmd == "/system":
                     conv.set_system(rest.strip() or None)
                     print("[system message set]" if rest.strip() else "[system message removed]", file=sys.stderr)

@@ -355,3 +355,20 @@ def prefill_progress(stream: TextIO | None = None) -> PrefillProgress | None:
     """A PrefillLine on ``stream`` (default stderr) when it is a terminal, else None."""
     stream = stream or sys.stderr
     return PrefillLine(stream) if stream.isatty() else None
+
+
+def read_image(path: str) -> Any:
+    """The image in the file ``path`` as an RGB PIL image, decoded with the default limits
+    (``vision.images``); UsageError naming the path when it cannot be read or is no image."""
+    from ..vision.images import ImageError, ImageLimits, decode_image
+
+    limits = ImageLimits()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limits.max_bytes + 1)
+    except OSError as exc:
+        raise UsageError(f"--image {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return decode_image(data, limits)
+    except ImageError as exc:
+        raise UsageError(f"--image {path}: {exc}") from None

@@ -6,7 +6,8 @@ import sys
 
 from ..engine import GenerationStream, stream, stream_chat
 from .common import (UsageError, add_model_options, add_sampling_options, check_sampling_args, config_from_args,
-                     describe_sampling, keep_undecodable_stdin, load_from_args, prefill_progress, user_text)
+                     describe_sampling, keep_undecodable_stdin, load_from_args, prefill_progress, read_image,
+                     user_text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="wrap PROMPT as a user message in the chat template (default: when the model has one)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message (with --chat)")
     p.add_argument("--stats", action="store_true", help="print timings to stderr at the end")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for a vision-language model (PNG, JPEG, WebP, GIF, BMP; repeat for several): "
+                        "with --chat it comes before PROMPT in the user message; without, PROMPT's image "
+                        "placeholders mark where each goes (none: the images come first)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=run)
@@ -66,17 +71,22 @@ def run(args: argparse.Namespace) -> int:
     prompt = user_text(read_prompt(args.prompt))
     check_prompt(prompt, args.prompt)
     system = user_text(args.system) if args.system else None
+    images = [read_image(path) for path in args.image]
     model = load_from_args(args)
+    if images and getattr(model, "vision", None) is None:
+        raise UsageError(f"--image: {model.source} has no vision encoder; it takes text only")
     cfg = config_from_args(args, model)
     use_chat = args.chat if args.chat is not None else bool(model.tokenizer.chat_template)
     progress = prefill_progress()
     if use_chat:
         messages = ([{"role": "system", "content": system}] if system else [])
-        events = stream_chat(model, messages + [{"role": "user", "content": prompt}], cfg, prefill_progress=progress)
+        content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        events = stream_chat(model, messages + [{"role": "user", "content": content if images else prompt}], cfg,
+                             prefill_progress=progress)
     else:
         if system:
             raise ValueError(f"--system needs a chat template, and {model.source} has none")
-        events = stream(model, prompt, cfg, prefill_progress=progress)
+        events = stream(model, prompt, cfg, prefill_progress=progress, images=images)
     print_stream(events)
     sys.stdout.write("\n")
     sys.stdout.flush()
