@@ -69,6 +69,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows: "
                              "org/name[:QUANT] of the Hugging Face cache, name[:tag] of ollama's "
                              "(default: the bundled SmolLM2-135M)")
+    parser.add_argument("--mmproj", default=None, metavar="PATH",
+                        help="the vision tower of a GGUF vision-language model, as llama.cpp writes it (default: "
+                             "the one mmproj*.gguf beside the model file, if any)")
     parser.add_argument("--dtype", choices=("f32", "bf16", "f16"), default=None,
                         help="weight data type (default: the model's own; quantized GGUF runs in f32)")
     parser.add_argument("--device", default=None,
@@ -182,7 +185,8 @@ def load_from_args(args: argparse.Namespace, source: str | None = None) -> Any:
     if comm is not None and device is not None and not device.startswith("cpu"):
         comm, device = plugin_device_comm(comm, device)
     model = load_model(source if source is not None else args.model, dtype=args.dtype, device=device,
-                       progress=sys.stderr.isatty() and comm is None, comm=comm)  # a redrawn line would litter a log
+                       progress=sys.stderr.isatty() and comm is None, comm=comm,  # a redrawn line would litter a log
+                       mmproj=getattr(args, "mmproj", None))
     if comm is not None:
         lead_or_follow(model)
     warn_if_slow_dtype(model)

@@ -74,7 +74,7 @@ def _natural_dtype(kinds: set[str]) -> DataType:
 
 def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | None = None,
                device: str | None = None, progress: bool = False, half_weights: bool = True,
-               comm: "Communicator | None" = None) -> CausalLM:
+               comm: "Communicator | None" = None, mmproj: "str | os.PathLike[str] | None" = None) -> CausalLM:
     """Load a model.
 
     source: None for ``default_model_path()``; a folder for a Hugging Face model folder
@@ -89,7 +89,9 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     ``linear`` and ``embedding`` to widen as they compute; False converts them to f32 too. comm: a communicator
     of several ranks (``llaisys.parallel``): load this rank's tensor-parallel part only (see
     ``models.tensor_parallel``); every rank calls ``load_model`` with the same arguments, then
-    rank 0 uses the model and the others run ``tensor_parallel.follow(model)``.
+    rank 0 uses the model and the others run ``tensor_parallel.follow(model)``. mmproj: for a
+    GGUF vision-language text model, its vision tower's GGUF as llama.cpp writes it (None: the one
+    ``mmproj*.gguf`` beside the model file, if there is exactly one).
     Raises TensorParallelError when the rank count does not divide the model, ModelLoadError for
     malformed or unsupported files, FileNotFoundError for a missing path or name (or a file of an
     incomplete download), ValueError for an ambiguous name, TypeError for a
@@ -114,12 +116,15 @@ def load_model(source: "str | os.PathLike[str] | None" = None, *, dtype: str | N
     except OSError as exc:  # a part longer than the file system allows, a loop of links
         raise ValueError(f"{str(path):.60}... ({len(str(path))} characters): not a usable path "
                          f"({exc.strerror or exc})") from None
+    if kind == "folder" and mmproj is not None:
+        raise ValueError(f"mmproj: {path} is a model folder, whose config.json names its own vision tower; "
+                         "an mmproj file goes with a GGUF model")
     if kind == "folder":
         model = _load_folder(path, want, dev, progress, half_weights, comm)
     elif kind == "file":
         if path.suffix.lower() != ".gguf" and not _starts_gguf(path):  # ollama's blobs have no suffix
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model folder")
-        model = _load_gguf(path, want, dev, progress, half_weights, comm)
+        model = _load_gguf(path, want, dev, progress, half_weights, comm, mmproj)
     else:
         raise FileNotFoundError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
     log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
@@ -186,7 +191,7 @@ def _vision_tower(folder: Path, config: ModelConfig, weights: dict, device):
 
 
 def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool, half_weights: bool = True,
-               comm: "Communicator | None" = None) -> CausalLM:
+               comm: "Communicator | None" = None, mmproj: "str | os.PathLike[str] | None" = None) -> CausalLM:
     from .loaders.gguf import read_gguf
 
     contents = read_gguf(path)
@@ -205,8 +210,21 @@ def _load_gguf(path: Path, dtype: DataType | None, device, progress: bool, half_
     bar.finish()
     file_info = {"format": "gguf", "tensor_types": dict(sorted(contents.tensor_types.items())),
                  "name": contents.meta.get("general.name")}
+    tower = None
+    projector = Path(mmproj) if mmproj is not None else None
+    if projector is None:
+        from .multimodal.mmproj import sibling_mmproj
+
+        projector = sibling_mmproj(path)
+    if projector is not None:
+        from .multimodal.mmproj import mmproj_tower
+
+        if not projector.is_file():
+            raise FileNotFoundError(f"mmproj: {projector}: no such file")
+        tower = mmproj_tower(projector, tokenizer, contents.config.hidden_size, DataType.F32, device)
+        file_info["mmproj"] = str(projector)
     return CausalLM(contents.config, params, tokenizer, dtype=dtype, device=device, source=str(path),
-                    file_info=file_info, comm=comm, shard=shard)
+                    file_info=file_info, comm=comm, shard=shard, vision=tower)
 
 
 def _count(items) -> dict[str, int]:

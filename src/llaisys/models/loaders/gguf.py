@@ -267,3 +267,13 @@ def read_gguf(path: "str | os.PathLike[str]") -> GGUFContents:
                                     path)
     check_weights(weights, config, table, path, arch.layer_shapes)
     return GGUFContents(config, weights, meta, dict(types), gguf)
+
+
+def tensor_values(t: GGUFTensor, path: str) -> np.ndarray:
+    """The values of tensor ``t`` of the GGUF file ``path`` as floats, in NumPy order (ggml's dims
+    reversed), quantized blocks dequantized; ModelLoadError for a type llaisys does not read."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{path}: tensor {t.name!r} has type {t.type_name}; supported: "
+                             f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
+    shape = t.shape[::-1]
+    return _row_reader(t, shape, path, None)(0, shape[0] if len(shape) > 1 else 1)

@@ -71,35 +71,50 @@ def _idefics3_text_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]
 
 def _idefics3_tower(raw: Mapping[str, Any], weights: Mapping[str, Any], folder: Path, text_hidden: int,
                     vocab_size: int, dtype: DataType, device: Device) -> VisionTower:
-    """SmolVLM's tower: SigLIP encoder, pixel shuffle by ``scale_factor``, projection to the text width."""
-    from ...vision.preprocess import Idefics3Processor
-
+    """SmolVLM's tower from a folder: ``vision_config``, ``scale_factor``, ``image_token_id``,
+    the weights under ``model.vision_model.`` and the connector's, preprocessor_config.json."""
     source = str(folder / "config.json")
     encoder_config = EncoderConfig.from_hf(raw.get("vision_config"), source, SIGLIP_DEFAULTS)
-    scale = raw.get("scale_factor", 2)
-    grid = encoder_config.patches_per_side
-    if not is_int(scale) or scale <= 0 or grid % scale:
-        raise ModelLoadError(f"{source}: scale_factor must be a positive integer dividing the {grid} patches per "
-                             f"side of vision_config, got {scale!r}")
     token = raw.get("image_token_id", 128257)
     if not is_int(token) or not 0 <= token < vocab_size:
         raise ModelLoadError(f"{source}: image_token_id must be a token id below the vocabulary size {vocab_size}, "
                              f"got {token!r}")
-    read = _reader(weights, "model.vision_model.", source)
-    encoder = VisionEncoder(encoder_config, read, source, dtype=dtype, device=device)
     proj_name = "model.connector.modality_projection.proj.weight"
-    expected = (text_hidden, encoder_config.hidden_size * scale * scale)
-    proj = _array(weights, proj_name, source, expected)
-    projector = PixelShuffleProjector(Tensor.from_numpy(proj.astype(np.float32), device=device, dtype=dtype), scale)
     _refuse_unused(weights, {"model.vision_model." + n for n in encoder_shapes(encoder_config, True)} | {proj_name},
                    source)
+    if proj_name not in weights:
+        raise ModelLoadError(f"{source}: missing vision weight {proj_name!r}")
     settings = read_json_object(folder / PREPROCESSOR_CONFIG)
-    image_seq_len = projector.tokens_per_image(grid * grid)
+    return idefics3_tower(encoder_config, _reader(weights, "model.vision_model.", source),
+                          np.asarray(weights[proj_name].read()), raw.get("scale_factor", 2), token, settings,
+                          text_hidden, source, dtype, device)
+
+
+def idefics3_tower(encoder_config: EncoderConfig, read: Callable[[str], np.ndarray], projection: np.ndarray,
+                   scale: Any, image_token_id: int, settings: Mapping[str, Any], text_hidden: int, source: str,
+                   dtype: DataType, device: Device) -> VisionTower:
+    """A SmolVLM/Idefics3 tower: the SigLIP encoder whose weights ``read(name)`` gives (names
+    of ``encoder_shapes``), pixel shuffle by ``scale``, ``projection`` (D, s^2*Dv) to the text
+    width, and the image processor of ``settings`` (a preprocessor_config.json). ModelLoadError
+    naming ``source`` for a bad value."""
+    from ...vision.preprocess import Idefics3Processor
+
+    grid = encoder_config.patches_per_side
+    if not is_int(scale) or scale <= 0 or grid % scale:
+        raise ModelLoadError(f"{source}: scale_factor must be a positive integer dividing the {grid} patches per "
+                             f"side of the vision encoder, got {scale!r}")
+    expected = (text_hidden, encoder_config.hidden_size * scale * scale)
+    if projection.shape != expected:
+        raise ModelLoadError(f"{source}: the projector's weight has shape {projection.shape}; expected {expected} "
+                             "(the text width, the encoder width times scale_factor squared)")
+    encoder = VisionEncoder(encoder_config, read, source, dtype=dtype, device=device)
+    projector = PixelShuffleProjector(Tensor.from_numpy(np.ascontiguousarray(projection, dtype=np.float32),
+                                                        device=device, dtype=dtype), scale)
     try:
-        processor = Idefics3Processor.from_config({**settings, "image_seq_len": image_seq_len})
+        processor = Idefics3Processor.from_config({**settings, "image_seq_len": projector.tokens_per_image(grid * grid)})
     except ValueError as exc:
-        raise ModelLoadError(f"{folder / PREPROCESSOR_CONFIG}: {exc}") from exc
-    return VisionTower("idefics3", processor, encoder, projector, token, "<image>", text_hidden)
+        raise ModelLoadError(f"{source}: image preprocessing: {exc}") from exc
+    return VisionTower("idefics3", processor, encoder, projector, image_token_id, "<image>", text_hidden)
 
 
 def _reader(weights: Mapping[str, Any], prefix: str, source: str) -> Callable[[str], np.ndarray]:
@@ -109,15 +124,6 @@ def _reader(weights: Mapping[str, Any], prefix: str, source: str) -> Callable[[s
             raise ModelLoadError(f"{source}: missing vision weight {full!r}")
         return weights[full].read()
     return read
-
-
-def _array(weights: Mapping[str, Any], name: str, source: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in weights:
-        raise ModelLoadError(f"{source}: missing vision weight {name!r}")
-    value = np.asarray(weights[name].read())
-    if value.shape != shape:
-        raise ModelLoadError(f"{source}: vision weight {name!r} has shape {value.shape}; expected {shape}")
-    return value
 
 
 def _refuse_unused(weights: Mapping[str, Any], used: set[str], source: str) -> None:
