@@ -280,7 +280,7 @@ def test_api_key_as_x_api_key_or_bearer(smollm2_model):
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 ERRORS = [  # (body fields over a good request, status, what the message names)
     ({"max_tokens": None}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": [IMAGE]}]}, 400, "image blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [IMAGE]}]}, 400, "has no vision encoder; it takes text only"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [IMAGE]}]}]},
      400, "messages[0].content[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400,

@@ -376,7 +376,8 @@ CHAT_ERRORS = [  # (request fields, status, param)
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content"),
+     "messages[0].content[0]"),  # a text model: no vision encoder
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "data": "x"}]}]}, 400, "messages[0].content"),
     ({"model": "gpt-9"}, 404, "model"),
     ({"max_tokens": 8190}, 400, "max_tokens"),
     ({"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),

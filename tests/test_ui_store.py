@@ -610,3 +610,187 @@ def test_settings_route_wants_the_key(tmp_path: Path) -> None:
     with make_client(tmp_path, api_key="sesame") as c:
         assert c.get("/api/settings").status_code == 401
         assert c.get("/api/settings", headers={"Authorization": "Bearer sesame"}).status_code == 503
+
+
+# ---------------------------------------------------------------- images of user messages
+
+def image_file(kind: str = "PNG", size: tuple[int, int] = (6, 4), seed: int = 0) -> bytes:
+    """A small encoded picture of random pixels (``kind``: a Pillow format name)."""
+    import io
+
+    import numpy as np
+
+    from conftest import random_image
+
+    out = io.BytesIO()
+    random_image(np.random.default_rng(seed), *size).save(out, format=kind)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    import base64
+
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def test_images_are_kept_with_a_user_message(store: ConversationStore) -> None:
+    png, jpeg = image_file("PNG"), image_file("JPEG", seed=1)
+    images = [{"url": data_url(png)}, {"url": data_url(jpeg, "image/jpeg")}]
+    cid = store.create_conversation()["id"]
+    q = store.add_message(cid, "user", "What is in these?", images=images)
+    assert q["images"] == images
+    a = store.add_message(cid, "assistant", "Noise.", parent_id=q["id"])
+    assert a["images"] == []
+    with sqlite3.connect(store.path) as db:  # the file's bytes, not base64
+        rows = db.execute("SELECT position, media_type, data FROM message_images ORDER BY position").fetchall()
+    assert rows == [(0, "image/png", png), (1, "image/jpeg", jpeg)]
+
+    store.close()  # read back from the file, as after a restart
+    again = ConversationStore(store.path)
+    conv = again.get_conversation(cid)
+    by_id = {m["id"]: m for m in conv["messages"]}
+    assert by_id[q["id"]]["images"] == images and by_id[a["id"]]["images"] == []
+    assert again.update_message(cid, q["id"], {"content": "And now?"})["images"] == images
+    # the type is the file's: a PNG sent as image/jpeg is kept as image/png
+    mislabeled = again.add_message(cid, "user", "x", images=[{"url": data_url(png, "image/jpeg")}])
+    assert mislabeled["images"] == [{"url": data_url(png)}]
+    again.delete_conversation(cid)  # its images go with it
+    with sqlite3.connect(store.path) as db:
+        assert db.execute("SELECT COUNT(*) FROM message_images").fetchone()[0] == 0
+    again.close()
+
+
+def test_export_import_keeps_images(store: ConversationStore) -> None:
+    images = [{"url": data_url(image_file("GIF"), "image/gif")}, {"url": data_url(image_file("WEBP"), "image/webp")},
+              {"url": data_url(image_file("BMP"), "image/bmp")}]
+    cid = store.create_conversation(title="Pictures")["id"]
+    q = store.add_message(cid, "user", "", images=images)  # images alone, no text
+    store.add_message(cid, "assistant", "three", parent_id=q["id"])
+    document = json.loads(json.dumps(store.export_conversation(cid)))
+    assert document["version"] == 2 and document["conversation"]["messages"][0]["images"] == images
+    assert "images" not in document["conversation"]["messages"][1]
+    (made,) = store.import_conversations(document)
+    conv = store.get_conversation(made["id"])
+    assert [m["images"] for m in conv["messages"]] == [images, []]
+    assert contents(conv, conv["path"]) == ["", "three"]
+
+    plain = store.create_conversation(title="Words")["id"]  # an older llaisys imports it
+    store.add_message(plain, "user", "hi")
+    document = store.export_conversation(plain)
+    assert document["version"] == 1 and "images" not in document["conversation"]["messages"][0]
+
+
+PNG_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNoAAAAggCBd81ytgAAAABJ"
+           "RU5ErkJggg==")  # one grey pixel
+
+
+@pytest.mark.parametrize("images, message", [
+    ({"url": PNG_URL}, "images must be a list"),
+    (["data:image/png;base64,AAAA"], "images[0] must be an object with only a 'url'"),
+    ([{"url": PNG_URL, "detail": "high"}], "images[0] must be an object with only a 'url'"),
+    ([{"url": "https://example.org/cat.png"}], "images[0].url: not a data URL"),
+    ([{"url": "data:text/plain;base64,aGk="}], "images[0].url: data URL media type is 'text/plain'"),
+    ([{"url": "data:image/png,rawbytes"}], "images[0].url: data URL payload is not base64-encoded"),
+    ([{"url": "data:image/png;base64,%%%"}], "images[0].url: data URL payload is not valid base64"),
+    ([{"url": PNG_URL}, {"url": data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")}],
+     "images[1] is not a PNG, JPEG, WebP, GIF or BMP image"),
+    ([{"url": PNG_URL}] * (store_module.MAX_IMAGES + 1),
+     f"images holds {store_module.MAX_IMAGES + 1} images; a message may carry at most {store_module.MAX_IMAGES}"),
+])
+def test_images_are_checked(store: ConversationStore, images: Any, message: str) -> None:
+    cid = store.create_conversation()["id"]
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        store.add_message(cid, "user", "x", images=images)
+    assert store.get_conversation(cid)["messages"] == []
+    with pytest.raises((TypeError, ValueError), match=re.escape(f"conversations[0]: messages[0].{message}")):
+        store.import_conversations({"conversation": {"messages": [
+            {"id": "q", "role": "user", "content": "x", "images": images}]}})
+    assert len(store.list_conversations()) == 1  # nothing imported
+
+
+def test_image_limits(store: ConversationStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    cid = store.create_conversation()["id"]
+    assert store_module.MAX_IMAGE_BYTES == 20 * 1024 * 1024  # what the server decodes (ImageLimits)
+    png = image_file("PNG", (40, 40))
+    monkeypatch.setattr(store_module, "MAX_IMAGE_BYTES", len(png) - 1)
+    with pytest.raises(ValueError, match=re.escape(f"more than the limit of {len(png) - 1} bytes")):
+        store.add_message(cid, "user", "big", images=[{"url": data_url(png)}])
+    monkeypatch.setattr(store_module, "MAX_IMAGE_BYTES", len(png))
+    assert len(store.add_message(cid, "user", "fits", images=[{"url": data_url(png)}])["images"]) == 1
+    full = store.add_message(cid, "user", "many", images=[{"url": PNG_URL}] * store_module.MAX_IMAGES)
+    assert len(full["images"]) == store_module.MAX_IMAGES
+    with pytest.raises(ValueError, match="only a user message carries images"):
+        store.add_message(cid, "assistant", "x", images=[{"url": PNG_URL}])
+    assert store.add_message(cid, "user", "none", images=[])["images"] == []
+
+
+V1_SCHEMA = """
+CREATE TABLE conversations (id TEXT PRIMARY KEY, title TEXT NOT NULL, system_prompt TEXT NOT NULL,
+    settings TEXT NOT NULL, active_leaf TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    parent_id TEXT REFERENCES messages(id) ON DELETE CASCADE, role TEXT NOT NULL, content TEXT NOT NULL,
+    created REAL NOT NULL, meta TEXT NOT NULL);
+CREATE INDEX messages_by_conversation ON messages(conversation_id, seq);
+CREATE INDEX conversations_by_update ON conversations(updated);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_database_still_loads(tmp_path: Path) -> None:
+    # a file an llaisys without images wrote: it reads, and takes images from then on
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_SCHEMA)
+        db.execute("INSERT INTO conversations VALUES ('c1', 'Old chat', '', '{}', 'm2', 1.0, 2.0)")
+        db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
+                   "VALUES ('m1', 'c1', NULL, 'user', 'hello', 1.0, '{}'), "
+                   "('m2', 'c1', 'm1', 'assistant', 'hi there', 2.0, '{\"status\": \"done\"}')")
+    old = ConversationStore(path)
+    conv = old.get_conversation("c1")
+    assert conv["title"] == "Old chat" and contents(conv, conv["path"]) == ["hello", "hi there"]
+    assert [m["images"] for m in conv["messages"]] == [[], []]
+    assert [c["id"] for c in old.list_conversations("there")] == ["c1"]
+    q = old.add_message("c1", "user", "and this?", parent_id="m2", images=[{"url": PNG_URL}])
+    assert old.get_conversation("c1")["messages"][-1]["images"] == [{"url": PNG_URL}] == q["images"]
+    old.delete_conversation("c1")
+    old.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION == 2
+        assert db.execute("SELECT COUNT(*) FROM message_images").fetchone()[0] == 0
+    # an export of an older llaisys (version 1, no images) imports
+    fresh = ConversationStore(tmp_path / "new.sqlite3")
+    (made,) = fresh.import_conversations({"format": "llaisys-conversation", "version": 1, "conversation": {
+        "title": "v1", "messages": [{"id": "a", "role": "user", "content": "x", "meta": {}}]}})
+    assert fresh.get_conversation(made["id"])["messages"][0]["images"] == []
+    fresh.close()
+
+
+def test_stored_images_of_a_wrong_type_are_dropped_when_read(store: ConversationStore) -> None:
+    cid = store.create_conversation()["id"]
+    mid = store.add_message(cid, "user", "two", images=[{"url": PNG_URL}, {"url": PNG_URL}])["id"]
+    with sqlite3.connect(store.path) as db:  # written by hand
+        db.execute("UPDATE message_images SET data = 'text' WHERE position = 0")
+        db.execute("INSERT INTO message_images VALUES (?, 2, 'image/svg+xml', x'3c73')", (mid,))
+    assert store.get_conversation(cid)["messages"][0]["images"] == [{"url": PNG_URL}]
+    (made,) = store.import_conversations(store.export_conversation(cid))  # a clean export imports again
+    assert store.get_conversation(made["id"])["messages"][0]["images"] == [{"url": PNG_URL}]
+
+
+def test_api_messages_carry_images(client) -> None:
+    cid = client.post("/api/conversations").json()["id"]
+    base = f"/api/conversations/{cid}"
+    r = client.post(f"{base}/messages", json={"role": "user", "content": "look", "images": [{"url": PNG_URL}]})
+    assert r.status_code == 201, r.text
+    assert r.json()["images"] == [{"url": PNG_URL}]
+    conv = client.get(base).json()
+    assert conv["messages"][0]["images"] == [{"url": PNG_URL}] and conv["title"] == "look"
+    r = client.post(f"{base}/messages", json={"role": "user", "content": "x",
+                                              "images": [{"url": "data:image/png;base64,AAAA"}]})
+    assert r.status_code == 400 and "images[0] is not a PNG" in r.json()["error"]["message"]
+    r = client.patch(f"{base}/messages/{conv['messages'][0]['id']}", json={"images": []})
+    assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]
+    export = client.get(f"{base}/export")
+    r = client.post("/api/conversations/import", content=export.content, headers={"Content-Type": "application/json"})
+    made = r.json()["data"][0]["id"]
+    assert client.get(f"/api/conversations/{made}").json()["messages"][0]["images"] == [{"url": PNG_URL}]

@@ -26,6 +26,19 @@ def speculative_count(text: str) -> int:
     return value
 
 
+def host_list(text: str) -> list[str]:
+    """--allowed-image-hosts: host names or IP addresses separated by commas."""
+    from ..server.options import image_host
+
+    try:
+        hosts = [image_host(h) for h in text.split(",") if h.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not hosts:
+        raise argparse.ArgumentTypeError("expected HOST[,HOST...]")
+    return hosts
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` sub-command."""
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -67,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-choices", type=positive_int, default=None, metavar="N",
                    help="engine requests one API call may make, prompts × n (default: max(--max-seqs, 128))")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, metavar="N",
-                   help="largest request body, in bytes (default 8 MiB); larger ones get 413")
+                   help="largest request body, in bytes (default 8 MiB); larger ones get 413 (images sent as data: "
+                        "URLs count, base64)")
     p.add_argument("--header-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="time a connection has to send a request's headers before it is closed (default 10)")
     p.add_argument("--body-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
@@ -88,6 +102,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-grammar-depth", type=positive_int, default=128, metavar="N",
                    help="deepest a grammar may nest: a schema's levels plus the $refs it follows, a grammar's "
                         "chain of rules (default 128)")
+    p.add_argument("--allowed-image-hosts", type=host_list, action="extend", default=[], metavar="HOST[,HOST]",
+                   help="fetch http(s) image URLs of messages from these hosts (exact names; no redirects followed, "
+                        "10 s and --max-image-bytes at most). By default image URLs are refused, since fetching any "
+                        "URL a client names lets it reach addresses only this server can (request forgery): "
+                        "clients send images inline as data: URLs")
+    p.add_argument("--max-images", type=positive_int, default=8, metavar="N",
+                   help="images one request may carry (default 8)")
+    p.add_argument("--max-image-bytes", type=positive_int, default=20 << 20, metavar="N",
+                   help="largest encoded image, in bytes (default 20 MiB). An image sent as a data: URL travels in "
+                        "the request body, base64 (4/3 of its size), so --max-body-bytes (default 8 MiB: about 6 MiB "
+                        "of image) limits it first; raise both for larger images")
+    p.add_argument("--max-image-pixels", type=positive_int, default=50_000_000, metavar="N",
+                   help="largest image, width times height as its header states it, refused before any pixel is "
+                        "decoded: the guard against decompression bombs (default 50000000)")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish the prefix cache's block events (stored, removed) on this ZeroMQ endpoint in "
                         "vLLM's KV-event format, for routers that index them: tcp://*:5557 binds every interface, "
@@ -126,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
                             grammar_cache_bytes=args.grammar_cache_bytes, max_grammar_bytes=args.max_grammar_bytes,
                             max_grammar_choices=args.max_grammar_choices, max_grammar_depth=args.max_grammar_depth,
                             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                            kv_events_topic=args.kv_events_topic)
+                            kv_events_topic=args.kv_events_topic,
+                            allowed_image_hosts=tuple(args.allowed_image_hosts), max_images=args.max_images,
+                            max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
     app = create_app(options, loader=lambda: load_from_args(args))
     service = app.state.service
     url = base_url(args.host, args.port)

@@ -16,11 +16,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..generation import GenerationConfig
 from .engine import LLMEngine
 from .request import RequestOutput
+
+if TYPE_CHECKING:
+    from ..models.multimodal.tower import PromptImages
 
 log = logging.getLogger(__name__)
 
@@ -171,23 +174,29 @@ class EngineThread:
         return future
 
     def submit(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
-               request_id: str | None = None, stream_type: type[RequestStream] = RequestStream) -> RequestStream:
-        """Add a request; returns its stream. Raises what ``LLMEngine.add_request`` raises."""
+               request_id: str | None = None, stream_type: type[RequestStream] = RequestStream,
+               images: "PromptImages | None" = None) -> RequestStream:
+        """Add a request; returns its stream. ``images``: where the prompt's image rows go
+        (``VisionTower.place``, encoded before the call, off this thread). Raises what
+        ``LLMEngine.add_request`` raises."""
         stream = stream_type(self, request_id or "")
-        return self.call(self._adding(stream, prompt, config, request_id)).result()
+        return self.call(self._adding(stream, prompt, config, request_id, images)).result()
 
     async def submit_async(self, prompt: "str | Sequence[int]", config: GenerationConfig | None = None,
-                           request_id: str | None = None) -> AsyncRequestStream:
+                           request_id: str | None = None, images: "PromptImages | None" = None) -> AsyncRequestStream:
         """``submit`` for asyncio code: returns an AsyncRequestStream without blocking the event loop."""
         stream = AsyncRequestStream(self, request_id or "")
-        return await asyncio.wrap_future(self.call(self._adding(stream, prompt, config, request_id)))
+        return await asyncio.wrap_future(self.call(self._adding(stream, prompt, config, request_id, images)))
 
     def _adding(self, stream: RequestStream, prompt: "str | Sequence[int]", config: GenerationConfig | None,
-                request_id: str | None) -> Callable[[], RequestStream]:
+                request_id: str | None, images: "PromptImages | None" = None) -> Callable[[], RequestStream]:
         """The command that adds the request to the engine and gives ``stream`` its outputs (run
         on the engine thread by ``call``)."""
         def add() -> RequestStream:
-            rid = self.engine.add_request(request_id, prompt, config)
+            if images is None:  # an engine-like object that takes no images still serves text
+                rid = self.engine.add_request(request_id, prompt, config)
+            else:
+                rid = self.engine.add_request(request_id, prompt, config, images)
             self._streams[rid] = stream
             stream.request_id = rid
             return stream

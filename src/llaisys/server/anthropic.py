@@ -3,8 +3,10 @@
 A request is checked in Anthropic's terms (errors name its fields: ``messages[1].content[0]``),
 then turned into a chat completion request (``system`` into a first system message, content
 blocks into chat messages: ``tool_use`` blocks into an assistant's ``tool_calls``, each
-``tool_result`` into a ``tool`` message; ``tools`` with their ``input_schema``, ``tool_choice``,
-``stop_sequences``, ``thinking`` into the template's ``enable_thinking``), built by
+``tool_result`` into a ``tool`` message, a user's ``image`` blocks (base64 or url sources)
+into image parts, which the request builder fetches, decodes and limits; ``tools`` with their
+``input_schema``, ``tool_choice``, ``stop_sequences``, ``thinking`` into the template's
+``enable_thinking``), built by
 ``requests.build_request`` and run as one, and its reply given back as content blocks:
 ``thinking`` (a ``<think>`` block), ``text`` and ``tool_use``. A stream sends Anthropic's
 events: ``message_start``, ``ping``, per block ``content_block_start`` /
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
@@ -171,8 +174,11 @@ def _typed_blocks(blocks: list[Any], where: str) -> Iterator[tuple[str, str, dic
 
 
 def _unsupported(kind: str, where: str, allowed: str) -> APIError:
-    if kind in ("image", "document"):
-        return bad_request(f"{where}: {kind} blocks are not supported by this model yet; send text",
+    if kind == "image":
+        return bad_request(f"{where}: image blocks go in a user message's content, not here ({allowed})",
+                           param=f"{where}.type")
+    if kind == "document":
+        return bad_request(f"{where}: document blocks are not supported by this server; send text",
                            param=f"{where}.type")
     return bad_request(f"{where}.type: {kind!r} blocks are not supported here ({allowed})", param=f"{where}.type")
 
@@ -199,12 +205,35 @@ def _texts(blocks: str | list[Any] | None, where: str, allowed: str = "text") ->
     return "\n".join(texts)
 
 
-def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """The chat messages of a user turn: a tool message per ``tool_result``, then its text."""
-    tools, texts = [], []
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat image part of an ``image`` block: its base64 source as a data: URL, or its url."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type = _str_field(source, "media_type", f"{where}.source")
+        if not re.fullmatch(r"image/[A-Za-z0-9.+-]+", media_type):
+            raise bad_request(f"{where}.source.media_type: must be an image type such as image/png or image/jpeg, "
+                              f"got {media_type[:40]!r}", param=f"{where}.source.media_type")
+        url = f"data:{media_type};base64,{_str_field(source, 'data', f'{where}.source')}"
+    elif kind == "url":
+        url = _str_field(source, "url", f"{where}.source")
+    else:
+        raise bad_request(f"{where}.source: must be {{'type': 'base64', 'media_type': 'image/png', 'data': ...}} or "
+                          f"{{'type': 'url', 'url': ...}}, got {json_kind(source) if kind is None else repr(kind)}",
+                          param=f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_turn(blocks: list[dict[str, Any]], where: str, image_fields: list[str]) -> list[dict[str, Any]]:
+    """The chat messages of a user turn: a tool message per ``tool_result``, then its text and
+    images (their fields appended to ``image_fields``)."""
+    tools, parts, images = [], [], []
     for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
-            texts.append(_str_field(block, "text", at))
+            parts.append({"type": "text", "text": _str_field(block, "text", at)})
+        elif kind == "image":
+            parts.append(_image_part(block, at))
+            images.append(at)
         elif kind == "tool_result":
             result = _texts(block.get("content"), f"{at}.content", "text blocks")
             is_error = block.get("is_error", False)
@@ -216,8 +245,12 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
         elif kind == "tool_use":
             raise bad_request(f"{at}: a tool_use block belongs in an assistant message", param=f"{at}.type")
         else:
-            raise _unsupported(kind, at, "a user message takes text and tool_result blocks")
-    return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts or not tools else [])
+            raise _unsupported(kind, at, "a user message takes text, image and tool_result blocks")
+    if not parts:
+        return tools + ([] if tools else [{"role": "user", "content": ""}])
+    image_fields += images
+    content = parts if images else "\n".join(p["text"] for p in parts)
+    return tools + [{"role": "user", "content": content}]
 
 
 def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
@@ -246,8 +279,9 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     return message
 
 
-def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``system`` and ``messages``."""
+def _messages(req: AnthropicCountTokensRequest, image_fields: list[str]) -> list[dict[str, Any]]:
+    """The chat messages of ``system`` and ``messages``; the fields of their images are
+    appended to ``image_fields``, in order."""
     if req.messages[-1].role == "assistant":
         last = len(req.messages) - 1
         raise bad_request(f"messages[{last}]: the last message must be the user's; continuing a final assistant "
@@ -261,7 +295,7 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "user":
-            out += _user_turn(m.content, where)
+            out += _user_turn(m.content, where, image_fields)
         else:
             out.append(_assistant_turn(m.content, where))
     return out
@@ -288,15 +322,17 @@ def chat_request(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request that answers (or, for count_tokens, renders the prompt of)
     ``req``; 400 naming the field for what the server cannot take."""
     thinking = req.thinking.type if req.thinking is not None else None
-    body = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
+    image_fields: list[str] = []
+    body = {"model": req.model, "messages": _messages(req, image_fields), "tools": _tools(req),
             "tool_choice": _tool_choice(req.tool_choice),
             "parallel_tool_calls": not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
             "chat_template_kwargs": {"enable_thinking": thinking == "enabled"}
             if thinking in ("enabled", "disabled") else None, **req.sampling()}
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from None
+    return chat.name_images(image_fields)
 
 
 # ---- response: content blocks -------------------------------------------------------------------

@@ -36,8 +36,9 @@ from .bodies import off_loop, parse_body, render_json
 from .errors import APIError, install_error_handlers
 from .middleware import AnthropicErrors, BodyGuard, HostCheck
 from .options import ServerOptions
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
-from .requests import chat_text, encode
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+                       message_images)
+from .requests import chat_text, check_images, encode, rendered_prompt
 from .service import Loader, ModelService
 
 M = TypeVar("M", bound=BaseModel)
@@ -157,16 +158,19 @@ async def models(request: Request) -> dict[str, Any]:
 
 @api.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
 async def tokenize(request: Request, body: TokenizeRequest = json_body(TokenizeRequest)) -> Response:
-    """vLLM's /tokenize: token ids of a prompt, or of chat messages rendered with the template
-    (in a worker thread: a long text does not hold up other requests)."""
+    """vLLM's /tokenize: token ids of a prompt, or of chat messages rendered with the template,
+    their images expanded into their tokens (in a worker thread: a long text or an image does
+    not hold up other requests)."""
     service = service_of(request)
     service.require_ready()
     service.check_model(body.model)
 
     def work() -> bytes:  # the answer rendered here too: millions of ids take a while to write
         if body.messages is not None:
+            images = message_images(body.messages)
+            check_images(service, images)
             text = chat_text(service, body.messages, body.add_generation_prompt, tools=body.tools)
-            ids = encode(service, text, bool(body.add_special_tokens), "messages")
+            ids, _ = rendered_prompt(service, text, images, bool(body.add_special_tokens))
         else:
             ids = encode(service, body.prompt or "", body.add_special_tokens is not False, "prompt")
         strs = [service.token_text(i) for i in ids] if body.return_token_strs else None

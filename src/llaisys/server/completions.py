@@ -175,7 +175,8 @@ async def submit_jobs(service: ModelService, jobs: list[Job], response_id: str) 
     streams: list[AsyncRequestStream] = []
     try:
         for job in jobs:
-            streams.append(await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config))
+            streams.append(await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config,
+                                                job.images))
     except BaseException:
         service.release(streams)
         raise

@@ -8,6 +8,23 @@ from .protocol import MAX_N
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: 128 prompts of 8k token ids as JSON fit; a 10 MB upload does not
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+DEFAULT_MAX_IMAGES = 8
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # one encoded image; as a data: URL it also counts against max_body_bytes
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # width * height from the header: the decompression-bomb guard
+
+
+def image_host(text: str) -> str:
+    """``text`` as an entry of ``allowed_image_hosts``: a host name or IP address, lowercased,
+    without brackets or a final dot. ValueError for a URL, a port, a path or a wildcard
+    (hosts are matched exactly)."""
+    name = text.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    name = name.rstrip(".")
+    if not name or any(c in name for c in "/*@?#[] \t") or (name.count(":") == 1):
+        raise ValueError(f"{text!r} is not a host name or IP address (give example.com or 10.0.0.5: no scheme, "
+                         "port, path or wildcard; hosts are matched exactly)")
+    return name
 
 
 @dataclass(slots=True)
@@ -43,6 +60,11 @@ class ServerOptions:
     kv_events: a ZeroMQ endpoint the engine's prefix-cache events are published on (None: off;
     ``engine.kv_events``); kv_events_replay: one that answers replay requests; kv_events_topic:
     the first frame of every message.
+    allowed_image_hosts: hosts whose ``http(s)`` image URLs are fetched (exact names; none: image
+    URLs are refused and images come as ``data:`` URLs, see ``server.images``). max_images:
+    images one request may carry; max_image_bytes: one encoded image's size (a data: URL is
+    also held to max_body_bytes, 8 MiB by default); max_image_pixels: one image's width times
+    height, read from its header before any pixel is decoded.
     """
 
     model: str | None = None
@@ -76,13 +98,21 @@ class ServerOptions:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
+    allowed_image_hosts: tuple[str, ...] = ()
+    max_images: int = DEFAULT_MAX_IMAGES
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
-        for name in ("allowed_origins", "allowed_hosts"):
+        for name in ("allowed_origins", "allowed_hosts", "allowed_image_hosts"):
             value = getattr(self, name)
             setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
+        try:
+            self.allowed_image_hosts = tuple(image_host(h) for h in self.allowed_image_hosts)
+        except (AttributeError, ValueError) as exc:
+            raise ValueError(f"ServerOptions.allowed_image_hosts: {exc}") from None
         for name in ("max_seqs", "max_batched_tokens", "max_body_bytes", "grammar_cache_bytes", "max_grammar_bytes",
-                     "max_grammar_choices", "max_grammar_depth"):
+                     "max_grammar_choices", "max_grammar_depth", "max_images", "max_image_bytes", "max_image_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerOptions.{name} must be a positive integer, got {value!r}")

@@ -27,7 +27,7 @@ import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, field_validator, model_validator
 
 from ..generation.config import MAX_LOGPROBS  # top tokens per step: 20, as OpenAI
 from ..generation.config import MAX_SPECULATIVE_TOKENS  # draft tokens per step: 64
@@ -122,25 +122,69 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
 def _check_content(value: Any) -> Any:
-    """A message's content: a str, None, or a list of text parts."""
+    """A message's content: a str, None, or a list of text parts and image parts
+    (``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``; an ``image_url`` given
+    as a bare string is taken as its url)."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError(f"must be a string or a list of text parts, got {type(value).__name__}")
+        raise ValueError(f"must be a string or a list of content parts, got {type(value).__name__}")
+    out = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part)
+        elif kind == "image_url":
+            out.append(_image_part(part, j))
+        else:
             what = f"a {kind!r} part" if isinstance(kind, str) else f"{type(part).__name__} {part!r:.40}"
-            raise ValueError(f"part {j} is {what}; only text parts {{'type': 'text', 'text': '...'}} are "
-                             "supported (this model takes text only)")
-    return value
+            raise ValueError(f"part {j} is {what}; expected a text part {{'type': 'text', 'text': '...'}} or an image "
+                             "part {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}")
+    return out
+
+
+def _image_part(part: dict[str, Any], j: int) -> dict[str, Any]:
+    """An image part checked, its ``image_url`` an object {url, detail}."""
+    image = part.get("image_url")
+    if isinstance(image, str):
+        image = {"url": image}
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+        raise ValueError(f"part {j} is an 'image_url' part without a url; expected {{'type': 'image_url', "
+                         "'image_url': {'url': 'data:image/png;base64,...'}}")
+    detail = image.get("detail", "auto")
+    if detail not in IMAGE_DETAILS:
+        raise ValueError(f"part {j}: image_url.detail must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r:.40}")
+    return {"type": "image_url", "image_url": {"url": image["url"], "detail": detail}}
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+
+
+class ImageURL(BaseModel):
+    """Where an image part's picture is: a data: URL, or an http(s) URL (fetched only from the
+    server's --allowed-image-hosts); ``detail`` is accepted and left to the model's processor."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(BaseModel):
+    """An image in a user message (OpenAI's ``image_url`` content part)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -171,10 +215,11 @@ class ToolCall(BaseModel):
 class ChatMessage(Strict):
     """One message. "developer" is OpenAI's newer name for "system" and is treated as one; a
     "tool" message is a tool's result (``tool_call_id``: the call it answers); an assistant
-    message may carry the ``tool_calls`` it made."""
+    message may carry the ``tool_calls`` it made; a user message's content may hold image
+    parts (fetched, decoded and limited by the request builder, for a vision model only)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | FastList[TextPart] | None = None
+    content: str | FastList[ContentPart] | None = None
     name: str | None = None
     tool_calls: FastList[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -189,20 +234,30 @@ class ChatMessage(Strict):
     def _content_needed(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (a string or a list of text parts)")
+        if self.role != "user" and self.images:
+            raise ValueError(f"content: image parts go in user messages, not in a {self.role} message")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls: only an assistant message has tool calls, not a {self.role} message")
         return self
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined with newlines, None as "")."""
+        """The content's text as one string (text parts joined with newlines, None as "")."""
         if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
 
+    @property
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The image parts of the content, each with its index in it."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
+
     def as_template_message(self) -> dict[str, Any]:
-        """The dict a chat template renders."""
-        content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
+        """The dict a chat template renders (an image part as ``{"type": "image"}``)."""
+        content = self.content if not isinstance(self.content, list) else \
+            [{"type": "image"} if isinstance(p, ImagePart) else p.model_dump() for p in self.content]
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [c.as_template_call() for c in self.tool_calls]
@@ -211,6 +266,11 @@ class ChatMessage(Strict):
         if self.role == "tool" and self.name is not None:
             out["name"] = self.name
         return out
+
+
+def message_images(messages: list[ChatMessage]) -> list[tuple[str, ImagePart]]:
+    """The image parts of ``messages`` in order, each with its field (``messages[1].content[0]``)."""
+    return [(f"messages[{i}].content[{j}]", part) for i, m in enumerate(messages) for j, part in m.images]
 
 
 class FunctionDefinition(BaseModel):
@@ -325,6 +385,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    _image_fields: list[str] | None = PrivateAttr(default=None)  # see name_images
 
     @model_validator(mode="after")
     def _chat_checks(self) -> "ChatCompletionRequest":
@@ -342,6 +403,22 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins; max_tokens carries it on
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def name_images(self, fields: list[str]) -> "ChatCompletionRequest":
+        """Name the image parts, in order, by the fields they came from in another API's request
+        (Responses' ``input[0].content[1]``, Anthropic's ``messages[0].content[2]``), so errors
+        about them name what the client sent; returns the request."""
+        self._image_fields = list(fields)
+        return self
+
+    def image_parts(self) -> list[tuple[str, ImagePart]]:
+        """Every image part of the messages, in order, with the request field it came from
+        (``messages[1].content[0]``, or the names ``name_images`` gave)."""
+        found = message_images(self.messages)
+        names = self._image_fields
+        if names is not None and len(names) == len(found):
+            found = [(name, part) for name, (_, part) in zip(names, found)]
+        return found
 
     @property
     def tool_mode(self) -> str | None:

@@ -2,7 +2,7 @@
 
     built = await build_request(service, req)   # a ChatCompletionRequest, CompletionRequest or EmbeddingRequest
     for job in built.jobs:                      # one per choice: prompts × n (inputs, for embeddings)
-        stream = await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config)
+        stream = await service.submit(f"{response_id}-{job.index}", job.prompt_ids, job.config, job.images)
 
 Every protocol module calls it so, once per request: ``completions`` with its two bodies,
 ``responses`` and ``anthropic`` with the ChatCompletionRequest they turn theirs into,
@@ -15,9 +15,11 @@ The steps, each refusal a 400 naming the request's field (404 and 503 come from 
 1. the model is ready and is the one asked for; prompts × n within --max-choices; the grammar
    asked for (``structured``), or for a forced tool call the one of a call;
 2. in a worker thread: the prompt ids (messages rendered with the chat template and the tools,
-   text tokenized, token ids checked), ``max_tokens`` fitted to the context (``completion_budget``:
-   the only place it is clipped), a GenerationConfig per choice, the grammar checked against the
-   server's limits;
+   text tokenized, token ids checked; a chat's images fetched or decoded within the server's
+   limits by ``images.load_image`` and encoded by the model's vision tower, their placeholders
+   expanded into their tokens, the rows carried on the Job to the engine), ``max_tokens`` fitted
+   to the context (``completion_budget``: the only place it is clipped), a GenerationConfig per
+   choice, the grammar checked against the server's limits;
 3. the grammar compiled (``service.grammars``) and put in every choice's config.
 
 ``max_tokens`` is the completion's length under one name: ``protocol`` reads it from the API's
@@ -35,15 +37,19 @@ from ..engine.grammar import GuidedConfig
 from ..engine.pooling import PoolingConfig
 from ..generation import GenerationConfig, encode_prompt
 from ..generation.defaults import CHAT_MAX_TOKENS, sampling_defaults
+from ..generation.prompts import image_prompt
 from ..models.chat_template import render_chat
 from .errors import bad_request
 from .grammars import PendingGrammar
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest, SamplingRequest, Tool
+from .images import load_image, refuse_images
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest, ImagePart,
+                       SamplingRequest, Tool)
 from .reasoning import template_reasons
 from .structured import GrammarSpec, requested_constraint
 from .tool_calls import forced_call_grammar, template_knows_tools, template_messages, tool_format
 
 if TYPE_CHECKING:
+    from ..models.multimodal.tower import PromptImages
     from .service import ModelService
 
 APIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
@@ -52,13 +58,14 @@ APIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 @dataclass(slots=True)
 class Job:
     """One engine request: its index among the response's choices, its prompt ids, its config
-    (GenerationConfig, GuidedConfig, or PoolingConfig for an embedding) and the request field
-    its grammar came from, if any."""
+    (GenerationConfig, GuidedConfig, or PoolingConfig for an embedding), the request field
+    its grammar came from, if any, and where its images' rows go in the prompt (None: no images)."""
 
     index: int
     prompt_ids: list[int]
     config: GenerationConfig
     grammar_param: str | None = None
+    images: PromptImages | None = None
 
 
 @dataclass(slots=True)
@@ -88,10 +95,11 @@ async def build_request(service: ModelService, req: APIRequest) -> EngineRequest
 
 async def chat_prompt(service: ModelService, req: ChatCompletionRequest) -> list[int]:
     """The prompt ids ``build_request`` would give ``req``, and nothing else (Anthropic's
-    count_tokens): rendered and tokenized in a worker thread."""
+    count_tokens): rendered and tokenized, its images decoded and expanded into their tokens,
+    in a worker thread."""
     service.require_ready()
     service.check_model(req.model)
-    return await service.in_worker(lambda: chat_prompt_ids(service, req))
+    return await service.in_worker(lambda: chat_prompt_ids(service, req)[0])
 
 
 # ---- the three kinds of request -------------------------------------------------------------
@@ -107,9 +115,10 @@ async def _chat(service: ModelService, req: ChatCompletionRequest) -> EngineRequ
                           param="tool_choice")
 
     def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: renders, tokenizes, checks
-        ids = chat_prompt_ids(service, req)
+        ids, placed = chat_prompt_ids(service, req)
         max_tokens = completion_budget(service, len(ids), req.max_tokens, req.max_tokens_param, "messages")
-        jobs = [Job(i, ids, generation_config(service, req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
+        jobs = [Job(i, ids, generation_config(service, req, max_tokens, req.num_logprobs, i), images=placed)
+                for i in range(req.n)]
         constraint = spec
         if forced:
             constraint = GrammarSpec("lark", forced_call_grammar(req.tools or (), mode, req.parallel_tool_calls, fmt),
@@ -194,7 +203,8 @@ def chat_text(service: ModelService, messages: Sequence[ChatMessage], add_genera
     """The prompt text of ``messages``, rendered with the chat template in use: with ``tools`` in
     its ``tools`` variable, or, for a template that knows no tools, in the fallback system block
     (see ``tool_calls``); ``template_kwargs`` (chat_template_kwargs, such as enable_thinking) are
-    passed to the template too."""
+    passed to the template too. A vision-language model's template gets every content as a
+    list of text and image parts (an image part as its placeholder's place)."""
     template = template_source(service)
     knows_tools = template_knows_tools(template)
     tok = service.tokenizer
@@ -206,7 +216,7 @@ def chat_text(service: ModelService, messages: Sequence[ChatMessage], add_genera
         variables.pop(reserved, None)
     try:
         return render_chat(template, template_messages(messages, tools, knows_tools), add_generation_prompt,
-                           **variables)
+                           parts=vision_of(service) is not None, **variables)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc), param="messages") from exc
 
@@ -230,23 +240,68 @@ def refuse_overlong(service: ModelService, text: str, what: str) -> None:
                           code="context_length_exceeded")
 
 
-def chat_prompt_ids(service: ModelService, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(service: ModelService, req: ChatCompletionRequest) -> tuple[list[int], PromptImages | None]:
     """Prompt ids of a chat request's messages, with its tools when it uses them (not with
-    tool_choice "none") and its template kwargs; the template writes any BOS, so none is added
-    (worker thread). More messages than the context has tokens are refused before rendering
-    (each message renders at least its role's marker)."""
+    tool_choice "none") and its template kwargs, and where its images' rows go (None: no
+    images); the template writes any BOS, so none is added (worker thread). More messages than
+    the context has tokens are refused before rendering (each message renders at least its
+    role's marker); images before any is fetched or decoded (a model without a vision
+    encoder, more than --max-images)."""
     context, messages = service.max_model_len, req.messages
     if len(messages) > context:
         raise bad_request(f"This model's maximum context length is {context} tokens. However, your messages are "
                           f"{len(messages)}, and each takes at least one token. Please reduce the number of "
                           "messages.", param="messages", code="context_length_exceeded")
+    images = req.image_parts()
+    check_images(service, images)
     text = chat_text(service, messages, tools=req.tools if req.tool_mode is not None else None,
                      template_kwargs=req.chat_template_kwargs)
     refuse_overlong(service, text, "messages")
-    ids = encode(service, text, False, "messages")
+    ids, placed = rendered_prompt(service, text, images, False)
     if not ids:
         raise bad_request("the chat template rendered an empty prompt", param="messages")
-    return ids
+    return ids, placed
+
+
+def check_images(service: ModelService, images: Sequence[tuple[str, ImagePart]]) -> None:
+    """400 for image parts (each with its request field) the served model or the server's
+    limits cannot take: any, for a model without a vision encoder; more than --max-images."""
+    if not images:
+        return
+    if vision_of(service) is None:
+        raise refuse_images(service.model_name, images[0][0])
+    limit = service.options.max_images
+    if len(images) > limit:
+        param = images[limit][0]
+        raise bad_request(f"{param}: this request has {len(images)} images; this server takes at most {limit} per "
+                          "request (--max-images)", param=param, code="too_many_images")
+
+
+def rendered_prompt(service: ModelService, text: str, images: Sequence[tuple[str, ImagePart]],
+                    add_special_tokens: bool) -> tuple[list[int], PromptImages | None]:
+    """Ids of a rendered chat ``text`` and where its images' rows go (worker thread). For a
+    vision-language model each image part (checked by ``check_images``) is fetched or decoded
+    in order and encoded by the vision tower, here, while the engine thread steps the other
+    requests; its placeholder in ``text`` becomes its tokens. A placeholder written in the text
+    itself would take an image's place, so the placeholders must match the image parts."""
+    vision = vision_of(service)
+    marks = text.count(vision.placeholder) if vision is not None else 0
+    if marks != len(images) and (marks or not images):
+        raise bad_request(f"the rendered messages hold the image placeholder {vision.placeholder!r} {marks} times for "
+                          f"{len(images)} image parts; it stands for an image and cannot be written as text",
+                          param="messages", code="invalid_image_placeholder")
+    if not images:
+        return encode(service, text, add_special_tokens, "messages"), None
+    pictures = [load_image(part.image_url.url, param, service.options) for param, part in images]
+    try:
+        return image_prompt(service.model, text, pictures, add_special_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+
+
+def vision_of(service: ModelService) -> Any:
+    """The served model's vision tower (None: the model takes text only)."""
+    return getattr(service.model, "vision", None)
 
 
 def prompt_ids(service: ModelService, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -327,4 +382,4 @@ async def _with_grammar(service: ModelService, jobs: list[Job], pending: Pending
     if pending is None:
         return jobs
     grammar = await service.grammars.compile(pending)
-    return [Job(j.index, j.prompt_ids, GuidedConfig.of(j.config, grammar), pending.param) for j in jobs]
+    return [Job(j.index, j.prompt_ids, GuidedConfig.of(j.config, grammar), pending.param, j.images) for j in jobs]

@@ -4,7 +4,9 @@ A request is turned into a chat completion request (``input`` text or items into
 ``instructions`` into a system message first, ``max_output_tokens`` into ``max_tokens``, function
 ``tools``, ``text.format`` into ``response_format``), built by ``requests.build_request`` and
 run as one, and its reply given back as Responses output items:
-``reasoning`` (a ``<think>`` block), ``message`` (``output_text``) and ``function_call``. A
+``reasoning`` (a ``<think>`` block), ``message`` (``output_text``) and ``function_call``.
+``input_image`` parts of user messages become the chat's image parts (a vision model's; the
+request builder fetches, decodes and limits them, errors naming the Responses field). A
 stream sends the Responses events: ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` ... ``response.output_item.done`` with the text, reasoning or
 argument deltas between, then ``response.completed`` (or ``response.incomplete`` when
@@ -27,7 +29,7 @@ from pydantic import Field, ValidationError, field_validator
 from .bodies import json_kind
 from .completions import ChatFormat, Run, answer, chat_format, submit_jobs, until_disconnected
 from .errors import APIError, bad_request, validation_error
-from .protocol import MAX_TOOLS, ChatCompletionRequest, FastList, Strict
+from .protocol import IMAGE_DETAILS, MAX_TOOLS, ChatCompletionRequest, FastList, Strict
 from .reasoning import ReplyDeltas
 from .requests import Job, build_request
 from .service import ModelService
@@ -65,18 +67,46 @@ class ResponsesRequest(Strict):
 
 
 # ---- request: to a chat completion request -----------------------------------------------------
-def _part_text(part: Any, where: str) -> str:
+def _part(part: Any, where: str, role: str) -> dict[str, Any]:
+    """The chat content part of one Responses content part: text, or for a user message an
+    ``input_image`` as an ``image_url`` part."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text"):
         if isinstance(part.get("text"), str):
-            return part["text"]
+            return {"type": "text", "text": part["text"]}
         raise bad_request(f"{where}.text: must be a string, got {json_kind(part.get('text'))}", param=f"{where}.text")
+    if kind == "input_image":
+        if role != "user":
+            raise bad_request(f"{where}: input_image parts go in user messages, not in a {role} message", param=where)
+        url, detail = part.get("image_url"), part.get("detail") or "auto"
+        if url is None and part.get("file_id") is not None:
+            raise bad_request(f"{where}.file_id: this server stores no files; send the image as image_url (a data: "
+                              "URL, data:image/png;base64,...)", param=f"{where}.file_id")
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{where}.image_url: must be the image's URL as a string (data:image/png;base64,...), "
+                              f"got {json_kind(url)}", param=f"{where}.image_url")
+        if detail not in IMAGE_DETAILS:
+            raise bad_request(f"{where}.detail: must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r:.40}",
+                              param=f"{where}.detail")
+        return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
     what = f"{kind!r} part" if kind is not None else json_kind(part)
-    raise bad_request(f"{where}: {what} is not supported; this model takes text only (input_text)", param=where)
+    raise bad_request(f"{where}: {what} is not supported; content parts are input_text and input_image", param=where)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``instructions`` and ``input``."""
+def _content(content: list[Any], where: str, role: str, image_fields: list[str]) -> str | list[dict[str, Any]]:
+    """A message's chat content: its text parts joined by newlines, or with images the list of
+    parts (each image's field appended to ``image_fields``)."""
+    parts = [_part(p, f"{where}[{j}]", role) for j, p in enumerate(content)]
+    images = [f"{where}[{j}]" for j, p in enumerate(parts) if p["type"] == "image_url"]
+    if not images:
+        return "\n".join(p["text"] for p in parts)
+    image_fields += images
+    return parts
+
+
+def _messages(req: ResponsesRequest, image_fields: list[str]) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``; the fields of their images are
+    appended to ``image_fields``, in order."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -93,9 +123,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}.role: must be user, system, developer or assistant, got {role!r}",
                                   param=f"{where}.role")
             if isinstance(content, list):
-                content = "\n".join(_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-            if not isinstance(content, str):
-                raise bad_request(f"{where}.content: must be text or a list of text parts", param=f"{where}.content")
+                content = _content(content, f"{where}.content", role, image_fields)
+            if not isinstance(content, (str, list)):
+                raise bad_request(f"{where}.content: must be text or a list of content parts", param=f"{where}.content")
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -161,7 +191,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             raise bad_request("tool_choice: must be none, auto, required or {'type': 'function', 'name': ...}",
                               param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    body = {"model": req.model, "messages": _messages(req), "max_tokens": req.max_output_tokens,
+    image_fields: list[str] = []
+    body = {"model": req.model, "messages": _messages(req, image_fields), "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "tools": _tools(req),
             "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req), "stream": req.stream}
@@ -169,7 +200,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from None
-    return chat
+    return chat.name_images(image_fields)
 
 
 # ---- response: output items -------------------------------------------------------------------

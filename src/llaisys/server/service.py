@@ -248,7 +248,7 @@ class ModelService:
         template; structured outputs a tokenizer; tool calls a chat template (in its own format
         when the template renders ``tools``, else the fallback); reasoning a template that
         speaks of ``<think>``; the Responses API chat; embeddings the model's hidden states (any
-        decoder model)."""
+        decoder model); vision (image parts in messages) a vision encoder."""
         template = self.template
         has_tokenizer = getattr(self.tokenizer, "backend", None) is not None
         tools = None
@@ -257,7 +257,7 @@ class ModelService:
                      "rendering": "template" if template_knows_tools(template) else "fallback"}
         return {"chat": bool(template), "structured_outputs": has_tokenizer, "tool_calls": tools,
                 "reasoning": bool(template) and template_reasons(template), "embeddings": True,
-                "responses": bool(template)}
+                "responses": bool(template), "vision": getattr(self.model, "vision", None) is not None}
 
     # ---- two steps of the request builder, for callers of the older API ----------------------
     def completion_budget(self, prompt_len: int, max_tokens: int | None, param: str, what: str) -> int:
@@ -270,13 +270,15 @@ class ModelService:
         return requests.generation_config(self, req, max_tokens, logprobs, choice)
 
     # ---- engine requests ---------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> AsyncRequestStream:
-        """Add one request to the engine; its stream. Engine refusals become 400."""
+    async def submit(self, request_id: str, prompt_ids: list[int], config: GenerationConfig,
+                     images: Any = None) -> AsyncRequestStream:
+        """Add one request to the engine; its stream. ``images``: where the prompt's image rows go
+        (``PromptImages``, from the request builder; None: no images). Engine refusals become 400."""
         engine = self.require_ready()
         self.metrics.submitted(request_id)
         self._inflight.add(request_id)
         try:
-            return await engine.submit_async(prompt_ids, config, request_id=request_id)
+            return await engine.submit_async(prompt_ids, config, request_id=request_id, images=images)
         except (TypeError, ValueError) as exc:
             self._forget(request_id)
             raise bad_request(str(exc)) from exc

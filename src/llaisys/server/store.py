@@ -3,7 +3,13 @@
 A conversation has a title, a system prompt, sampling settings and a tree of messages: each
 message names its parent (None for a first message), so editing a past message adds a sibling
 and both branches stay. The conversation's ``active_leaf`` is the last message of the branch on
-screen; ``path`` (root to leaf) is what the model sees.
+screen; ``path`` (root to leaf) is what the model sees. A user message may carry images, which
+the API hands out as ``images: [{"url": "data:image/png;base64,..."}]`` (what an OpenAI
+``image_url`` part holds) and the file keeps as their bytes (table ``message_images``).
+
+Schema versions (``PRAGMA user_version``): 1, conversations and messages; 2 adds
+``message_images``. Opening a file of an older version adds what it lacks (a version-1 file reads
+as conversations without images); a newer version is refused.
 
 One connection serves every thread, behind a lock (the UI's requests are small); the database is
 in WAL mode, so another process may read it while the server writes. The file is opened on first
@@ -11,6 +17,7 @@ use, so mounting the UI touches no file until someone uses it.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -19,14 +26,16 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..vision.images import ImageLimits, parse_data_url
+
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EXPORT_FORMAT = "llaisys-conversation"
 ROLES = ("user", "assistant")
 MAX_TITLE = 200          # characters
@@ -35,6 +44,16 @@ MAX_META = 64 << 10      # characters of a message's meta as JSON, less its reas
 MAX_META_DEPTH = 16      # levels of arrays and objects in a message's meta
 STATUSES = ("streaming", "done", "stopped", "error")  # an answer's meta.status
 AUTO_TITLE = 60          # characters of the first user message that become an untitled chat's title
+MAX_IMAGES = 8           # images one message may carry: what the server takes in a request by default
+MAX_IMAGE_BYTES = ImageLimits().max_bytes  # an image's encoded bytes: what the server decodes at most
+# The image types the page may attach and the server decodes: media type -> the file's first bytes.
+IMAGE_TYPES: dict[str, tuple[bytes, ...]] = {
+    "image/png": (b"\x89PNG\r\n\x1a\n",),
+    "image/jpeg": (b"\xff\xd8\xff",),
+    "image/webp": (b"RIFF",),  # then 4 bytes of length and "WEBP", checked below
+    "image/gif": (b"GIF87a", b"GIF89a"),
+    "image/bmp": (b"BM",),
+}
 
 # Sampling settings a conversation may keep: name -> (kind, low, high, low inclusive).
 # None for any of them means the server's default.
@@ -67,6 +86,14 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
 CREATE INDEX IF NOT EXISTS conversations_by_update ON conversations(updated);
+-- version 2
+CREATE TABLE IF NOT EXISTS message_images (
+    message_id TEXT NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position   INTEGER NOT NULL,  -- 0, 1, ... in the order the message shows them
+    media_type TEXT NOT NULL,     -- a key of IMAGE_TYPES
+    data       BLOB NOT NULL,     -- the image file's bytes
+    PRIMARY KEY (message_id, position)
+);
 """
 
 
@@ -278,6 +305,54 @@ def check_content(value: Any) -> str:
     return _check_str("content", value, MAX_CONTENT)
 
 
+def image_type(data: bytes) -> str | None:
+    """The media type of IMAGE_TYPES whose signature ``data`` starts with (None: none of them)."""
+    for media_type, signatures in IMAGE_TYPES.items():
+        if data.startswith(signatures) and (media_type != "image/webp" or data[8:12] == b"WEBP"):
+            return media_type
+    return None
+
+
+def check_images(value: Any, name: str = "images") -> list[tuple[str, bytes]]:
+    """A message's images: a list of at most MAX_IMAGES objects ``{"url": "data:image/<type>;base64,
+    <payload>"}`` (None: none), each a PNG, JPEG, WebP, GIF or BMP file of at most MAX_IMAGE_BYTES.
+    Returns (media type, file bytes) for each, the type read from the bytes."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {{\"url\": \"data:image/...\"}} objects, got "
+                        f"{type(value).__name__}")
+    if len(value) > MAX_IMAGES:
+        raise ValueError(f"{name} holds {len(value)} images; a message may carry at most {MAX_IMAGES}")
+    out = []
+    for k, item in enumerate(value):
+        if not isinstance(item, Mapping) or set(item) != {"url"}:
+            raise TypeError(f"{name}[{k}] must be an object with only a 'url' (a data URL), got {_short(item)}")
+        try:
+            data = parse_data_url(item["url"], ImageLimits(max_bytes=MAX_IMAGE_BYTES))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name}[{k}].url: {exc}") from None
+        media_type = image_type(data)
+        if media_type is None:
+            raise ValueError(f"{name}[{k}] is not a PNG, JPEG, WebP, GIF or BMP image (its first bytes are "
+                             f"{data[:8]!r})")
+        out.append((media_type, data))
+    return out
+
+
+def image_url(media_type: str, data: bytes) -> dict[str, str]:
+    """A stored image as the API shows it: ``{"url": "data:<media type>;base64,<payload>"}``."""
+    return {"url": f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"}
+
+
+def _user_images(role: str, images: Any, name: str) -> list[tuple[str, bytes]]:
+    """check_images for a message of ``role``: only a user message carries images."""
+    pictures = check_images(images, name)
+    if pictures and role != "user":
+        raise ValueError(f"{name}: only a user message carries images, not a(n) {role} message")
+    return pictures
+
+
 def check_id(name: str, value: Any, nullable: bool = True) -> str | None:
     """A message or conversation id: a non-empty string (or None where ``nullable``)."""
     if value is None and nullable:
@@ -369,10 +444,40 @@ class ConversationStore:
     # ---- rows to dicts ----
 
     @staticmethod
-    def _message(row: sqlite3.Row) -> dict[str, Any]:
+    def _message(row: sqlite3.Row, images: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
         return {"id": row["id"], "conversation_id": row["conversation_id"], "parent_id": row["parent_id"],
-                "role": row["role"], "content": row["content"], "created": _read_seconds(row["created"]),
+                "role": row["role"], "content": row["content"], "images": list(images),
+                "created": _read_seconds(row["created"]),
                 "meta": clean_meta(read_json(row["meta"], f"the meta of message {row['id']}"))}
+
+    @staticmethod
+    def _images(db: sqlite3.Connection, cid: str, mid: str | None = None) -> dict[str, list[dict[str, str]]]:
+        """The images of the messages of conversation ``cid`` (of message ``mid`` only, when
+        given) as the API shows them, in order, by message id. A row of another type (written by
+        hand) is left out."""
+        if mid is None:
+            rows = db.execute("SELECT i.message_id, i.media_type, i.data FROM message_images i JOIN messages m "
+                              "ON m.id = i.message_id WHERE m.conversation_id = ? ORDER BY i.message_id, i.position",
+                              (cid,))
+        else:
+            rows = db.execute("SELECT message_id, media_type, data FROM message_images WHERE message_id = ? "
+                              "ORDER BY position", (mid,))
+        out: dict[str, list[dict[str, str]]] = {}
+        for r in rows:
+            if isinstance(r["data"], bytes) and r["media_type"] in IMAGE_TYPES:
+                out.setdefault(r["message_id"], []).append(image_url(r["media_type"], r["data"]))
+            else:
+                logger.debug("dropped an image of message %s: a %s of type %r", r["message_id"],
+                             type(r["data"]).__name__, r["media_type"])
+        return out
+
+    @staticmethod
+    def _add_images(db: sqlite3.Connection, mid: str, images: Sequence[tuple[str, bytes]]) -> None:
+        db.executemany("INSERT INTO message_images (message_id, position, media_type, data) VALUES (?, ?, ?, ?)",
+                       [(mid, k, media_type, data) for k, (media_type, data) in enumerate(images)])
+
+    def _stored_message(self, db: sqlite3.Connection, cid: str, mid: str) -> dict[str, Any]:
+        return self._message(self._message_row(db, cid, mid), self._images(db, cid, mid).get(mid, ()))
 
     @staticmethod
     def _summary(row: sqlite3.Row) -> dict[str, Any]:
@@ -393,7 +498,8 @@ class ConversationStore:
 
     def _full(self, db: sqlite3.Connection, cid: str) -> dict[str, Any]:
         row = self._conversation_row(db, cid)
-        messages = [self._message(m) for m in
+        images = self._images(db, cid)
+        messages = [self._message(m, images.get(m["id"], ())) for m in
                     db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq", (cid,))]
         parent = {m["id"]: m["parent_id"] for m in messages}
         path: list[str] = []
@@ -478,12 +584,15 @@ class ConversationStore:
     # ---- messages ----
 
     def add_message(self, cid: str, role: str, content: str, parent_id: str | None = None,
-                    meta: Mapping[str, Any] | None = None, activate: bool = True) -> dict[str, Any]:
+                    meta: Mapping[str, Any] | None = None, activate: bool = True,
+                    images: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """Add a message under ``parent_id`` (None: a first message); with ``activate`` it becomes
-        the conversation's active leaf. The first user message of an untitled conversation titles it."""
+        the conversation's active leaf. The first user message of an untitled conversation titles it.
+        A user message may carry ``images`` (see check_images); they cannot change afterwards."""
         role, content = check_role(role), check_content(content)
         parent_id = check_id("parent_id", parent_id)
         meta = check_meta(meta or {})
+        pictures = _user_images(role, images, "images")
         if not isinstance(activate, bool):
             raise TypeError(f"activate must be true or false, got {activate!r}")
         mid, now = _new_id(), time.time()
@@ -493,11 +602,12 @@ class ConversationStore:
                 self._message_row(db, cid, parent_id)
             db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created, meta) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (mid, cid, parent_id, role, content, now, json.dumps(meta)))
+            self._add_images(db, mid, pictures)
             title = _auto_title(content) if conv["title"] == "" and role == "user" else conv["title"]
             leaf = mid if activate else conv["active_leaf"]
             db.execute("UPDATE conversations SET title = ?, active_leaf = ?, updated = ? WHERE id = ?",
                        (title, leaf, now, cid))
-            return self._message(self._message_row(db, cid, mid))
+            return self._stored_message(db, cid, mid)
 
     def update_message(self, cid: str, mid: str, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Replace a message's ``content`` and/or merge ``meta`` into its meta (a key set to None is
@@ -515,17 +625,24 @@ class ConversationStore:
             db.execute("UPDATE messages SET content = ?, meta = ? WHERE id = ?",
                        (row["content"] if content is None else content, json.dumps(meta), mid))
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
-            return self._message(self._message_row(db, cid, mid))
+            return self._stored_message(db, cid, mid)
 
     # ---- export / import ----
 
     def export_conversation(self, cid: str) -> dict[str, Any]:
-        """A self-contained JSON document of the conversation, which import_conversations reads."""
+        """A self-contained JSON document of the conversation, which import_conversations reads.
+        Its ``version`` is the oldest schema that holds it all: 1 without images, so an older
+        llaisys imports it."""
         conv = self.get_conversation(cid)
         body = {k: conv[k] for k in ("title", "system_prompt", "settings", "created", "updated", "active_leaf")}
-        body["messages"] = [{k: m[k] for k in ("id", "parent_id", "role", "content", "created", "meta")}
-                            for m in conv["messages"]]
-        return {"format": EXPORT_FORMAT, "version": SCHEMA_VERSION, "exported": time.time(), "conversation": body}
+        body["messages"] = []
+        for m in conv["messages"]:
+            item = {k: m[k] for k in ("id", "parent_id", "role", "content", "created", "meta")}
+            if m["images"]:
+                item["images"] = m["images"]
+            body["messages"].append(item)
+        version = 2 if any("images" in m for m in body["messages"]) else 1
+        return {"format": EXPORT_FORMAT, "version": version, "exported": time.time(), "conversation": body}
 
     def import_conversations(self, document: Any) -> list[dict[str, Any]]:
         """Add the conversation(s) of an exported document (``conversation``: one; ``conversations``:
@@ -556,6 +673,9 @@ class ConversationStore:
                                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                                [(new_id[m["id"]], cid, new_id.get(m["parent_id"]), m["role"], m["content"],
                                  m["created"], json.dumps(m["meta"])) for m in messages])
+                for m in messages:
+                    if m["images"]:
+                        self._add_images(db, new_id[m["id"]], m["images"])
                 ids.append(cid)
             return [self._summary(self._conversation_row(db, cid)) for cid in ids]
 
@@ -583,6 +703,7 @@ class ConversationStore:
                        "role": check_role(m.get("role")), "content": check_content(m.get("content")),
                        "meta": check_meta(m.get("meta") or {}, f"messages[{j}].meta"),
                        "created": check_seconds(f"messages[{j}].created", m.get("created"), now)}
+                msg["images"] = _user_images(msg["role"], m.get("images"), f"messages[{j}].images")
                 if msg["id"] in depth:
                     raise ValueError(f"message id {msg['id']!r} appears twice")
                 depth[msg["id"]] = None

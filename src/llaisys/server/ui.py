@@ -4,7 +4,10 @@ API behind them.
 ``mount(app, options)`` adds
 
 * ``GET /``: the chat page (``static/index.html``), and ``/ui/*``: its script and style;
-* ``/api/conversations...``: the REST API over ``store.ConversationStore`` (see docs/server.md);
+* ``/api/conversations...``: the REST API over ``store.ConversationStore`` (see docs/server.md); a
+  user message may carry ``images`` (``[{"url": "data:image/png;base64,..."}]``, at most
+  ``store.MAX_IMAGES`` of ``store.MAX_IMAGE_BYTES`` each), which the page sends to the model as
+  OpenAI ``image_url`` parts;
 * ``GET /api/settings``: the sampling defaults the page sends unless the user sets its own (the
   loaded model's, as the CLI uses them; 503 while the model loads).
 
@@ -220,10 +223,11 @@ def mount(app: Any, options: Any) -> None:
     @router.post("/{cid}/messages", status_code=201, response_model=None)
     @endpoint
     async def add_message(request: Request, cid: str) -> Any:
-        body = _fields(await _json_body(request), ("role", "content", "parent_id", "meta", "activate"),
+        body = _fields(await _json_body(request), ("role", "content", "parent_id", "meta", "activate", "images"),
                        required=("role", "content"))
         return await _answer(lambda: store.add_message(cid, body["role"], body["content"], body.get("parent_id"),
-                                                       body.get("meta"), body.get("activate", True)), 201)
+                                                       body.get("meta"), body.get("activate", True),
+                                                       body.get("images")), 201)
 
     @router.patch("/{cid}/messages/{mid}", response_model=None)
     @endpoint

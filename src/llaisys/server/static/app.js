@@ -8,6 +8,9 @@
 // max_tokens, under what the user set for the chat. A reload mid-answer keeps it, marked stopped.
 // A reasoning model's reasoning_content is kept in the answer's meta.reasoning and shown folded
 // above it; it is never sent back to the model.
+// A model that lists "vision" among its capabilities (v1/models) takes images: the user attaches,
+// pastes or drops them on the composer; a user message keeps them as data URLs (its ``images``,
+// stored with the conversation) and sends them, with the history, as OpenAI image_url parts.
 (function () {
   "use strict";
 
@@ -20,12 +23,20 @@
   const INTEGER_SETTINGS = new Set(["max_tokens", "seed"]);
 
   const SHOWN_DEFAULTS = ["temperature", "top_p", "max_tokens"];
+  // What the store keeps (store.IMAGE_TYPES, MAX_IMAGE_BYTES, MAX_IMAGES) and the server decodes.
+  const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"];
+  const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
+  const MAX_IMAGES = 8;
+  const MODEL_RETRY_MS = 3000; // v1/models asked again while the model loads (503)
 
   const $ = (id) => document.getElementById(id);
   const isNum = (v) => typeof v === "number" && Number.isFinite(v);
   const isObj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
   // A message's meta as an object, whatever was stored (an imported file may carry anything).
   const metaOf = (m) => (isObj(m.meta) ? m.meta : {});
+  // A message's image URLs: the data URLs of its images (an imported file may carry anything).
+  const imagesOf = (m) => (Array.isArray(m.images) ? m.images : [])
+    .map((i) => (isObj(i) ? i.url : null)).filter((u) => typeof u === "string" && /^data:image\//i.test(u));
   const textOf = (v) => (typeof v === "string" ? v : v === undefined || v === null ? "" : String(v));
   const el = (tag, cls, text) => {
     const e = document.createElement(tag);
@@ -42,6 +53,8 @@
     stream: null,        // the answer being generated: {convId, msg, controller, content, reasoning, ...}
     openReasoning: new Set(), // ids of answers whose reasoning the user unfolded (kept across re-renders)
     model: null,
+    vision: false,       // the model takes images (v1/models lists "vision"); false until known
+    attachments: [],     // images in the composer, to go with the next message: {url, name}
     defaults: null,      // api/settings: the model's sampling defaults and max_tokens
     leaving: false,      // the page is being unloaded: a failing stream is cut by that, not by an error
     apiKey: localStorage.getItem(KEY_STORAGE) || null,
@@ -296,6 +309,8 @@
       if (reasoning) box.appendChild(reasoningEl(m, reasoning, streaming && !content));
       if (streaming) box.dataset.shown = reasoning.length + "," + content.length; // see scheduleStreamRender
     }
+    const images = m.role === "user" ? imagesOf(m) : [];
+    if (images.length) box.appendChild(messageImagesEl(images));
     const body = el("div", "msg-body" + (m.role === "assistant" ? " md" : ""));
     if (m.role === "assistant") body.innerHTML = MD.render(content); // escaped by the renderer
     else body.textContent = content;
@@ -347,6 +362,55 @@
     }
     box.appendChild(foot);
     return box;
+  }
+
+  // A user message's images, full width a click away.
+  function messageImagesEl(urls) {
+    const row = el("div", "msg-images");
+    urls.forEach((url, k) => {
+      const img = el("img", "msg-image");
+      img.src = url;
+      img.alt = "Image " + (k + 1) + " of " + urls.length;
+      img.addEventListener("click", () => img.classList.toggle("expanded"));
+      row.appendChild(img);
+    });
+    return row;
+  }
+
+  // Thumbnails of images about to be sent ({url, name}), each with a button that removes it.
+  function thumbsEl(box, images, onRemove) {
+    box.textContent = "";
+    images.forEach((image, k) => {
+      const fig = el("figure", "thumb");
+      const img = el("img");
+      img.src = image.url;
+      img.alt = image.name || "Image " + (k + 1);
+      img.title = image.name || "";
+      const remove = el("button", "thumb-remove", "×");
+      remove.type = "button";
+      remove.title = "Remove " + (image.name || "this image");
+      remove.setAttribute("aria-label", remove.title);
+      remove.addEventListener("click", () => onRemove(k));
+      fig.append(img, remove);
+      box.appendChild(fig);
+    });
+    box.hidden = !images.length;
+    return box;
+  }
+
+  function renderAttachments() {
+    thumbsEl($("attachments"), state.attachments, (k) => {
+      state.attachments.splice(k, 1);
+      renderAttachments();
+    });
+  }
+
+  // The attach button: on for a model that takes images, else off saying why.
+  function renderAttach() {
+    const why = state.vision ? "Attach images (or paste or drop them here)"
+      : (state.model || "This model") + " takes text only: it cannot read images";
+    $("attach").disabled = $("attach-file").disabled = !state.vision;
+    $("attach").title = $("attach-wrap").title = why; // a disabled button shows no tooltip in some browsers
   }
 
   function renderMessages() {
@@ -482,26 +546,36 @@
     save.type = cancel.type = "button";
     const bar = el("div", "edit-bar");
     bar.append(save, cancel);
+    // the images go with the edited text, less those the user removes
+    const kept = imagesOf(m).map((url, k) => ({ url, name: "Image " + (k + 1) }));
+    const shown = box.querySelector(".msg-images");
+    if (shown) {
+      const strip = el("div", "thumbs edit-thumbs");
+      const redraw = () => thumbsEl(strip, kept, (k) => { kept.splice(k, 1); redraw(); });
+      shown.replaceWith(redraw());
+    }
     body.replaceWith(area);
     foot.replaceWith(bar);
     area.focus();
     cancel.addEventListener("click", renderMessages);
     save.addEventListener("click", reportErrors(async () => {
       const text = area.value;
-      if (!text.trim()) return;
-      await sendMessage(text, m.parent_id); // a sibling of m: a new branch, m's kept
+      if (!text.trim() && !kept.length) return;
+      await sendMessage(text.trim() ? text : "", m.parent_id, kept); // a sibling of m: a new branch, m's kept
     }));
   }
 
-  // Save a user message under ``parentId`` (undefined: the end of the branch on screen), then answer it.
-  async function sendMessage(text, parentId) {
+  // Save a user message (``text`` and ``images``, a list of {url}) under ``parentId`` (undefined:
+  // the end of the branch on screen), then answer it.
+  async function sendMessage(text, parentId, images) {
     if (state.stream) return;
     let conv, user;
     try {
       conv = await ensureSaved();
       const parent = parentId === undefined ? conv.active_leaf : parentId;
-      user = await api("POST", "/" + encodeURIComponent(conv.id) + "/messages",
-        { role: "user", content: text, parent_id: parent });
+      const body = { role: "user", content: text, parent_id: parent };
+      if (images && images.length) body.images = images.map((i) => ({ url: i.url }));
+      user = await api("POST", "/" + encodeURIComponent(conv.id) + "/messages", body);
     } catch (e) {
       e.unsaved = true;
       throw e;
@@ -525,6 +599,17 @@
     return state.defaults;
   }
 
+  // What a message says to the model: its text, or for a user message with images OpenAI's
+  // content parts (the text, when there is some, then each image).
+  function contentOf(m) {
+    const text = textOf(m.content);
+    const images = m.role === "user" ? imagesOf(m) : [];
+    if (!images.length) return text;
+    const parts = text ? [{ type: "text", text }] : [];
+    for (const url of images) parts.push({ type: "image_url", image_url: { url } });
+    return parts;
+  }
+
   // The request for an answer to ``userMsg``: the model's defaults (every sampling value and
   // max_tokens, so an answer never runs on for minutes unasked) under the chat's own settings.
   async function requestBody(userMsg) {
@@ -532,7 +617,7 @@
     const defaults = state.defaults || await loadDefaults();
     const messages = [];
     if (textOf(conv.system_prompt).trim()) messages.push({ role: "system", content: conv.system_prompt });
-    for (const m of pathTo(userMsg.id)) messages.push({ role: m.role, content: textOf(m.content) });
+    for (const m of pathTo(userMsg.id)) messages.push({ role: m.role, content: contentOf(m) });
     const body = { messages, stream: true, stream_options: { include_usage: true } };
     if (state.model) body.model = state.model;
     for (const [k, v] of Object.entries(defaults)) {
@@ -549,11 +634,19 @@
   // Lower the default max_tokens where the conversation leaves less room in the context (the
   // server refuses a prompt plus max_tokens above it). Only a long chat asks the server to count:
   // a token is at least one byte, so bytes plus room for the template bound the prompt's tokens.
+  // An image's tokens have no such bound (a small picture may become many tiles): a chat with
+  // images is always counted.
   async function fitContext(body, context) {
     if (!isNum(context)) return;
     const encoder = new TextEncoder();
-    const bound = body.messages.reduce((n, m) => n + encoder.encode(m.content).length + 32, 64);
-    if (bound + body.max_tokens <= context) return;
+    let images = false;
+    const bytes = (content) => {
+      if (!Array.isArray(content)) return encoder.encode(content).length;
+      images = true;
+      return content.reduce((n, p) => n + (p.type === "text" ? encoder.encode(p.text).length : 0), 0);
+    };
+    const bound = body.messages.reduce((n, m) => n + bytes(m.content) + 32, 64);
+    if (!images && bound + body.max_tokens <= context) return;
     try {
       const res = await authFetch("tokenize", {
         method: "POST", headers: { "Content-Type": "application/json" },
@@ -819,17 +912,77 @@
     if (made.length) await openConversation(made[0].id);
   });
 
+  // Whether a model of v1/models takes images: "vision" among its capabilities (an object's
+  // key holding something, or a list's item). Anything else, or no capabilities: text only.
+  function takesImages(model) {
+    const caps = isObj(model) ? model.capabilities : null;
+    if (Array.isArray(caps)) return caps.includes("vision");
+    return isObj(caps) && !!caps.vision;
+  }
+
+  // The served model's name and whether it takes images (asked again while it loads).
   const loadModel = async function () {
     try {
       const res = await authFetch("v1/models", {});
+      if (res.status === 503) setTimeout(loadModel, MODEL_RETRY_MS);
       if (!res.ok) return;
       const body = await res.json();
-      state.model = body.data && body.data.length ? body.data[0].id : null;
+      const model = body.data && body.data.length ? body.data[0] : null;
+      state.model = model && typeof model.id === "string" ? model.id : null;
+      state.vision = takesImages(model);
       $("model-name").textContent = state.model || "";
     } catch (e) {
       console.warn("no model list", e);
     }
+    renderAttach();
   };
+
+  function readDataUrl(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error || new Error("could not read " + file.name));
+      reader.readAsDataURL(file);
+    });
+  }
+
+  const megabytes = (n) => (n / (1024 * 1024)).toFixed(1) + " MB";
+
+  // Attach image ``files`` to the next message; those the model or the store would refuse are
+  // named in a notice instead.
+  async function attachImages(files) {
+    if (!files.length) return;
+    if (!state.vision) {
+      notify((state.model || "This model") + " takes text only: it cannot read images.", true);
+      return;
+    }
+    const refused = [];
+    for (const file of files) {
+      const name = file.name || "pasted image";
+      if (!IMAGE_TYPES.includes(file.type)) {
+        refused.push(name + " is not a PNG, JPEG, WebP, GIF or BMP image");
+      } else if (file.size > MAX_IMAGE_BYTES) {
+        refused.push(name + " is " + megabytes(file.size) + ": an image may be at most " +
+          megabytes(MAX_IMAGE_BYTES));
+      } else if (state.attachments.length >= MAX_IMAGES) {
+        refused.push(name + ": a message takes at most " + MAX_IMAGES + " images");
+      } else {
+        try {
+          const url = await readDataUrl(file);
+          if (state.attachments.length < MAX_IMAGES) state.attachments.push({ url, name });
+          else refused.push(name + ": a message takes at most " + MAX_IMAGES + " images");
+        } catch (e) {
+          refused.push(name + ": " + (e.message || String(e)));
+        }
+      }
+    }
+    renderAttachments();
+    if (refused.length) notify("Not attached: " + refused.join("; ") + ".", true);
+  }
+
+  const imageFiles = (list) => Array.from(list || []).filter((f) => f.kind === undefined || f.kind === "file")
+    .map((f) => (f.getAsFile ? f.getAsFile() : f)).filter((f) => f && f.type.startsWith("image/"));
+  const carriesFiles = (e) => e.dataTransfer && Array.from(e.dataTransfer.types || []).includes("Files");
 
   // ------------------------------------------------------------------ wiring
 
@@ -838,14 +991,57 @@
     $("composer").addEventListener("submit", (e) => {
       e.preventDefault();
       const text = $("prompt").value;
-      if (!text.trim() || state.stream) return;
+      const images = state.attachments;
+      if ((!text.trim() && !images.length) || state.stream) return;
       $("prompt").value = "";
+      state.attachments = [];
+      renderAttachments();
       autoGrow();
-      sendMessage(text).catch((err) => {
-        if (err.unsaved && !$("prompt").value) $("prompt").value = text; // not saved: give it back
+      sendMessage(text.trim() ? text : "", undefined, images).catch((err) => {
+        if (err.unsaved) { // not saved: give it back
+          if (!$("prompt").value) $("prompt").value = text;
+          if (!state.attachments.length) {
+            state.attachments = images;
+            renderAttachments();
+          }
+        }
         notify(err.message || String(err), true);
       });
     });
+    $("attach").addEventListener("click", () => $("attach-file").click());
+    $("attach-file").addEventListener("change", () => {
+      const files = Array.from($("attach-file").files);
+      $("attach-file").value = "";
+      attachImages(files);
+    });
+    $("prompt").addEventListener("paste", (e) => {
+      const data = e.clipboardData;
+      // a copied image; text that comes with a picture of itself (an office document) pastes as text
+      if (!data || Array.from(data.types || []).includes("text/plain")) return;
+      const files = imageFiles(data.items && data.items.length ? data.items : data.files);
+      if (!files.length) return;
+      e.preventDefault();
+      attachImages(files);
+    });
+    const composer = $("composer");
+    composer.addEventListener("dragover", (e) => {
+      if (!carriesFiles(e)) return;
+      e.preventDefault();
+      e.dataTransfer.dropEffect = state.vision ? "copy" : "none";
+      composer.classList.add("dropping");
+    });
+    composer.addEventListener("dragleave", (e) => {
+      if (!composer.contains(e.relatedTarget)) composer.classList.remove("dropping");
+    });
+    composer.addEventListener("drop", (e) => {
+      composer.classList.remove("dropping");
+      if (!carriesFiles(e)) return;
+      e.preventDefault();
+      attachImages(Array.from(e.dataTransfer.files)); // any other file is named as refused
+    });
+    // a file dropped beside the composer is not opened in place of the page
+    window.addEventListener("dragover", (e) => { if (carriesFiles(e)) e.preventDefault(); });
+    window.addEventListener("drop", (e) => { if (carriesFiles(e)) e.preventDefault(); });
     const autoGrow = () => {
       const p = $("prompt");
       p.style.height = "auto";
@@ -908,6 +1104,7 @@
     setConversation(draft());
     renderHeader();
     renderMessages();
+    renderAttach();
     await settleInterrupted();
     await refreshList();
     if (m) await openConversation(decodeURIComponent(m[1]));
