@@ -543,3 +543,87 @@ def random_image(rng: np.random.Generator, width: int, height: int):
     from PIL import Image
 
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# Gemma 3's chat template, as far as a test needs it: turns, and an image part as <start_of_image>
+GEMMA3_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
+                   "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+                   "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                   "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+                   "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+                   "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm(hf_gemma3_tokenizer, tmp_path_factory) -> Path:
+    """A random-weight Gemma 3 vision-language model (transformers' Gemma3ForConditionalGeneration:
+    a 3-layer Gemma 3 text model, sliding window 24 on two layers, on Gemma 3's tokenizer with
+    its image token added; a 2-layer SigLIP of 64 px images in 8 px patches pooled to 16 image
+    tokens) saved as a Hugging Face folder with its image processor's config and a chat template."""
+    import copy
+
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("gemma3-vlm")
+    tok = copy.deepcopy(hf_gemma3_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    tok.chat_template = GEMMA3_TEMPLATE
+    config = Gemma3Config(
+        text_config=dict(vocab_size=262208, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=24,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         max_position_embeddings=1024),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=8, vision_use_head=False),
+        mm_tokens_per_image=16, image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"))
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(folder)
+    return folder
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's chat template, as far as a test needs it: ChatML turns, an image part as its markers and pad
+QWEN_VL_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                    "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+                    "<|vision_start|><|image_pad|><|vision_end|>{% elif item['type'] == 'text' %}{{ item['text'] }}"
+                    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_vl(hf_smollm2_tokenizer, tmp_path_factory) -> Path:
+    """A random-weight Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: a 2-layer
+    text model with multimodal rope sections (2, 3, 3), on SmolLM2's tokenizer with Qwen's
+    vision tokens added; a 4-layer windowed ViT of 14 px patches, windows of 2 x 2 merged
+    units, full attention on blocks 1 and 3) saved as a Hugging Face folder, with an image
+    processor config that keeps grids small (56*56 to 28*28*64 pixels)."""
+    import copy
+
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("qwen25-vl")
+    tok = copy.deepcopy(hf_smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tok.chat_template = QWEN_VL_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+                         bos_token_id=None, eos_token_id=None),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           window_size=56, fullatt_block_indexes=[1, 3]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(folder)
+    return folder

@@ -1,5 +1,5 @@
 """The native F32 kernels of csrc/ops (``kernels.cpu.native_ops``): rms_norm, add_rms_norm, rope,
-swiglu and self_attention against their NumPy kernels (called explicitly) and PyTorch in
+swiglu and self_attention (causal and full) against their NumPy kernels (called explicitly) and PyTorch in
 float64, in the decoder's strided layouts and odd sizes; batch invariance (a row computed alone
 gives the bits it gets in a bigger call); every SIMD level gives the same bits; layouts the
 native code does not take, and a missing library, fall back to the NumPy kernels."""
@@ -266,6 +266,146 @@ def test_self_attention_sharp_scores(rng):
     assert_close(Tensor.from_numpy(ours), attention_ref(to_torch(q), to_torch(k), to_torch(v), 1.0))
 
 
+# ---- self_attention_full: every query sees every key (a vision encoder's) -----------------------
+def full_attention_ref(q, k, v, scale):
+    """torch's scaled_dot_product_attention (is_causal=False) of q (S, H, D) over k (T, KH, D),
+    v (T, KH, Dv), the KV heads repeated per group: (S, H, Dv)."""
+    g = q.shape[1] // k.shape[1]
+    kt, vt = (x.repeat_interleave(g, dim=1).permute(1, 0, 2) for x in (k, v))  # (H, T, D), (H, T, Dv)
+    return TF.scaled_dot_product_attention(q.permute(1, 0, 2), kt, vt, is_causal=False, scale=scale).permute(1, 0, 2)
+
+
+FULL_CASES = {  # (S, T, H, KH, D, Dv)
+    "siglip-b heads": (40, 40, 12, 12, 64, 64),
+    "so400m head dim, odd rows": (29, 29, 16, 16, 72, 72),
+    "more queries than keys": (19, 7, 4, 2, 16, 16),
+    "fewer queries than keys": (3, 50, 6, 3, 19, 23),
+    "one query, mqa, wide values": (1, 33, 8, 1, 80, 130),
+    "one key": (9, 1, 2, 1, 8, 8),
+    "gqa 4, odd sizes": (11, 37, 12, 3, 33, 7),
+}
+
+
+@native
+@pytest.mark.parametrize("case", list(FULL_CASES))
+def test_self_attention_full_matches_numpy_and_torch(case, simd, rng):
+    s, t, h, kh, d, dv = FULL_CASES[case]
+    q, k, v = attention_inputs(s, t, h, kh, d, dv, rng)
+    attrs = {"scale": 1 / math.sqrt(d)}
+    (ours,), (ref,) = (run(kern["self_attention_full"], fresh((s, h, dv)), (q, k, v), attrs)
+                       for kern in (NATIVE, NUMPY))
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=1e-5)
+    assert_close(Tensor.from_numpy(ours), full_attention_ref(to_torch(q), to_torch(k), to_torch(v), attrs["scale"]))
+
+
+@native
+def test_self_attention_full_sharp_scores(rng):
+    q, k, v = attention_inputs(5, 20, 4, 2, 16, 16, rng, scale=6.0)  # scores of hundreds: a near one-hot softmax
+    ours, = run(NATIVE["self_attention_full"], fresh((5, 4, 16)), (q, k, v), {"scale": 1.0})
+    ref, = run(NUMPY["self_attention_full"], fresh((5, 4, 16)), (q, k, v), {"scale": 1.0})
+    assert np.isfinite(ours).all()
+    # a float32 score of hundreds is off by ~1e-5 in its last bits, and the weights inherit that
+    want = full_attention_ref(to_torch(q), to_torch(k), to_torch(v), 1.0).numpy()
+    np.testing.assert_allclose(ours, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(ours - want).max() <= 2 * np.abs(ref - want).max() + 1e-6
+
+
+@native
+@pytest.mark.parametrize("case", ["siglip-b heads", "more queries than keys", "gqa 4, odd sizes"])
+def test_full_attention_row_is_the_causal_kernels_row_that_sees_every_key(case, simd, rng):
+    """One kernel body: a query of the full kernel gives the bits of that query alone in the
+    causal kernel (which then sees every key), whatever rows and threads its call has."""
+    from llaisys.kernels.quant import native as quant
+
+    s, t, h, kh, d, dv = FULL_CASES[case]
+    q, k, v = attention_inputs(s, t, h, kh, d, dv, rng)
+    before = quant.threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3, 5):
+            quant.set_threads(threads)
+            results[threads], = run(NATIVE["self_attention_full"], fresh((s, h, dv)), (q, k, v), {"scale": 0.2})
+        quant.set_threads(1)
+        for i in range(s):
+            alone, = run(NATIVE["self_attention"], fresh((1, h, dv)), (q.slice(0, i, i + 1), k, v), {"scale": 0.2})
+            np.testing.assert_array_equal(alone[0], results[1][i], err_msg=f"query {i}")
+    finally:
+        quant.set_threads(before)
+    for threads in (2, 3, 5):
+        np.testing.assert_array_equal(results[threads], results[1], err_msg=f"{threads} threads")
+
+
+@native
+def test_full_attention_every_simd_level_gives_the_same_bits(rng):
+    levels, before = native_ops.simd_levels(), native_ops.simd_level()
+    q, k, v = attention_inputs(21, 45, 6, 2, 37, 21, rng)
+    results = {}
+    try:
+        for level in levels:
+            native_ops.set_simd_level(level)
+            results[level], = run(NATIVE["self_attention_full"], fresh((21, 6, 21)), (q, k, v), {"scale": 0.3})
+    finally:
+        native_ops.set_simd_level(before)
+    for level in levels[1:]:
+        np.testing.assert_array_equal(results[level], results[levels[0]], err_msg=level)
+
+
+@native
+def test_ops_dispatch_full_attention_to_the_native_kernel(rng, monkeypatch):
+    if os.environ.get("LLAISYS_NATIVE_OPS", "1") in ("0", "false", "no", "off"):
+        pytest.skip("LLAISYS_NATIVE_OPS=0 keeps the NumPy kernels")
+    assert find_kernel("self_attention_full", "cpu", DataType.F32) is native_ops.self_attention_full
+    assert find_kernel("self_attention_full", "cpu", DataType.F16) is attention.self_attention_full
+    monkeypatch.setattr(attention, "self_attention_full", lambda *a: pytest.fail("fell back to NumPy"))
+    q, k, v = attention_inputs(6, 9, 4, 2, 16, 16, rng)
+    out = Tensor.empty((6, 4, 16))
+    ops.self_attention(out, q, k, v, 0.25, causal=False)
+    assert_close(out, full_attention_ref(to_torch(q), to_torch(k), to_torch(v), 0.25))
+
+
+@native
+def test_plan_replays_full_attention_in_a_native_stretch(rng):
+    """Recorded once, replayed in C (no Python), with the bits of a direct call; rebound to
+    other K/V rows of the same layout (more keys), it follows them."""
+    from llaisys.ops.plan import ReplayStats
+
+    s, h, kh, d = 13, 6, 3, 24
+    q, k, v = attention_inputs(s, 10, h, kh, d, d, rng)
+    out = Tensor.empty((s, h, d))
+    plan = ops.Plan()
+    ops.self_attention(out, q, k, v, 0.3, causal=False, plan=plan)
+    assert plan.stats() == ReplayStats(calls=1, native=1, stretches=1, python=0)
+    plan.run()
+    direct, = run(NATIVE["self_attention_full"], fresh((s, h, d)), (q, k, v), {"scale": 0.3})
+    np.testing.assert_array_equal(out.numpy(), direct)
+    _, k2, v2 = attention_inputs(s, 17, h, kh, d, d, rng)
+    plan.rebind(0, inputs=(q, k2, v2))
+    plan.run()
+    assert plan.stats().native == 1
+    assert_close(out, full_attention_ref(to_torch(q), to_torch(k2), to_torch(v2), 0.3))
+
+
+@native
+def test_a_library_without_full_attention_runs_the_numpy_kernel(rng, monkeypatch):
+    """A library built before the full kernel lacks its functions: the NumPy kernel runs, and a
+    plan replays the call from Python."""
+
+    class Older:
+        def __getattr__(self, name):
+            if name.startswith("llaisys_ops_self_attention_full"):
+                raise AttributeError(name)
+            return getattr(native_ops._library(), name)
+
+    older = Older()
+    monkeypatch.setattr(native_ops, "_lib", older)
+    monkeypatch.setattr(native_ops, "_library", lambda: older)
+    q, k, v = attention_inputs(4, 6, 4, 2, 8, 8, rng)
+    ours, = run(NATIVE["self_attention_full"], fresh((4, 4, 8)), (q, k, v), {"scale": 0.5})
+    ref, = run(NUMPY["self_attention_full"], fresh((4, 4, 8)), (q, k, v), {"scale": 0.5})
+    np.testing.assert_array_equal(ours, ref)
+    assert native_ops.self_attention_full.native_call((Tensor.empty((4, 4, 8)),), (q, k, v), {"scale": 0.5}) is None
+
+
 # ---- batch invariance, SIMD levels ---------------------------------------------------------------
 @native
 def test_row_results_do_not_depend_on_the_rows_in_the_call(simd, rng):
@@ -473,7 +613,8 @@ def test_without_the_library_the_numpy_kernels_run(rng, monkeypatch, caplog):
              ("add_rms_norm", ((3, 20), (3, 20)), (x, b, w), {"eps": 1e-5}),
              ("swiglu", ((3, 20),), (x, b), {}),
              ("rope", ((s, h, d + 1),), (rand((s, h, d + 1), rng), pos), {"theta": 1e4}),
-             ("self_attention", ((s, h, dv),), (q, k, v), {"scale": 0.25})]
+             ("self_attention", ((s, h, dv),), (q, k, v), {"scale": 0.25}),
+             ("self_attention_full", ((s, h, dv),), (q, k, v), {"scale": 0.25})]
     for name, shapes, inputs, attrs in cases:
         ours = run(NATIVE[name], fresh(*shapes), inputs, attrs)
         ref = run(NUMPY[name], fresh(*shapes), inputs, attrs)

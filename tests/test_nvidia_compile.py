@@ -3,7 +3,7 @@ the models use, with no GPU present: ``llaisys.kernels.nvidia.aot`` in a process
 (Triton must not be in interpreter mode there; the two run side by side), through ptxas to
 cubins. This catches what Triton's interpreter forgives: types, layouts, shared-memory and
 register limits. CI compiles the covering subset (``aot --cover``: every argument type and
-constexpr value of each kernel, and its largest tiles per float type; 76 of 176 variants);
+constexpr value of each kernel, and its largest tiles per float type; 76 of 188 variants);
 ``LLAISYS_AOT_FULL=1`` compiles every variant."""
 from __future__ import annotations
 
@@ -62,4 +62,5 @@ def test_attention_variants_fit_in_shared_memory(compiled):
     attention = [r for r in compiled if r["kernel"] == "_attention"]
     assert {r["constexprs"]["D"] for r in attention} == {64, 128}  # SmolLM2 and Qwen2.5-1.5B heads
     assert {r["constexprs"]["PAGED"] for r in attention} == {True, False}
+    assert {r["constexprs"]["ENDS"] for r in attention} == {True, False}  # paged_attention_ends (key_ends)
     assert max(r["shared_bytes"] for r in attention) <= 99 * 1024  # sm_86/89 opt-in limit; sm_80/90 allow more

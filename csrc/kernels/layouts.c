@@ -11,7 +11,7 @@ static const layout_entry LAYOUTS[] = {
     LAYOUT(lq_gather_call, type, n, k, index_s, rows, out_s, w, index, out, bad),
     LAYOUT(lp_attention_args, out, out_s0, out_s1, q, q_s0, q_s1, k_cache, k_s0, k_s1, k_s2, v_cache, v_s0, v_s1, v_s2,
                               block_tables, bt_s0, bt_s1, query_starts, qs_s0, context_lens, cl_s0, n, h, kh, d, dv, nb,
-                              bs, b, mb, scale, bad, window),
+                              bs, b, mb, scale, bad, window, key_ends, ke_s0),
     LAYOUT(lp_write_args, k_cache, kc_s0, kc_s1, kc_s2, v_cache, vc_s0, vc_s1, vc_s2, k, k_s0, k_s1, v, v_s0, v_s1,
                           slots, sl_s0, n, kh, d, dv, nb, bs, itemsize, bad),
     LAYOUT(lm_moe_args, out, ldo, h, ldh, logits, ldl, gate, up, down, gate_type, up_type, down_type, n, d, e, inter,

@@ -4,20 +4,23 @@
  *   k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv)   one layer's pool: NB blocks of BS slots
  *   block_tables (B, MB)   sequence b's i-th block of keys; query_starts (B+1,); context_lens (B,)
  *
- * Query j of sequence b (q_len queries, C = context_lens[b] keys) sits at position
- * C - q_len + j and sees keys 0..that position. Each row (query token, head) runs one fixed
- * sequence of float32 operations over its keys: dot products with 16 interleaved partial sums
- * folded by a fixed tree; the keys cut into segments of LP_SEGMENT at fixed positions, each
- * with an online softmax over chunks of LP_CHUNK keys (boundaries at fixed positions too);
- * the segments' (max, sum, weighted values) merged in order. So a row's result does not
- * depend on the other rows of the call, the thread count, the block size or how the sequence
- * was split into calls: batch invariance. Work goes out as tasks of (a few query tokens of
- * one sequence, KV head), which share each key and value row they load; with few tasks
- * (decoding) a task takes some of the segments and leaves its partial results to the merge,
- * the same merge a whole task does. The AVX2 and AVX-512 steps do the same float32 operations
- * in the same order as the portable ones (dot products and value sums by fused multiply-adds,
- * fmaf in the portable C, everything else multiply, then add), so every level gives the same
- * bits too.
+ * Query j of sequence b (q_len queries, C = context_lens[b] keys) sits at position C - q_len + j
+ * and sees keys 0..that position, or with key_ends, row i sees keys 0..key_ends[i] - 1 (at least
+ * up to its own position, at most C: the tokens of an image that see each other both ways). Each
+ * row (query token, head) runs one fixed sequence of float32 operations over its keys: dot
+ * products with 16 interleaved partial sums folded by a fixed tree; the keys cut into segments
+ * of LP_SEGMENT at fixed positions, each with an online softmax over chunks of LP_CHUNK keys
+ * (boundaries at fixed positions too); the segments' (max, sum, weighted values) merged in
+ * order. So a row's result does not depend on the other rows of the call, the thread count, the
+ * block size or how the sequence was split into calls: batch invariance. Work goes out as tasks
+ * of (a few query tokens of one sequence, KV head), which share each key and value row they
+ * load; with few tasks (decoding) a task takes some of the segments and leaves its partial
+ * results to the merge, the same merge a whole task does. A sequence with a row whose key end is
+ * not its natural one goes out as tasks of one token (grouped tokens' key counts must rise by
+ * one): the same steps over the same keys, so the same bits. The AVX2 and AVX-512 steps do the
+ * same float32 operations in the same order as the portable ones (dot products and value sums by
+ * fused multiply-adds, fmaf in the portable C, everything else multiply, then add), so every
+ * level gives the same bits too.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
 #include <math.h>
@@ -48,6 +51,7 @@ enum {
     LP_ERR_SLOT = -8,      /* bad[0] = i, bad[1] = slots[i] outside [0, NB * BS) */
     LP_ERR_SHAPE = -9,
     LP_ERR_PAST_N = -10,   /* bad[0] = b + 1, bad[1] = query_starts[b + 1] > N */
+    LP_ERR_KEY_END = -11,  /* bad[0] = i, bad[1] = key_ends[i] outside [its position + 1, context_lens[b]] */
 };
 
 /* lp_attention_args and lp_write_args: paged_attention.h. */
@@ -147,10 +151,24 @@ typedef struct {
     int64_t rows;               /* rows per task at most: tokens times g */
 } attention_job;
 
-/* Keys of query token i of sequence b (0-based within the flat batch). */
+/* Keys of query token i of sequence b (0-based within the flat batch) under the causal mask:
+ * its position + 1. */
 static int64_t keys_of(const lp_attention_args *a, int64_t b, int64_t i) {
     const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
     return a->context_lens[b * a->cl_s0] - (q1 - q0) + (i - q0) + 1;
+}
+
+/* The end of the keys token i of sequence b sees: key_ends[i], or keys_of without them. */
+static int64_t key_end(const lp_attention_args *a, int64_t b, int64_t i) {
+    return a->key_ends ? a->key_ends[i * a->ke_s0] : keys_of(a, b, i);
+}
+
+/* Whether a row of sequence b, tokens [q0, q1), has a key end other than its natural one. */
+static int overridden(const lp_attention_args *a, int64_t b, int64_t q0, int64_t q1) {
+    if (!a->key_ends) return 0;
+    for (int64_t i = q0; i < q1; i++)
+        if (a->key_ends[i * a->ke_s0] != keys_of(a, b, i)) return 1;
+    return 0;
 }
 
 /* The key and value rows of KV head kv for the chunk of keys from position c0 (up to LP_CHUNK,
@@ -202,7 +220,7 @@ static void attend(void *ctx, size_t index, int thread) {
     const lp_steps *steps = job->steps;
     const lp_task *t = job->tasks + index;
     const int64_t d = a->d, dv = a->dv, g = job->g, kv = t->kv, nt = t->i1 - t->i0, rows = nt * g;
-    const int64_t first = keys_of(a, t->b, t->i0), last = first + nt - 1; /* keys of the first, last token */
+    const int64_t first = key_end(a, t->b, t->i0), last = first + nt - 1; /* keys of the first, last token */
     const int64_t *table = a->block_tables + t->b * a->bt_s0;
     const int whole = t->part < 0;
 
@@ -264,7 +282,7 @@ static void attend(void *ctx, size_t index, int thread) {
  * task merges them. */
 static void merge_partials(const attention_job *job, const lp_task *t) {
     const lp_attention_args *a = job->a;
-    const int64_t g = job->g, dv = a->dv, first = keys_of(a, t->b, t->i0);
+    const int64_t g = job->g, dv = a->dv, first = key_end(a, t->b, t->i0);
     for (int64_t r = 0; r < (t->i1 - t->i0) * g; r++) {
         const int64_t n_seg = (first + r / g + LP_SEGMENT - 1) / LP_SEGMENT;
         float *state = job->partials + t->part + r * t->n_seg * (dv + 2);
@@ -306,22 +324,34 @@ static int check_indices(lp_attention_args *a, int64_t *kv_bytes) {
         keys += q_len * (c - q_len) + q_len * (q_len + 1) / 2;
     }
     if (qs[a->b * a->qs_s0] != a->n) return a->bad[0] = a->b, a->bad[1] = qs[a->b * a->qs_s0], LP_ERR_END;
+    if (a->key_ends) {
+        keys = 0;
+        for (int64_t b = 0; b < a->b; b++) {
+            const int64_t c = cl[b * a->cl_s0];
+            for (int64_t i = qs[b * a->qs_s0]; i < qs[(b + 1) * a->qs_s0]; i++) {
+                const int64_t e = a->key_ends[i * a->ke_s0];
+                if (e < keys_of(a, b, i) || e > c) return a->bad[0] = i, a->bad[1] = e, LP_ERR_KEY_END;
+                keys += e;
+            }
+        }
+    }
     *kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
     return LP_OK;
 }
 
 /* The tasks of the call (see lp_task) into `tasks` (NULL: only count them), `tokens` query
- * tokens each at most, the segments of each cut into `pieces` at most; returns how many, and
- * the partial-state floats they need in *partial_floats. */
+ * tokens each at most (one in a sequence with an overridden key end), the segments of each cut
+ * into `pieces` at most; returns how many, and the partial-state floats they need in
+ * *partial_floats. */
 static int64_t plan_tasks(const lp_attention_args *a, int64_t g, int64_t tokens, int64_t pieces, lp_task *tasks,
                           int64_t *partial_floats) {
     int64_t count = 0, floats = 0;
     for (int64_t b = 0; b < a->b; b++) {
         const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
-        const int64_t blocks = (q1 - q0 + tokens - 1) / tokens;
+        const int64_t per = overridden(a, b, q0, q1) ? 1 : tokens, blocks = (q1 - q0 + per - 1) / per;
         for (int64_t j = 0; j < blocks; j++) {
             const int64_t i0 = q0 + j * (q1 - q0) / blocks, i1 = q0 + (j + 1) * (q1 - q0) / blocks;
-            const int64_t last = keys_of(a, b, i1 - 1), n_seg = (last + LP_SEGMENT - 1) / LP_SEGMENT;
+            const int64_t last = key_end(a, b, i1 - 1), n_seg = (last + LP_SEGMENT - 1) / LP_SEGMENT;
             const int64_t cut = pieces < n_seg ? pieces : n_seg;
             for (int64_t kv = 0; kv < a->kh; kv++, floats += cut > 1 ? (i1 - i0) * g * n_seg * (a->dv + 2) : 0)
                 for (int64_t piece = 0; piece < cut; piece++, count++) {
@@ -341,18 +371,20 @@ static int64_t plan_tasks(const lp_attention_args *a, int64_t g, int64_t tokens,
 /* ---- attention with a sliding window ------------------------------------------------------- */
 
 /* One task of a windowed call: query token i of sequence b, KV head kv, its G rows. Its keys
- * are [start, keys) with start = keys - window (at least 0): the first chunk runs from start to
- * the next multiple of LP_CHUNK, the others are the fixed chunks, one online softmax over them
- * all (the same steps as whole-context attention). A row's arithmetic depends on its own key
- * range only, so it is batch invariant as the whole-context kernel is. Scratch: row pointers
- * (G), scores (G, LP_CHUNK), acc (G, Dv), max (G), partial sums (G, LP_LANES). */
+ * are [start, end) with start = its position + 1 - window (at least 0) and end its key end
+ * (key_ends[i], else its position + 1): the first chunk runs from start to the next multiple
+ * of LP_CHUNK, the others are the fixed chunks, one online softmax over them all (the same
+ * steps as whole-context attention). A row's arithmetic depends on its own key range only,
+ * so it is batch invariant as the whole-context kernel is. Scratch: row pointers (G), scores
+ * (G, LP_CHUNK), acc (G, Dv), max (G), partial sums (G, LP_LANES). */
 static void attend_window(void *ctx, size_t index, int thread) {
     const attention_job *job = ctx;
     const lp_attention_args *a = job->a;
     const lp_steps *steps = job->steps;
     const lp_task *t = job->tasks + index;
     const int64_t d = a->d, dv = a->dv, g = job->g, kv = t->kv, i = t->i0;
-    const int64_t keys = keys_of(a, t->b, i), start = keys - a->window > 0 ? keys - a->window : 0;
+    const int64_t own = keys_of(a, t->b, i), start = own - a->window > 0 ? own - a->window : 0;
+    const int64_t keys = key_end(a, t->b, i);
     const int64_t *table = a->block_tables + t->b * a->bt_s0;
     const float **qp = (const float **)(job->scratch + (size_t)thread * job->scratch_bytes);
     float *scores = (float *)(qp + g), *acc = scores + g * LP_CHUNK, *mx = acc + g * dv, *sum = mx + g;
@@ -379,8 +411,8 @@ static int paged_attention_window(lp_attention_args *a) {
     for (int64_t b = 0; b < a->b; b++) {
         const int64_t q0 = a->query_starts[b * a->qs_s0], q1 = a->query_starts[(b + 1) * a->qs_s0];
         for (int64_t i = q0; i < q1; i++) {
-            const int64_t k = keys_of(a, b, i);
-            keys += k < a->window ? k : a->window;
+            const int64_t own = keys_of(a, b, i), start = own - a->window > 0 ? own - a->window : 0;
+            keys += key_end(a, b, i) - start;
         }
     }
     const int64_t kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);

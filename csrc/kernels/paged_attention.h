@@ -37,6 +37,8 @@ typedef struct {
     double scale;
     int64_t bad[2];             /* out: see the status codes */
     int64_t window;             /* > 0: a query sees only its last `window` keys (a sliding window) */
+    const int64_t *key_ends;    /* (N,) or NULL: row i sees keys before key_ends[i], not only up to its own */
+    int64_t ke_s0;
 } lp_attention_args;
 
 /* Arguments of llaisys_paged_kv_write: strides in elements of `itemsize` bytes. */

@@ -17,8 +17,9 @@
 static void norm_scalar(const lo_norm_args *a, const float *w) { lo_norm_body(a, w); }
 static void swiglu_scalar(const lo_swiglu_args *a) { lo_gated_body(a, 0); }
 static void rope_scalar(const lo_rope_args *a, const float *cos, const float *sin) { lo_rope_body(a, cos, sin); }
-static void attention_scalar(const lo_attention_args *a, const float *k, const float *v, int64_t t, float *scratch) {
-    lo_attention_body(a, k, v, t, scratch, lo_scores, lo_values);
+static void attention_scalar(const lo_attention_args *a, const float *k, const float *v, int64_t t, int causal,
+                             float *scratch) {
+    lo_attention_body(a, k, v, t, causal, scratch, lo_scores, lo_values);
 }
 
 const lo_kernels lo_kernels_scalar = {"scalar", norm_scalar, swiglu_scalar, rope_scalar, attention_scalar};
@@ -93,6 +94,7 @@ typedef struct {
     const lo_attention_args *a;
     const float *k, *v;
     int64_t t;
+    int causal;
     int64_t row_chunks, rows_per_chunk, head_parts;
     float *scratch;
     size_t scratch_floats; /* per thread */
@@ -101,21 +103,23 @@ typedef struct {
 
 /* One task: rows [i0, i1) of q and heads [h0, h1), run as one kernel call per KV head those
  * heads share (a sub-problem with KH = 1): each row and head is computed exactly as in a call
- * over everything, so the split leaves every bit of the output as it was. Later rows see more
- * keys, so row chunks go out last first: the short ones finish the job. */
+ * over everything, so the split leaves every bit of the output as it was. Causal: later rows
+ * see more keys, so row chunks go out last first: the short ones finish the job; the rows of
+ * a chunk see the first T - S + i1 keys. */
 static void attention_task(void *ctx, size_t chunk, int thread) {
     const attention_job *job = ctx;
     const lo_attention_args *a = job->a;
     const int64_t rc = job->row_chunks - 1 - (int64_t)chunk / job->head_parts, hp = (int64_t)chunk % job->head_parts;
     const int64_t i0 = rc * job->rows_per_chunk, i1 = i0 + job->rows_per_chunk < a->s ? i0 + job->rows_per_chunk : a->s;
     const int64_t h0 = hp * a->h / job->head_parts, h1 = (hp + 1) * a->h / job->head_parts, g = a->h / a->kh;
+    const int64_t t = job->causal ? job->t - a->s + i1 : job->t;
     float *scratch = job->scratch + (size_t)thread * job->scratch_floats;
     if (h0 == 0 && h1 == a->h) { /* every head: one call */
         lo_attention_args sub = *a;
         sub.out = a->out + i0 * a->out_s0;
         sub.q = a->q + i0 * a->q_s0;
         sub.s = i1 - i0;
-        job->kern->attention(&sub, job->k, job->v, job->t - a->s + i1, scratch);
+        job->kern->attention(&sub, job->k, job->v, t, job->causal, scratch);
         return;
     }
     for (int64_t hs = h0; hs < h1;) {
@@ -126,9 +130,34 @@ static void attention_task(void *ctx, size_t chunk, int thread) {
         sub.s = i1 - i0;
         sub.h = he - hs;
         sub.kh = 1;
-        job->kern->attention(&sub, job->k + kv * a->k_s1, job->v + kv * a->v_s1, job->t - a->s + i1, scratch);
+        job->kern->attention(&sub, job->k + kv * a->k_s1, job->v + kv * a->v_s1, t, job->causal, scratch);
         hs = he;
     }
+}
+
+/* Run `job` (its partition set) on `threads` threads, each with its own scratch. */
+static int attention_run(attention_job *job, int64_t threads, lo_pool_run_fn run) {
+    const lo_attention_args *a = job->a;
+    const size_t tasks = (size_t)(job->row_chunks * job->head_parts);
+    if (threads > (int64_t)tasks) threads = (int64_t)tasks;
+    const int64_t rows = job->causal ? 1 : LO_ROW_BLOCK;
+    job->scratch_floats = ((size_t)(rows * a->h * (job->t + a->dv + 1)) + 15) / 16 * 16; /* whole cache lines */
+    void *scratch = NULL;
+    if (posix_memalign(&scratch, 64, (size_t)threads * job->scratch_floats * sizeof(float)) != 0) return LO_ERR_MEMORY;
+    job->scratch = scratch;
+    job->kern = kernels();
+    if (threads > 1)
+        run(attention_task, job, tasks, (int)threads);
+    else
+        for (size_t i = 0; i < tasks; i++) attention_task(job, i, 0);
+    free(scratch);
+    return LO_OK;
+}
+
+/* How many threads a call that reads `kv_bytes` of K and V rows in all gets (1 without the pool). */
+static int64_t attention_threads(int64_t kv_bytes, lo_pool_run_fn run) {
+    const lo_pool_threads_fn threads_of = atomic_load(&pool_threads);
+    return run && threads_of && kv_bytes >= LO_SERIAL_BYTES ? threads_of() : 1;
 }
 
 /* k (T, KH, D) and v (T, KH, Dv) at the strides of `a`. Many rows (prefill) are split into
@@ -137,12 +166,10 @@ LO_EXPORT int llaisys_ops_self_attention(const lo_attention_args *a, const float
     if (a->s < 0 || t < a->s || a->kh <= 0 || a->h % a->kh || a->d <= 0 || a->dv <= 0) return LO_ERR_SHAPE;
     if (a->s == 0) return LO_OK;
     const lo_pool_run_fn run = atomic_load(&pool_run);
-    const lo_pool_threads_fn threads_of = atomic_load(&pool_threads);
     const int64_t keys = a->s * (t - a->s) + a->s * (a->s + 1) / 2;
-    const int64_t kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
-    int64_t threads = run && kv_bytes >= LO_SERIAL_BYTES ? threads_of() : 1;
-    attention_job job = {.a = a, .k = k, .v = v, .t = t, .kern = kernels(), .row_chunks = 1,
-                         .rows_per_chunk = a->s, .head_parts = 1};
+    const int64_t threads = attention_threads(keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float), run);
+    attention_job job = {.a = a, .k = k, .v = v, .t = t, .causal = 1, .row_chunks = 1, .rows_per_chunk = a->s,
+                         .head_parts = 1};
     if (threads > 1 && a->s >= 2 * threads) {
         job.row_chunks = a->s < 4 * threads ? a->s : 4 * threads;
         job.rows_per_chunk = (a->s + job.row_chunks - 1) / job.row_chunks;
@@ -152,18 +179,33 @@ LO_EXPORT int llaisys_ops_self_attention(const lo_attention_args *a, const float
         job.rows_per_chunk = 1;
         job.head_parts = threads < a->h ? threads : a->h;
     }
-    const size_t tasks = (size_t)(job.row_chunks * job.head_parts);
-    if (threads > (int64_t)tasks) threads = (int64_t)tasks;
-    job.scratch_floats = ((size_t)(a->h * (t + a->dv + 1)) + 15) / 16 * 16; /* whole cache lines */
-    void *scratch = NULL;
-    if (posix_memalign(&scratch, 64, (size_t)threads * job.scratch_floats * sizeof(float)) != 0) return LO_ERR_MEMORY;
-    job.scratch = scratch;
-    if (threads > 1)
-        run(attention_task, &job, tasks, (int)threads);
-    else
-        for (size_t i = 0; i < tasks; i++) attention_task(&job, i, 0);
-    free(scratch);
-    return LO_OK;
+    return attention_run(&job, threads, run);
+}
+
+/* Rows a task of full attention takes at most: tasks small enough that a stalled thread (on a
+ * shared machine) holds up little of the job, large enough that a task reads its KV head's rows
+ * from cache for all but its first block of rows. */
+#define LO_FULL_ROWS 64
+
+/* Full (non-causal) attention: every query sees all t >= 1 keys of k (T, KH, D) and v (T, KH, Dv).
+ * Each task takes one KV head (its G query heads) and a chunk of rows, so that head's K and V
+ * rows, read once for every query row, stay in cache for the whole chunk; with fewer KV heads
+ * and rows than threads, heads of one group are split among them. */
+LO_EXPORT int llaisys_ops_self_attention_full(const lo_attention_args *a, const float *k, const float *v,
+                                              int64_t t) {
+    if (a->s < 0 || t < 1 || a->kh <= 0 || a->h % a->kh || a->d <= 0 || a->dv <= 0) return LO_ERR_SHAPE;
+    if (a->s == 0) return LO_OK;
+    const lo_pool_run_fn run = atomic_load(&pool_run);
+    const int64_t threads = attention_threads(a->s * t * a->kh * (a->d + a->dv) * (int64_t)sizeof(float), run);
+    attention_job job = {.a = a, .k = k, .v = v, .t = t, .causal = 0, .head_parts = a->kh};
+    const int64_t want = threads > 1 ? 4 * threads : 1; /* tasks */
+    job.row_chunks = (want + job.head_parts - 1) / job.head_parts;
+    if (job.row_chunks > a->s) job.row_chunks = a->s;
+    if (job.row_chunks * job.head_parts < threads) job.head_parts = threads < a->h ? threads : a->h;
+    job.rows_per_chunk = (a->s + job.row_chunks - 1) / job.row_chunks;
+    if (job.rows_per_chunk > LO_FULL_ROWS) job.rows_per_chunk = LO_FULL_ROWS;
+    job.row_chunks = (a->s + job.rows_per_chunk - 1) / job.rows_per_chunk;
+    return attention_run(&job, threads, run);
 }
 
 /* ---- replay: a list of calls in one native call ------------------------------------------- */
@@ -183,6 +225,11 @@ LO_EXPORT int llaisys_ops_rope_call(const void *block) {
 LO_EXPORT int llaisys_ops_self_attention_call(const void *block) {
     const lo_attention_call *c = block;
     return llaisys_ops_self_attention(c->a, c->k, c->v, c->t);
+}
+
+LO_EXPORT int llaisys_ops_self_attention_full_call(const void *block) {
+    const lo_attention_call *c = block;
+    return llaisys_ops_self_attention_full(c->a, c->k, c->v, c->t);
 }
 
 LO_EXPORT int llaisys_ops_copy_call(const void *block) {

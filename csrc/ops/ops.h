@@ -1,5 +1,5 @@
 /* The small float32 kernels of a decoder layer: rms_norm (alone or after a residual add), rope,
- * swiglu and causal grouped-query self-attention.
+ * swiglu and grouped-query self-attention (causal, or full for a vision encoder).
  *
  * Each is the C form of its NumPy kernel in src/llaisys/kernels/cpu/ (the readable reference it
  * is tested against). Every row of a result (a token, or a token's head) is computed by one
@@ -59,8 +59,10 @@ typedef struct {
     int64_t s, h, d, r;
 } lo_rope_args;
 
-/* Causal GQA: q (S, H, D), k (T, KH, D), v (T, KH, Dv) -> out (S, H, Dv); query i sits at
- * position T - S + i. k, v and T come with the call (a layer's cache rows). */
+/* GQA: q (S, H, D), k (T, KH, D), v (T, KH, Dv) -> out (S, H, Dv). Causal
+ * (llaisys_ops_self_attention): query i sits at position T - S + i; full
+ * (llaisys_ops_self_attention_full, a vision encoder's): every query sees all T keys. k, v and
+ * T come with the call (a layer's cache rows). */
 typedef struct {
     float *out;
     int64_t out_s0, out_s1;
@@ -117,13 +119,18 @@ typedef struct {
     int64_t widen; /* LO_GATHER_* */
 } lo_gather_call;
 
-/* Kernels of one SIMD level. attention's scratch holds H * (T + Dv + 1) floats. */
+/* Queries full attention computes at once (causal: one): each block of keys is read once for all. */
+#define LO_ROW_BLOCK 8
+
+/* Kernels of one SIMD level. attention's scratch holds rows * H * (T + Dv + 1) floats, rows 1
+ * (causal) or LO_ROW_BLOCK (`causal` 0: every query sees all t keys). */
 typedef struct {
     const char *name;
     void (*norm)(const lo_norm_args *a, const float *w);
     void (*swiglu)(const lo_swiglu_args *a);
     void (*rope)(const lo_rope_args *a, const float *cos, const float *sin);
-    void (*attention)(const lo_attention_args *a, const float *k, const float *v, int64_t t, float *scratch);
+    void (*attention)(const lo_attention_args *a, const float *k, const float *v, int64_t t, int causal,
+                      float *scratch);
 } lo_kernels;
 
 extern const lo_kernels lo_kernels_scalar;

@@ -34,10 +34,10 @@ AVX512_INLINE __m512 tree16(const __m512 acc[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* lo_scores, 16 keys at a time, every KV head of those keys before the next ones (a partial
- * block reads its last key again and drops it). */
+/* lo_scores, 16 keys at a time, every KV head and row of those keys before the next ones (a
+ * partial block reads its last key again and drops it). */
 static AVX512 void scores_avx512(const lo_attention_args *a, const float *q, const float *k, int64_t n, int64_t t,
-                                 float *scores) {
+                                 int64_t rows, float *scores) {
     const int64_t g = a->h / a->kh, d = a->d;
     const __mmask16 tail = (__mmask16)((1u << (d % 16)) - 1);
     const __m512 scale = _mm512_set1_ps((float)a->scale);
@@ -47,55 +47,71 @@ static AVX512 void scores_avx512(const lo_attention_args *a, const float *q, con
         for (int64_t kv = 0; kv < a->kh; kv++) {
             const float *key[16];
             for (int jj = 0; jj < 16; jj++) key[jj] = k + (j0 + (jj < keys ? jj : keys - 1)) * a->k_s0 + kv * a->k_s1;
-            for (int64_t h = kv * g; h < (kv + 1) * g; h++) {
-                const float *qh = q + h * a->q_s1;
-                __m512 acc[16];
-                for (int jj = 0; jj < 16; jj++) acc[jj] = _mm512_setzero_ps();
-                int64_t c = 0;
-                for (; c + 16 <= d; c += 16) {
-                    const __m512 qv = _mm512_loadu_ps(qh + c);
-                    for (int jj = 0; jj < 16; jj++)
-                        acc[jj] = _mm512_add_ps(acc[jj], _mm512_mul_ps(qv, _mm512_loadu_ps(key[jj] + c)));
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t h = kv * g; h < (kv + 1) * g; h++) {
+                    const float *qh = q + i * a->q_s0 + h * a->q_s1;
+                    __m512 acc[16];
+                    for (int jj = 0; jj < 16; jj++) acc[jj] = _mm512_setzero_ps();
+                    int64_t c = 0;
+                    for (; c + 16 <= d; c += 16) {
+                        const __m512 qv = _mm512_loadu_ps(qh + c);
+                        for (int jj = 0; jj < 16; jj++)
+                            acc[jj] = _mm512_add_ps(acc[jj], _mm512_mul_ps(qv, _mm512_loadu_ps(key[jj] + c)));
+                    }
+                    if (tail) { /* the lanes past d add +0, which leaves a partial sum (never -0) as it is */
+                        const __m512 qv = _mm512_maskz_loadu_ps(tail, qh + c);
+                        for (int jj = 0; jj < 16; jj++)
+                            acc[jj] = _mm512_add_ps(acc[jj],
+                                                    _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(tail, key[jj] + c)));
+                    }
+                    _mm512_mask_storeu_ps(scores + (i * a->h + h) * t + j0, stored,
+                                          _mm512_mul_ps(tree16(acc), scale));
                 }
-                if (tail) { /* the lanes past d add +0, which leaves a partial sum (never -0) as it is */
-                    const __m512 qv = _mm512_maskz_loadu_ps(tail, qh + c);
-                    for (int jj = 0; jj < 16; jj++)
-                        acc[jj] = _mm512_add_ps(acc[jj], _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(tail, key[jj] + c)));
-                }
-                _mm512_mask_storeu_ps(scores + h * t + j0, stored, _mm512_mul_ps(tree16(acc), scale));
-            }
         }
     }
 }
 
-/* Keys [j0, j1) of lo_values for `heads` heads (a constant after inlining, so the sums stay in
- * registers) and the up to 64 values of `mask` (4 x 16 lanes): acc += scores * v, key by key. */
-AVX512_INLINE void values_block(const float *scores, int64_t t, const float *v, int64_t v_s0, int64_t j0, int64_t j1,
-                                const int heads, const __mmask16 mask[4], float *acc, int64_t dv) {
+/* Keys [j0, j1) of lo_values for `heads` score rows sc[] of one KV head and `cols` vectors of up
+ * to 16 of the values of `mask` (both constants after inlining, so the sums stay in registers):
+ * ac[] += sc[] * v, key by key. */
+AVX512_INLINE void values_block(const float *const sc[4], float *const ac[4], const float *v, int64_t v_s0,
+                                int64_t j0, int64_t j1, const int heads, const int cols, const __mmask16 mask[4]) {
     __m512 sum[4][4];
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < 4; c++) sum[h][c] = _mm512_maskz_loadu_ps(mask[c], acc + h * dv + 16 * c);
+        for (int c = 0; c < cols; c++) sum[h][c] = _mm512_maskz_loadu_ps(mask[c], ac[h] + 16 * c);
     for (int64_t j = j0; j < j1; j++) {
         const float *val = v + j * v_s0;
         __m512 x[4];
-        for (int c = 0; c < 4; c++) x[c] = _mm512_maskz_loadu_ps(mask[c], val + 16 * c);
+        for (int c = 0; c < cols; c++) x[c] = _mm512_maskz_loadu_ps(mask[c], val + 16 * c);
         for (int h = 0; h < heads; h++) {
-            const __m512 p = _mm512_set1_ps(scores[h * t + j]);
-            for (int c = 0; c < 4; c++) sum[h][c] = _mm512_add_ps(sum[h][c], _mm512_mul_ps(p, x[c]));
+            const __m512 p = _mm512_set1_ps(sc[h][j]);
+            for (int c = 0; c < cols; c++) sum[h][c] = _mm512_add_ps(sum[h][c], _mm512_mul_ps(p, x[c]));
         }
     }
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(acc + h * dv + 16 * c, mask[c], sum[h][c]);
+        for (int c = 0; c < cols; c++) _mm512_mask_storeu_ps(ac[h] + 16 * c, mask[c], sum[h][c]);
 }
 
-/* lo_values, 16 keys at a time (every KV head of those keys before the next ones), for up to
- * 4 heads and 64 values at once. */
+/* values_block for `cols` (1 to 4) known only at run time: the last values of a head (Dv not a
+ * multiple of 64) take only the vectors they fill. */
+AVX512_INLINE void values_cols(const float *const sc[4], float *const ac[4], const float *v, int64_t v_s0,
+                               int64_t j0, int64_t j1, const int heads, int cols, const __mmask16 mask[4]) {
+    switch (cols) {
+    case 1: values_block(sc, ac, v, v_s0, j0, j1, heads, 1, mask); break;
+    case 2: values_block(sc, ac, v, v_s0, j0, j1, heads, 2, mask); break;
+    case 3: values_block(sc, ac, v, v_s0, j0, j1, heads, 3, mask); break;
+    default: values_block(sc, ac, v, v_s0, j0, j1, heads, 4, mask); break;
+    }
+}
+
+/* lo_values, LO_VALUE_KEYS keys at a time (every KV head of those keys before the next ones), for
+ * up to 4 score rows (rows and heads of one KV head) and 64 values at once. */
 static AVX512 void values_avx512(const lo_attention_args *a, const float *scores, const float *v, int64_t n,
-                                 int64_t t, float *acc) {
-    const int64_t g = a->h / a->kh, dv = a->dv;
-    memset(acc, 0, (size_t)(a->h * dv) * sizeof(float));
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t j1 = n - j0 < 16 ? n : j0 + 16;
+                                 int64_t t, int64_t rows, float *acc) {
+    const int64_t g = a->h / a->kh, dv = a->dv, pairs = rows * g; /* score rows of one KV head */
+    memset(acc, 0, (size_t)(rows * a->h * dv) * sizeof(float));
+    for (int64_t j0 = 0; j0 < n; j0 += LO_VALUE_KEYS) {
+        const int64_t j1 = n - j0 < LO_VALUE_KEYS ? n : j0 + LO_VALUE_KEYS;
         for (int64_t kv = 0; kv < a->kh; kv++) {
             for (int64_t e0 = 0; e0 < dv; e0 += 64) {
                 __mmask16 mask[4];
@@ -103,15 +119,22 @@ static AVX512 void values_avx512(const lo_attention_args *a, const float *scores
                     const int64_t lanes = dv - e0 - 16 * c;
                     mask[c] = lanes >= 16 ? 0xFFFF : lanes <= 0 ? 0 : (__mmask16)((1u << lanes) - 1);
                 }
+                const int cols = dv - e0 >= 64 ? 4 : (int)(dv - e0 + 15) / 16;
                 const float *vk = v + kv * a->v_s1 + e0;
-                for (int64_t h = kv * g; h < (kv + 1) * g; h += 4) {
-                    const float *sc = scores + h * t;
-                    float *ah = acc + h * dv + e0;
-                    switch ((kv + 1) * g - h < 4 ? (kv + 1) * g - h : 4) {
-                    case 1: values_block(sc, t, vk, a->v_s0, j0, j1, 1, mask, ah, dv); break;
-                    case 2: values_block(sc, t, vk, a->v_s0, j0, j1, 2, mask, ah, dv); break;
-                    case 3: values_block(sc, t, vk, a->v_s0, j0, j1, 3, mask, ah, dv); break;
-                    default: values_block(sc, t, vk, a->v_s0, j0, j1, 4, mask, ah, dv); break;
+                for (int64_t p0 = 0; p0 < pairs; p0 += 4) {
+                    const float *sc[4];
+                    float *ac[4];
+                    const int m = pairs - p0 < 4 ? (int)(pairs - p0) : 4;
+                    for (int u = 0; u < m; u++) {
+                        const int64_t r = (p0 + u) / g * a->h + kv * g + (p0 + u) % g;
+                        sc[u] = scores + r * t;
+                        ac[u] = acc + r * dv + e0;
+                    }
+                    switch (m) {
+                    case 1: values_cols(sc, ac, vk, a->v_s0, j0, j1, 1, cols, mask); break;
+                    case 2: values_cols(sc, ac, vk, a->v_s0, j0, j1, 2, cols, mask); break;
+                    case 3: values_cols(sc, ac, vk, a->v_s0, j0, j1, 3, cols, mask); break;
+                    default: values_cols(sc, ac, vk, a->v_s0, j0, j1, 4, cols, mask); break;
                     }
                 }
             }
@@ -123,8 +146,8 @@ static AVX512 void norm_avx512(const lo_norm_args *a, const float *w) { lo_norm_
 static AVX512 void swiglu_avx512(const lo_swiglu_args *a) { lo_gated_body(a, 0); }
 static AVX512 void rope_avx512(const lo_rope_args *a, const float *cos, const float *sin) { lo_rope_body(a, cos, sin); }
 static AVX512 void attention_avx512(const lo_attention_args *a, const float *k, const float *v, int64_t t,
-                                    float *scratch) {
-    lo_attention_body(a, k, v, t, scratch, scores_avx512, values_avx512);
+                                    int causal, float *scratch) {
+    lo_attention_body(a, k, v, t, causal, scratch, scores_avx512, values_avx512);
 }
 
 static const lo_kernels KERNELS = {"avx512", norm_avx512, swiglu_avx512, rope_avx512, attention_avx512};

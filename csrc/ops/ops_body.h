@@ -14,6 +14,9 @@
 
 #define LO_INLINE static inline __attribute__((always_inline))
 #define LO_LANES 16 /* partial sums of a dot product: one AVX-512 vector, two AVX2 ones */
+/* Keys a SIMD level's values loop runs for a few score rows before the next few: the sums stay
+ * in registers for that long, the keys' V rows in cache for every row; any count gives the same bits. */
+#define LO_VALUE_KEYS 32
 
 LO_INLINE float lo_from_bits(uint32_t u) {
     float f;
@@ -207,53 +210,59 @@ LO_INLINE float lo_softmax_exp(float *s, int64_t n) {
     return lo_tree(acc);
 }
 
-/* Attention's two inner loops, for one query row q (H, D at a->q_s1) that sees keys j < n:
- *   scores: scores[h * t + j] = (q_h . k_j,kv) * scale, each dot product through lo_dot;
- *   values: acc[h * dv + e] = the sum over j < n, in order, of scores[h * t + j] * v_j,kv[e];
- * for every head h, kv = h / G its KV head. K and V rows are read whole, one after another. */
+/* Attention's two inner loops, for `rows` query rows (a->q_s0 apart, each (H, D) at a->q_s1) that
+ * all see keys j < n; row i's head h is score row r = i * H + h:
+ *   scores: scores[r * t + j] = (q_i,h . k_j,kv) * scale, each dot product through lo_dot;
+ *   values: acc[r * dv + e] = the sum over j < n, in order, of scores[r * t + j] * v_j,kv[e];
+ * for every head h, kv = h / G its KV head. K and V rows are read whole, one after another; a
+ * block of keys serves every row before the next, so it is read from cache for all but the first. */
 typedef void (*lo_scores_fn)(const lo_attention_args *a, const float *q, const float *k, int64_t n, int64_t t,
-                             float *scores);
+                             int64_t rows, float *scores);
 typedef void (*lo_values_fn)(const lo_attention_args *a, const float *scores, const float *v, int64_t n, int64_t t,
-                             float *acc);
+                             int64_t rows, float *acc);
 
 LO_INLINE void lo_scores(const lo_attention_args *a, const float *q, const float *k, int64_t n, int64_t t,
-                         float *scores) {
+                         int64_t rows, float *scores) {
     const int64_t g = a->h / a->kh;
     const float scale = (float)a->scale;
     for (int64_t j = 0; j < n; j++)
-        for (int64_t h = 0; h < a->h; h++)
-            scores[h * t + j] = lo_dot(q + h * a->q_s1, k + j * a->k_s0 + h / g * a->k_s1, a->d) * scale;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t h = 0; h < a->h; h++)
+                scores[(i * a->h + h) * t + j] =
+                    lo_dot(q + i * a->q_s0 + h * a->q_s1, k + j * a->k_s0 + h / g * a->k_s1, a->d) * scale;
 }
 
 LO_INLINE void lo_values(const lo_attention_args *a, const float *scores, const float *v, int64_t n, int64_t t,
-                         float *acc) {
+                         int64_t rows, float *acc) {
     const int64_t g = a->h / a->kh, dv = a->dv;
-    memset(acc, 0, (size_t)(a->h * dv) * sizeof(float));
+    memset(acc, 0, (size_t)(rows * a->h * dv) * sizeof(float));
     for (int64_t j = 0; j < n; j++)
-        for (int64_t h = 0; h < a->h; h++) {
-            const float p = scores[h * t + j], *val = v + j * a->v_s0 + h / g * a->v_s1;
-            float *ah = acc + h * dv;
-            for (int64_t e = 0; e < dv; e++) ah[e] += p * val[e];
+        for (int64_t r = 0; r < rows * a->h; r++) {
+            const float p = scores[r * t + j], *val = v + j * a->v_s0 + r % a->h / g * a->v_s1;
+            float *ar = acc + r * dv;
+            for (int64_t e = 0; e < dv; e++) ar[e] += p * val[e];
         }
 }
 
-/* For each query i (n = its position + 1 keys): the scores of every head, softmax, then the
- * weighted sum of values key by key in order, divided by the sum of the weights. A SIMD level
- * passes its own `scores` and `values`, which must compute what lo_scores and lo_values do,
- * bit for bit. Scratch: scores (H, T), accumulators (H, Dv), sums (H). */
-LO_INLINE void lo_attention_body(const lo_attention_args *a, const float *k, const float *v, int64_t t,
+/* For each query i (causal: n = its position + 1 keys; else all T): the scores of every head,
+ * softmax, then the weighted sum of values key by key in order, divided by the sum of the
+ * weights. Full attention takes LO_ROW_BLOCK queries at a time (they see the same keys), causal
+ * one. A SIMD level passes its own `scores` and `values`, which must compute what lo_scores and
+ * lo_values do, bit for bit. Scratch (ops.h): scores (rows, H, T), accumulators (rows, H, Dv),
+ * sums (rows, H). */
+LO_INLINE void lo_attention_body(const lo_attention_args *a, const float *k, const float *v, int64_t t, int causal,
                                  float *scratch, lo_scores_fn scores_fn, lo_values_fn values_fn) {
-    const int64_t h = a->h, dv = a->dv;
-    float *scores = scratch, *acc = scores + h * t, *sum = acc + h * dv;
-    for (int64_t i = 0; i < a->s; i++) {
-        const int64_t n = t - a->s + i + 1;
-        scores_fn(a, a->q + i * a->q_s0, k, n, t, scores);
-        for (int64_t hh = 0; hh < h; hh++) sum[hh] = lo_softmax_exp(scores + hh * t, n);
-        values_fn(a, scores, v, n, t, acc);
-        for (int64_t hh = 0; hh < h; hh++) {
-            float *o = a->out + i * a->out_s0 + hh * a->out_s1;
-            const float *ah = acc + hh * dv;
-            for (int64_t e = 0; e < dv; e++) o[e] = ah[e] / sum[hh];
+    const int64_t h = a->h, dv = a->dv, block = causal ? 1 : LO_ROW_BLOCK;
+    float *scores = scratch, *acc = scores + block * h * t, *sum = acc + block * h * dv;
+    for (int64_t i = 0; i < a->s; i += block) {
+        const int64_t rows = a->s - i < block ? a->s - i : block, n = causal ? t - a->s + i + 1 : t;
+        scores_fn(a, a->q + i * a->q_s0, k, n, t, rows, scores);
+        for (int64_t r = 0; r < rows * h; r++) sum[r] = lo_softmax_exp(scores + r * t, n);
+        values_fn(a, scores, v, n, t, rows, acc);
+        for (int64_t r = 0; r < rows * h; r++) {
+            float *o = a->out + (i + r / h) * a->out_s0 + r % h * a->out_s1;
+            const float *ar = acc + r * dv;
+            for (int64_t e = 0; e < dv; e++) o[e] = ar[e] / sum[r];
         }
     }
 }

@@ -31,12 +31,13 @@ OPS: Signatures = {  # csrc/ops
     "llaisys_ops_scale": ([c_void_p], c_int),
     "llaisys_ops_rope": ([c_void_p, c_void_p, c_void_p], c_int),
     "llaisys_ops_self_attention": ([c_void_p, c_void_p, c_void_p, c_int64], c_int),
+    "llaisys_ops_self_attention_full": ([c_void_p, c_void_p, c_void_p, c_int64], c_int),
     "llaisys_ops_run": ([c_void_p, c_int64, POINTER(c_int64)], c_int),
     "llaisys_ops_run_timed": ([c_void_p, c_int64, POINTER(c_int64), c_void_p], c_int),
     "llaisys_ops_move_rows": ([c_void_p, c_int64, c_int64, c_int64], None),
     **{f"llaisys_ops_{name}_call": _BLOCK for name in (
-        "rms_norm", "swiglu", "geglu", "scale", "rope", "self_attention", "copy", "add", "gather", "plugin_kernel",
-        "plugin_copy")},
+        "rms_norm", "swiglu", "geglu", "scale", "rope", "self_attention", "self_attention_full", "copy", "add",
+        "gather", "plugin_kernel", "plugin_copy")},
 }
 
 KERNELS: Signatures = {  # csrc/kernels

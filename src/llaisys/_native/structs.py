@@ -169,7 +169,8 @@ class PagedAttentionArgs(ctypes.Structure):
                 ("query_starts", _PTR), ("qs_s0", _I64),
                 ("context_lens", _PTR), ("cl_s0", _I64),
                 ("n", _I64), ("h", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
-                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2), ("window", _I64)]
+                ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2), ("window", _I64),
+                ("key_ends", _PTR), ("ke_s0", _I64)]
 
 
 @mirror("kernels", "lp_write_args")

@@ -210,7 +210,7 @@ def image_figures(model: Any, image: Any, warmup: int, repeats: int) -> dict[str
         t0 = time.perf_counter()
         processed = tower.processor(image)
         t1 = time.perf_counter()
-        rows = tower.projector.project(tower.encoder.encode(processed.pixels))
+        rows = tower.rows_of(processed)
         t2 = time.perf_counter()
         if i >= warmup:
             prep.append((t1 - t0) * 1000)

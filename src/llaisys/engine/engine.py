@@ -207,6 +207,7 @@ class LLMEngine:
             self._check_images(images, ids)
             request.images = images
             request.seq.prompt_keys = images.key_ids(ids)
+            request.seq.spans = images.spans
         request.seq.drafter = self._drafter(config, grammar is not None or pooling is not None)
         self.scheduler.add(request.seq)  # raises when it alone could never fit
         self.requests[request_id] = request
@@ -266,6 +267,8 @@ class LLMEngine:
         first_row: list[int] = []  # each sampling chunk's first row of logits
         at = 0
         given: list[tuple[np.ndarray, np.ndarray]] = []  # rows of the batch whose input is an image's
+        ends: list[tuple[int, np.ndarray]] = []  # (first row, key ends) of chunks that meet a two-way span
+        rope: list[tuple[int, np.ndarray]] = []  # (first row, rope positions (3, E)) of multimodal-rope chunks
         for c in step.chunks:
             seq = c.seq
             request = self.requests[seq.seq_id]
@@ -278,6 +281,12 @@ class LLMEngine:
                     offsets, rows = request.images.between(c.start, c.start + c.length - len(c.draft))
                     if len(offsets):
                         given.append((offsets + at, rows))
+                    if request.seq.spans:
+                        span_ends = request.images.key_ends(c.start, c.start + c.length - len(c.draft))
+                        if span_ends is not None:
+                            ends.append((at, span_ends))
+            if request.images is not None and request.images.rope_positions is not None:
+                rope.append((at, request.images.rope_rows(c.start, c.start + c.length)))
             at += c.length
             if c.samples:
                 first_row.append(len(logit_rows))
@@ -286,6 +295,14 @@ class LLMEngine:
         batch.logit_rows = np.asarray(logit_rows, np.int64)  # (R,)
         if given:
             batch.input_rows = (np.concatenate([g[0] for g in given]), np.concatenate([g[1] for g in given]))
+        if rope:
+            batch.rope_positions = np.repeat(batch.positions[None], 3, axis=0)  # (3, N)
+            for first, rows in rope:
+                batch.rope_positions[:, first:first + rows.shape[1]] = rows
+        if ends:
+            batch.key_ends = batch.positions + 1  # (N,)
+            for first, span_ends in ends:
+                batch.key_ends[first:first + len(span_ends)] = span_ends
         if self._device_sampling is None:
             logits = self.runner.forward_batch(batch, self.cache)  # (R, V) float32 on the host
         else:

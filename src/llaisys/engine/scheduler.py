@@ -55,6 +55,9 @@ class Sequence:
     # the prompt ids its cached blocks are hashed by, where they differ from ``prompt_ids`` (an
     # image's tokens stand for its digest: ``PromptImages.key_ids``); None: the prompt ids
     prompt_keys: list[int] | None = None
+    # prompt spans [a, b) whose tokens see each other both ways (an image of Gemma 3): a chunk
+    # runs all of a span's uncomputed tokens or none (``fit_spans``)
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +124,17 @@ class Step:
         return sum(c.length for c in self.chunks)
 
 
+def fit_spans(seq: Sequence, start: int, n: int) -> int:
+    """The length of a chunk of ``seq`` from ``start`` of at most ``n`` tokens (as many as fit
+    the budget) that cuts none of its two-way spans: a chunk that would end inside one ends
+    before it, or, when it begins inside or at it, runs to its end (past the budget: the span's
+    tokens must be in one pass, each reading the keys of all)."""
+    for a, b in seq.spans:
+        if a < start + n < b:
+            return a - start if a > start else b - start
+    return n
+
+
 class Scheduler:
     """First-come-first-served continuous batching with chunked prefill and preemption by
     recomputation, over a ``KVBlockManager``."""
@@ -176,7 +190,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = fit_spans(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget))
             while not self.blocks.grow(seq.seq_id, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -193,7 +207,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
                 seq = self.waiting[0]
                 cached = self.blocks.match_prefix(seq.seq_id, seq.block_ids)
-                n = min(seq.num_tokens - cached, budget)
+                n = fit_spans(seq, cached, min(seq.num_tokens - cached, budget))
                 # Wait while another sequence computes the next block of this prefix (it is
                 # shared a step later), or while the pool is short; hold no blocks meanwhile.
                 if (self.blocks.next_block_in_flight(seq.seq_id, seq.block_ids, cached)

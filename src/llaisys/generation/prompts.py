@@ -49,7 +49,7 @@ def image_prompt(model: LanguageModel, text: str, images: Sequence, add_special_
     if vision is None:
         raise ValueError("this model has no vision encoder; it takes text only (send no images)")
     if vision.placeholder not in text:
-        text = vision.placeholder * len(images) + text
+        text = vision.standalone * len(images) + text
     embedded = [vision.embed(image) for image in images]
     ids = list(model.tokenizer.encode(vision.expand(text, embedded), add_special_tokens=add_special_tokens))
     return ids, vision.place(ids, embedded)

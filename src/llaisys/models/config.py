@@ -53,6 +53,12 @@ class ArchArgs:
         """The factor of the token embeddings (1: none)."""
         return 1.0
 
+    def rope_sections(self) -> tuple[int, ...]:
+        """Multimodal rope (Qwen2-VL's mrope): how many rotated pairs of each head take their
+        angle from each of the token's position streams (time, height, width), in order; ():
+        one position per token, as every text model has."""
+        return ()
+
     def routed_experts(self) -> tuple[int, int]:
         """(E, k): the experts of a routed layer and how many each token runs; (0, 0): dense."""
         return 0, 0

@@ -43,6 +43,8 @@ class Workspace:
         new = lambda *shape: Tensor.empty(shape, dtype, device)  # noqa: E731
         self.ids = Tensor.empty((s,), DataType.I64, device)  # (S,)
         self.pos = Tensor.empty((s,), DataType.I64, device)  # (S,)
+        # (3, S) each token's rope positions (time, height, width) under multimodal rope, else None
+        self.rope_pos = Tensor.empty((3, s), DataType.I64, device) if config.arch_args.rope_sections() else None
         self.x = new(s, d)  # (S, D) the residual stream
         self.h = new(s, d)  # (S, D) normalised input of a block
         self.qkv = new(s, dq + 2 * dkv)  # (S, Dq + 2*Dkv)
@@ -106,6 +108,12 @@ def project_qkv(ws: Workspace, lp: LayerParams, config: ModelConfig, plan: ops.P
         ops.rms_norm(normed.slice(1, h, qk.shape[1]), qk.slice(1, h, qk.shape[1]), lp.k_norm, eps,
                      plan=plan)  # (S, KH, Dh)
         qk = normed
+    if lp.rope_sections:  # multimodal rope: each block of dims rotates by its own position stream
+        s = ws.qk.shape[0]
+        for stream, (at, width, freqs) in enumerate(lp.rope_sections):
+            ops.rope(ws.qk.slice(2, at, at + width), qk.slice(2, at, at + width),
+                     ws.rope_pos.slice(0, stream, stream + 1).view(s), lp.rope_theta, freqs, plan=plan)
+        return
     ops.rope(ws.qk, qk, ws.pos, lp.rope_theta, lp.rope_freqs, lp.rope_factor, plan=plan)  # (S, H+KH, Dh)
 
 
@@ -139,8 +147,9 @@ def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor],
     k_pool, v_pool = pool
     project_qkv(ws, lp, config, plan)
     ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan)
+    ends = {"key_ends": idx.key_ends} if idx.key_ends is not None else {}  # two-way spans (Gemma 3's images)
     ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
-                        config.attention_scale, plan=plan, **_window(lp))  # (N, H, Dh)
+                        config.attention_scale, plan=plan, **_window(lp), **ends)  # (N, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (N, D)
     sum_over_ranks(ws, ws.proj, plan)
 

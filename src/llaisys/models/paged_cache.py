@@ -31,6 +31,10 @@ class TokenBatch:
     logit_rows (R,): the rows whose logits are returned, in the order wanted.
     input_rows: None, or (rows (K,), values (K, D) float32): rows of the batch whose input is
     given instead of their token's embedding (an image's rows in a prompt).
+    key_ends: None, or (N,): the keys each row sees end there rather than at its own position
+    (the tokens of a Gemma 3 image see the whole image: ``ops.paged_attention``'s key_ends).
+    rope_positions: None, or (3, N): each row's rope positions (time, height, width) under
+    multimodal rope (Qwen2-VL), where they differ from ``positions``.
     """
 
     token_ids: np.ndarray
@@ -41,6 +45,8 @@ class TokenBatch:
     context_lens: np.ndarray
     logit_rows: np.ndarray
     input_rows: "tuple[np.ndarray, np.ndarray] | None" = None
+    key_ends: "np.ndarray | None" = None
+    rope_positions: "np.ndarray | None" = None
 
     @property
     def num_tokens(self) -> int:

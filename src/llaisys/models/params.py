@@ -27,7 +27,7 @@ from ..tensor import Tensor
 from ..tensor.storage import drop_file_pages
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .rope import rope_frequencies
+from .rope import inverse_frequencies, rope_frequencies
 from .tensor_parallel import Shard
 from .weights import WeightSource
 
@@ -49,6 +49,9 @@ class LayerParams:
     rope_factor: float = 1.0  # multiplies rope's cos and sin (YaRN's attention factor)
     rope_theta: float = 10000.0  # the plain rope's base (when rope_freqs is None)
     window: int = 0  # keys each query attends to, its own included; 0: every key before it
+    # multimodal rope: per position stream (time, height, width), the head dims it rotates
+    # (offset, width: a rotate-half block, q/k rows stored so) and their inverse frequencies (width/2,) F32
+    rope_sections: tuple[tuple[int, int, Tensor], ...] = ()
     q_norm: Tensor | None = None  # (Dh,) RMSNorm weight of each query head (Qwen3, Gemma 3)
     k_norm: Tensor | None = None  # (Dh,) of each key head
     post_attn_norm: Tensor | None = None  # (D,) norm of the attention block's output (Gemma 3)
@@ -276,6 +279,21 @@ class _Builder:
         return out.freeze()
 
 
+def _rope_sections(config: ModelConfig, device: Device) -> tuple[tuple[int, int, Tensor], ...]:
+    """The (offset, width, inverse frequencies) of each multimodal rope section (``LayerParams``),
+    () for a model with one position per token."""
+    sections = config.arch_args.rope_sections()
+    if not sections:
+        return ()
+    inv_freq, _ = inverse_frequencies(config)  # (Dh/2,)
+    out, pair = [], 0
+    for n in sections:
+        freqs = Tensor.from_numpy(np.ascontiguousarray(inv_freq[pair:pair + n]), device).freeze()  # (n,)
+        out.append((2 * pair, 2 * n, freqs))
+        pair += n
+    return tuple(out)
+
+
 def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype: DataType,
                  device: Device, progress: Progress, keep_half: bool = False,
                  shard: "Shard | None" = None) -> DecoderParams:
@@ -289,6 +307,7 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
     b = _Builder(weights, dtype, device, progress, keep_half)
     inv_freq, rope_factor = rope_frequencies(config)  # every rank computes the same ones
     rope_freqs = None if inv_freq is None else Tensor.from_numpy(inv_freq, device).freeze()  # (R/2,) F32
+    rope_sections = _rope_sections(config, device)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
@@ -313,6 +332,7 @@ def build_params(weights: Mapping[str, WeightSource], config: ModelConfig, dtype
             rope_factor=1.0 if local else rope_factor,
             rope_theta=local_theta if local else config.rope_theta,
             window=config.layer_window(i),
+            rope_sections=rope_sections,
             q_norm=b.maybe(p + "q_norm"),
             k_norm=b.maybe(p + "k_norm"),
             post_attn_norm=b.maybe(p + "post_attn_norm"),

@@ -56,13 +56,14 @@ class BatchIndex:
     """Device index tensors of a batched pass over a paged cache (see ``TokenBatch``): N
     tokens, B sequences, block tables MB wide, R rows of logits."""
 
-    def __init__(self, n: int, b: int, mb: int, r: int, device: Device):
+    def __init__(self, n: int, b: int, mb: int, r: int, device: Device, key_ends: bool = False):
         new = lambda *shape: Tensor.empty(shape, DataType.I64, device)  # noqa: E731
         self.slots = new(n)  # (N,)
         self.block_tables = new(b, mb)  # (B, MB)
         self.query_starts = new(b + 1)  # (B+1,)
         self.context_lens = new(b)  # (B,)
         self.logit_rows = new(r)  # (R,)
+        self.key_ends = new(n) if key_ends else None  # (N,) the passes of two-way spans only
 
     def load(self, batch: TokenBatch) -> None:
         self.slots.load(batch.slots)
@@ -70,6 +71,8 @@ class BatchIndex:
         self.query_starts.load(batch.query_starts)
         self.context_lens.load(batch.context_lens)
         self.logit_rows.load(batch.logit_rows)
+        if self.key_ends is not None:
+            self.key_ends.load(batch.key_ends)
 
 
 class BatchPass:
@@ -78,12 +81,13 @@ class BatchPass:
     included: the rows whose logits are wanted are gathered, normalised, then projected. Its
     inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
     so a run can be replayed from a graph. A pass made ``with_inputs`` records the embedding
-    in a plan of its own, so that given rows can replace its output (``run``)."""
+    in a plan of its own, so that given rows can replace its output (``run``); one made
+    ``with_key_ends`` attends with per-row key ends (``TokenBatch.key_ends``)."""
 
     def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
-                 n: int, b: int, r: int, with_inputs: bool = False):
+                 n: int, b: int, r: int, with_inputs: bool = False, with_key_ends: bool = False):
         self.ws = ws
-        self.idx = BatchIndex(n, b, max_blocks, r, model.device)
+        self.idx = BatchIndex(n, b, max_blocks, r, model.device, with_key_ends)
         self.plan = plan = ops.Plan()
         self.embed = ops.Plan() if with_inputs else None
         self.h_rows = Tensor.empty((r, model.config.hidden_size), model.dtype, model.device)  # (R, D)
@@ -220,8 +224,10 @@ def pad_decode_batch(batch: TokenBatch, size: int) -> TokenBatch:
         return batch
     more = lambda a: np.concatenate([a, np.repeat(a[:1], size - b, axis=0)])  # noqa: E731
     rows = np.concatenate([batch.logit_rows, np.zeros(size - r, np.int64)]).astype(np.int64)
+    rope = None if batch.rope_positions is None else np.concatenate(
+        [batch.rope_positions, np.repeat(batch.rope_positions[:, :1], size - b, axis=1)], axis=1)  # (3, size)
     return TokenBatch(more(batch.token_ids), more(batch.positions), more(batch.slots), more(batch.block_tables),
-                      np.arange(size + 1, dtype=np.int64), more(batch.context_lens), rows)
+                      np.arange(size + 1, dtype=np.int64), more(batch.context_lens), rows, rope_positions=rope)
 
 
 def sequence_batch(ids: np.ndarray, start: int, logit_rows: str) -> TokenBatch:

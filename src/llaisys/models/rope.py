@@ -162,6 +162,15 @@ def _checked_factors(config: "ModelConfig", dim: int, source: str) -> np.ndarray
     return np.asarray(factors, F32)
 
 
+def inverse_frequencies(config: "ModelConfig", source: str = "config") -> tuple[np.ndarray, float]:
+    """``rope_frequencies`` with the plain rope's frequencies computed too: (inverse
+    frequencies float32 (R/2,), attention factor), never None (multimodal rope splits them)."""
+    inv_freq, factor = rope_frequencies(config, source)
+    if inv_freq is None:
+        inv_freq = _default(rotary_dims(config), config.rope_theta)
+    return inv_freq, factor
+
+
 def _default(dim: int, base: float) -> np.ndarray:
     # 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return F32(1.0) / (F32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(F32) / F32(dim)))

@@ -183,6 +183,10 @@ class ModelRunner:
                              f"query_starts {batch.query_starts.shape} must be ({n},), ({n},) and ({b + 1},)")
         if r and (batch.logit_rows.min() < 0 or batch.logit_rows.max() >= n):
             raise ValueError(f"forward_batch: logit_rows must lie in [0, {n})")
+        if batch.key_ends is not None and batch.key_ends.shape != (n,):
+            raise ValueError(f"forward_batch: key_ends has shape {batch.key_ends.shape}; expected ({n},)")
+        if batch.rope_positions is not None and batch.rope_positions.shape != (3, n):
+            raise ValueError(f"forward_batch: rope_positions has shape {batch.rope_positions.shape}; expected (3, {n})")
         if batch.input_rows is not None:
             rows, values = batch.input_rows
             d = self.model.config.hidden_size
@@ -251,6 +255,8 @@ class ModelRunner:
         ws = step.ws
         ws.ids.load(ids if m.shard is None else m.shard.local_ids(ids))
         ws.pos.load(np.arange(start, end, dtype=np.int64))
+        if ws.rope_pos is not None:  # one sequence of text: its three streams are its positions
+            ws.rope_pos.load(np.broadcast_to(np.arange(start, end, dtype=np.int64), (3, s)))
         step.plan.run()
         cache.length = end
         if logit_rows == "all":
@@ -271,20 +277,22 @@ class ModelRunner:
         m = self.model
         n, b, r = batch.num_tokens, batch.num_seqs, int(batch.logit_rows.shape[0])
         inputs = batch.input_rows if batch.input_rows is not None and len(batch.input_rows[0]) else None
+        ends = batch.key_ends is not None
         # graphs replay decoding steps (a token per sequence, no rows given as input) only
-        graphs = self._graphs(cache) if inputs is None else None  # None on the CPU too
+        graphs = self._graphs(cache) if inputs is None and not ends else None  # None on the CPU too
         if graphs is not None and not (n == b and np.array_equal(batch.query_starts, np.arange(b + 1))):
             graphs = None
         if graphs is not None:
             size = graphs.bucket(b)
             batch = pad_decode_batch(batch, size)
             n = b = size
-        key = (n, b, b if graphs is not None else r) + (("inputs",) if inputs is not None else ())
+        key = (n, b, b if graphs is not None else r) + (("inputs",) if inputs is not None else ()) + (
+            ("key_ends",) if ends else ())
         step = cache.passes.get(key)
         if step is None:
             pools = list(zip(cache.k_layers, cache.v_layers))
             step = BatchPass(m, self._workspace(cache, n), pools, cache.max_blocks, n, b, key[2],
-                             with_inputs=inputs is not None)
+                             with_inputs=inputs is not None, with_key_ends=ends)
             cache.passes[key] = step
             self._trim(cache)
             if graphs is not None:
@@ -293,6 +301,9 @@ class ModelRunner:
             cache.passes.move_to_end(key)
         step.ws.ids.load(batch.token_ids if m.shard is None else m.shard.local_ids(batch.token_ids))
         step.ws.pos.load(batch.positions)
+        if step.ws.rope_pos is not None:
+            rope = batch.rope_positions
+            step.ws.rope_pos.load(rope if rope is not None else np.broadcast_to(batch.positions, (3, n)))
         step.idx.load(batch)
         if graphs is not None:
             graphs.run(size, step.plan.run)

@@ -53,7 +53,7 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots
 
 def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_starts: Tensor, context_lens: Tensor, scale: float, *, window: int = 0,
-                    plan: Plan | None = None) -> Tensor:
+                    key_ends: Tensor | None = None, plan: Plan | None = None) -> Tensor:
     """Causal grouped-query attention of a flat batch of queries over the paged KV cache.
 
     q (N, H, D) (any strides), out (N, H, Dv), k_cache (NB, BS, KH, D), v_cache
@@ -66,17 +66,26 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     With ``window`` > 0 a query sees only its last ``window`` keys, its own included (a
     sliding window; such a call dispatches as ``paged_attention_window``, so a kernel that
     knows no window is never handed one); a sequence's blocks before the first key its queries
-    see are never read. out = softmax(q k^T * scale + mask) v. The kernel raises ValueError unless query_starts
-    runs from 0 to N without going down and q_len <= context_lens[b] <= MB * BS. The F32 CPU
-    kernel is batch invariant: a row's result does not depend on the rest of the batch.
-    Returns out.
+    see are never read. With ``key_ends`` (N,) I64, row i (a query at position p_i) sees keys
+    up to key_ends[i] - 1 instead of up to p_i, p_i + 1 <= key_ends[i] <= context_lens[b]
+    (the tokens of an image that attend to each other both ways, as Gemma 3's do); a window
+    still counts back from p_i, so it sees keys max(0, p_i + 1 - window) .. key_ends[i] - 1.
+    key_ends[i] = p_i + 1 everywhere is the plain call, with the same bits. Such a call
+    dispatches as ``paged_attention_ends`` (``paged_attention_window_ends`` with a window), so
+    only kernels that know key_ends see them. out = softmax(q k^T * scale + mask) v. The
+    kernel raises ValueError unless query_starts runs from 0 to N without going down,
+    q_len <= context_lens[b] <= MB * BS and each key_ends[i] is in its bounds (naming the row).
+    The F32 CPU kernel is batch invariant: a row's result does not depend on the rest of the
+    batch. Returns out.
     """
     op = "paged_attention"
-    tensors_match(op, ("out", "q", "k_cache", "v_cache", "block_tables", "query_starts", "context_lens"),
-                  (out, q, k_cache, v_cache, block_tables, query_starts, context_lens), dtypes=4)
+    tensors_match(op, ("out", "q", "k_cache", "v_cache", "block_tables", "query_starts", "context_lens", "key_ends"),
+                  (out, q, k_cache, v_cache, block_tables, query_starts, context_lens, key_ends), dtypes=4)
     dtype_in(op, "q", q, FLOAT_TYPES)
     for name, t in (("block_tables", block_tables), ("query_starts", query_starts), ("context_lens", context_lens)):
         dtype_in(op, name, t, INDEX_TYPES)
+    if key_ends is not None:
+        dtype_in(op, "key_ends", key_ends, INDEX_TYPES)
     ndim_is(op, "q", q, 3, "(N, H, D)")
     ndim_is(op, "k_cache", k_cache, 4, "(NB, BS, KH, D) block pool")
     ndim_is(op, "v_cache", v_cache, 4, "(NB, BS, KH, Dv) block pool")
@@ -96,10 +105,13 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     b = block_tables.shape[0]
     shape_is(op, "query_starts", query_starts, (b + 1,))
     shape_is(op, "context_lens", context_lens, (b,))
+    if key_ends is not None:
+        shape_is(op, "key_ends", key_ends, (n,))
     scale = number(op, "scale", scale)
     window = window_size(op, window)
     if 0 not in out.shape:
         attrs = {"scale": scale, "window": window} if window else {"scale": scale}
-        _launch(plan, op + "_window" if window else op, q.dtype, (out,),
-                (q, k_cache, v_cache, block_tables, query_starts, context_lens), attrs)
+        inputs = (q, k_cache, v_cache, block_tables, query_starts, context_lens)
+        name = op + ("_window" if window else "") + ("_ends" if key_ends is not None else "")
+        _launch(plan, name, q.dtype, (out,), inputs if key_ends is None else inputs + (key_ends,), attrs)
     return out

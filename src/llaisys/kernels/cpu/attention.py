@@ -57,9 +57,12 @@ def self_attention_window(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | No
     out[...] = windowed_attention(q, k, v, attrs["scale"], int(attrs["window"]))
 
 
-def windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int) -> np.ndarray:
+def windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int,
+                       ends: np.ndarray | None = None) -> np.ndarray:
     """q (S, H, D) at positions T-S .. T-1 over k (T, KH, D), v (T, KH, Dv), each query seeing
-    its last ``window`` keys (0: all up to its own): (S, H, Dv) float32."""
+    its last ``window`` keys (0: all up to its own): (S, H, Dv) float32. ``ends`` (S,) moves
+    where each query's keys end (query i sees keys before ends[i], ends[i] > its position; the
+    window still counts back from its position)."""
     s, h, d = q.shape
     t, kh, dv = v.shape
     lo = max(0, t - s - window + 1) if window else 0  # keys before this no query sees
@@ -69,7 +72,7 @@ def windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
     scores *= scale
     key = np.arange(lo, t)[None, :]  # (1, T - lo) key positions
     pos = np.arange(s)[:, None] + (t - s)  # (S, 1) query positions
-    hidden = key > pos
+    hidden = key > pos if ends is None else key >= ends[:, None]
     if window:
         hidden |= key <= pos - window
     np.copyto(scores, -np.inf, where=hidden)

@@ -1,7 +1,8 @@
-"""rms_norm, add_rms_norm, rope, swiglu, geglu, scale and self_attention for F32 on the CPU through
-the native library ``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels; and ``add``,
-which runs as NumPy's when called but offers a native call to a replayed plan for dense F32
-tensors (the same IEEE sums), so a plugin device's fallback of ``add`` stays in the stretch.
+"""rms_norm, add_rms_norm, rope, swiglu, geglu, scale and self_attention (causal, or full: every
+query sees every key, as in a vision encoder) for F32 on the CPU through the native library
+``csrc/ops`` (``llaisys._native._ops``), registered over the NumPy kernels; and ``add``, which
+runs as NumPy's when called but offers a native call to a replayed plan for dense F32 tensors
+(the same IEEE sums), so a plugin device's fallback of ``add`` stays in the stretch.
 
 The NumPy kernels (``norm_rope``, ``elementwise``, ``attention``) stay the readable reference
 and run instead where the library was not built, for F16/BF16, and for layouts the native code
@@ -432,26 +433,64 @@ def _attention_args(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) 
                                  s, h, d, k.shape[1], v.shape[2], scale)
 
 
-def self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``self_attention`` kernel: native where it applies, else ``attention.self_attention``.
+def _attention_kernel(op: str) -> Callable[..., None]:
+    """The F32 kernel ``op``: ``self_attention`` (causal) or ``self_attention_full`` (every query
+    sees every key), ``llaisys_ops_<op>`` where it applies (and the library has it: one built
+    before full attention lacks that), else the NumPy kernel ``attention.<op>``; its
+    ``native_call`` gives the block in an AttentionCall for a replayed plan.
 
     The cached arguments hold q and out; k and v (a layer's cache rows, new views each step)
     are passed per call, checked against the cached strides and head count."""
-    out = outputs[0]
-    q, k, v = inputs
-    scale = attrs["scale"]
-    key = (q, scale, k.strides, v.strides, k.shape[1])
-    e = out.derived("native_ops.self_attention", KeptBlock.fresh)
-    if e.key != key:
-        e.keep(key, _attention_args(out, q, k, v, scale))
-    if e.address is None or ((k.storage is out.storage or v.storage is out.storage) and not
-                             _writes_safely((out,), (k, v), same_view_ok=False)):
-        attention.self_attention(outputs, inputs, attrs)
-        return
-    status = _lib.llaisys_ops_self_attention(e.address, k.storage.ptr + k.offset, v.storage.ptr + v.offset,
-                                             k.shape[0])
-    if status:
-        _failed("self_attention", status)
+    entry, function = "native_ops." + op, "llaisys_ops_" + op
+
+    def kernel(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+        out = outputs[0]
+        q, k, v = inputs
+        scale = attrs["scale"]
+        key = (q, scale, k.strides, v.strides, k.shape[1])
+        e = out.derived(entry, KeptBlock.fresh)
+        if e.key != key:
+            e.keep(key, _attention_args(out, q, k, v, scale) if hasattr(_library(), function) else None)
+        if e.address is None or ((k.storage is out.storage or v.storage is out.storage) and not
+                                 _writes_safely((out,), (k, v), same_view_ok=False)):
+            getattr(attention, op)(outputs, inputs, attrs)
+            return
+        status = getattr(_lib, function)(e.address, k.storage.ptr + k.offset, v.storage.ptr + v.offset, k.shape[0])
+        if status:
+            _failed(op, status)
+
+    def native_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                    attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+        (out,), (q, k, v) = outputs, inputs
+        if k.storage is out.storage or v.storage is out.storage or not native_calls.available():
+            return None
+        args = _attention_args(out, q, k, v, attrs["scale"])
+        if args is None or not hasattr(_lib, function + "_call"):
+            return None
+        block = structs.AttentionCall(ctypes.addressof(args), _ptr(k), _ptr(v), k.shape[0])
+        layout = (q, k.strides, v.strides, k.shape[1:], v.shape[1:])
+
+        def rebind(outputs: tuple, inputs: tuple) -> bool:
+            q2, k2, v2 = inputs
+            if outputs[0] is not out or (q2, k2.strides, v2.strides, k2.shape[1:], v2.shape[1:]) != layout:
+                return False
+            if k2.storage is out.storage or v2.storage is out.storage:
+                return False
+            block.k, block.v, block.t = _ptr(k2), _ptr(v2), k2.shape[0]
+            return True
+
+        return _call_of(op, function + "_call", block, (args, k, v), rebind=rebind)
+
+    kernel.__name__ = kernel.__qualname__ = op
+    kernel.__doc__ = f"The F32 ``{op}`` kernel: native where it applies, else ``attention.{op}``."
+    native_call.__doc__ = (f"``{op}`` as an argument block; rebinding it to other K/V rows of the same layout (a "
+                           "cache one position on) only moves its pointers and key count.")
+    kernel.native_call = native_call  # type: ignore[attr-defined]
+    return kernel
+
+
+self_attention = _attention_kernel("self_attention")
+self_attention_full = _attention_kernel("self_attention_full")
 
 
 # ---- the same calls as argument blocks, for a replayed plan (``native_calls``) ------------------
@@ -489,31 +528,6 @@ def native_rope(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
     return call
 
 
-def native_self_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                          attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``self_attention`` as an argument block; rebinding it to other K/V rows of the same
-    layout (a cache one position on) only moves its pointers and key count."""
-    (out,), (q, k, v) = outputs, inputs
-    if k.storage is out.storage or v.storage is out.storage or not native_calls.available():
-        return None
-    args = _attention_args(out, q, k, v, attrs["scale"])
-    if args is None:
-        return None
-    block = structs.AttentionCall(ctypes.addressof(args), _ptr(k), _ptr(v), k.shape[0])
-    layout = (q, k.strides, v.strides, k.shape[1:], v.shape[1:])
-
-    def rebind(outputs: tuple, inputs: tuple) -> bool:
-        q2, k2, v2 = inputs
-        if outputs[0] is not out or (q2, k2.strides, v2.strides, k2.shape[1:], v2.shape[1:]) != layout:
-            return False
-        if k2.storage is out.storage or v2.storage is out.storage:
-            return False
-        block.k, block.v, block.t = _ptr(k2), _ptr(v2), k2.shape[0]
-        return True
-
-    return _call_of("self_attention", "llaisys_ops_self_attention_call", block, (args, k, v), rebind=rebind)
-
-
 def add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """The F32 ``add`` kernel: ``elementwise.add`` (a replayed plan may run ``native_add``)."""
     elementwise.add(outputs, inputs, attrs)
@@ -534,13 +548,13 @@ def native_add(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
 
 add.native_call = native_add  # type: ignore[attr-defined]
 rope.native_call = native_rope  # type: ignore[attr-defined]
-self_attention.native_call = native_self_attention  # type: ignore[attr-defined]
 
 KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "rope_freqs": rope, "swiglu": swiglu,
-           "self_attention": self_attention, "add": add}
+           "self_attention": self_attention, "self_attention_full": self_attention_full, "add": add}
 NUMPY_KERNELS = {"rms_norm": norm_rope.rms_norm, "add_rms_norm": norm_rope.add_rms_norm, "rope": norm_rope.rope,
-                 "rope_freqs": norm_rope.rope_freqs,
-                 "swiglu": elementwise.swiglu, "self_attention": attention.self_attention, "add": elementwise.add}
+                 "rope_freqs": norm_rope.rope_freqs, "swiglu": elementwise.swiglu,
+                 "self_attention": attention.self_attention, "self_attention_full": attention.self_attention_full,
+                 "add": elementwise.add}
 
 
 def register(native: bool = True) -> None:

@@ -77,7 +77,7 @@ def _row_dense(*tensors: Tensor) -> bool:
 
 def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
                          window: int = 0) -> structs.PagedAttentionArgs | None:
-    q, kc, vc, bt, qs, cl = inputs
+    q, kc, vc, bt, qs, cl = inputs[:6]
     if out.dtype is not DataType.F32 or not _row_dense(out, q, kc, vc) or not _library():
         return None
     n, h, d = q.shape
@@ -88,6 +88,8 @@ def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
         qs.data_ptr, qs.strides[0], cl.data_ptr, cl.strides[0],
         n, h, kh, d, dv, nb, bs, bt.shape[0], bt.shape[1], scale)
     args.window = window
+    if len(inputs) > 6:  # the _ends kernels: each row's key end
+        args.key_ends, args.ke_s0 = inputs[6].data_ptr, inputs[6].strides[0]
     return args
 
 
@@ -121,8 +123,9 @@ def _run_attention(entry: KeptBlock, inputs: tuple) -> None:
 
 
 def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
-    """The F32 ``paged_attention`` and ``paged_attention_window`` kernel (attrs: scale, and
-    window for the latter): native where it applies, else ``paged.paged_attention``."""
+    """The F32 ``paged_attention`` kernel and its ``_window``, ``_ends`` and ``_window_ends``
+    forms (attrs: scale, and window for the windowed ones; inputs: key_ends (N,) after
+    context_lens for the ``_ends`` ones): native where it applies, else ``paged.paged_attention``."""
     entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)))
     if entry.args is None:
         paged.paged_attention(outputs, inputs, attrs)
@@ -132,9 +135,10 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
 
 def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                            attrs: dict[str, Any]) -> None:
-    """``paged_attention`` (with ``attrs["window"]``, its windowed form) on the native kernel
-    only (tests, benchmarks); RuntimeError when the library is missing, the type is not F32 or
-    a float tensor's last dimension is strided."""
+    """``paged_attention`` (with ``attrs["window"]``, its windowed form; with a seventh input,
+    key_ends, its ``_ends`` form) on the native kernel only (tests, benchmarks); RuntimeError
+    when the library is missing, the type is not F32 or a float tensor's last dimension is
+    strided."""
     _run_attention(_attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0))), inputs)
 
 
@@ -254,6 +258,6 @@ def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor
 paged_attention.native_call = native_paged_attention_call  # type: ignore[attr-defined]
 kv_cache_write.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
 
-register_kernel("paged_attention", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
-register_kernel("paged_attention_window", "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
+for _name in ("paged_attention", "paged_attention_window", "paged_attention_ends", "paged_attention_window_ends"):
+    register_kernel(_name, "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
 register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)

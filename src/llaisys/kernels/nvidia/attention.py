@@ -3,7 +3,9 @@ sequence's keys and, for the serving engine, ``kv_cache_write`` and ``paged_atte
 a pool of KV blocks addressed through block tables; both with an optional sliding window (a
 query sees its last ``window`` keys, its own included; the walk starts at the first of them).
 ``self_attention_full`` is the one sequence's attention without a mask (``CAUSAL`` off: every
-query sees every key), a vision encoder's.
+query sees every key), a vision encoder's. ``paged_attention_ends`` (and ``_window_ends``)
+reads each row's key end from key_ends (``ENDS``) instead of taking its position + 1 (the
+tokens of an image that see each other both ways); a window still starts from its position.
 
 One kernel serves both attentions (``PAGED`` picks how key p is found). A program takes
 BLOCK_Q queries of one sequence and all G query heads of one KV head, as ROWS = BLOCK_Q * G
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...runtime.dtypes import DataType
-from ..cpu.paged import check_sequences, check_slots
+from ..cpu.paged import check_key_ends, check_sequences, check_slots
 from ..registry import register_kernel
 from ._common import FLOATS, checks_enabled, interpreted, launch, next_pow2, tv
 
@@ -37,16 +39,18 @@ PREFILL_ROWS = 64
 
 
 @triton.jit
-def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, window,
-               q_n, q_h, q_d, o_n, o_h, o_d, k_b, k_s, k_h, k_d, v_b, v_s, v_h, v_d, bt_b,
+def _attention(out, q, kc, vc, bt, qs, cl, ke, n_rows, n_seqs, t_plain, bs, scale, window,
+               q_n, q_h, q_d, o_n, o_h, o_d, k_b, k_s, k_h, k_d, v_b, v_s, v_h, v_d, bt_b, ke_n,
                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-               FIND_SEQ: tl.constexpr, B_PAD: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
+               FIND_SEQ: tl.constexpr, B_PAD: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
+               ENDS: tl.constexpr):
     """Grid (B, query blocks, KH), or with FIND_SEQ (BLOCK_Q = 1) (N, 1, KH): a program per
     token, which finds its sequence in qs. Sequence b owns rows qs[b]:qs[b+1] of q and cl[b]
     keys (PAGED), or rows 0:n_rows and t_plain keys (not PAGED); its query j sits at key count
     - q_len + j and sees keys 0..that position, or with ``window`` > 0 the last ``window`` of them;
-    without CAUSAL (window 0) every query sees every key."""
+    with ENDS (PAGED, CAUSAL) row n's keys end before ke[n] instead (a window counting back from
+    its position still); without CAUSAL (window 0) every query sees every key."""
     kh = tl.program_id(2).to(tl.int64)
     if FIND_SEQ:  # the sequence of token `tok`: how many sequences end at or before it
         tok = tl.program_id(0).to(tl.int64)
@@ -78,7 +82,11 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, w
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DVP], tl.float32)
-    if CAUSAL:
+    if ENDS:
+        row_end = tl.load(ke + n * ke_n, mask=row_ok, other=0)  # (ROWS,) each row sees keys before this
+        row_end = tl.minimum(row_end, ctx)  # unchecked, a bad end reads nothing past the sequence
+        end = tl.max(row_end, 0)
+    elif CAUSAL:
         end = tl.minimum(ctx - q_len + (qblk + 1) * BLOCK_Q, ctx)  # keys seen by this block's last query
     else:
         end = ctx
@@ -103,7 +111,10 @@ def _attention(out, q, kc, vc, bt, qs, cl, n_rows, n_seqs, t_plain, bs, scale, w
             s = tl.dot(qv, kt)
         s = s * scale  # (ROWS, BLOCK_N)
         if CAUSAL:
-            seen = (p[None, :] <= pos[:, None]) & p_ok[None, :]
+            if ENDS:
+                seen = (p[None, :] < row_end[:, None]) & p_ok[None, :]
+            else:
+                seen = (p[None, :] <= pos[:, None]) & p_ok[None, :]
             seen = seen & ((window == 0) | (p[None, :] > pos[:, None] - window))
         else:
             seen = p_ok[None, :]
@@ -163,27 +174,33 @@ def _one_sequence(out_t: "Tensor", inputs: tuple["Tensor | None", ...], scale: f
     s, h, d = q.shape
     t, kh, dv = v.shape
     block_q = _block_q(s == 1, h // kh, inputs[0].dtype)
-    args = (out, q, k, v, q, q, q, s, 1, t, 1, scale, window,
+    args = (out, q, k, v, q, q, q, q, s, 1, t, 1, scale, window,
             *q.stride(), *out.stride(),
-            0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0)
+            0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0, 0)
     launch(_attention, (1, triton.cdiv(s, block_q), kh), args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": False, "FIND_SEQ": False,
-            "B_PAD": 1, "CAUSAL": causal},
+            "B_PAD": 1, "CAUSAL": causal, "ENDS": False},
            exact=inputs[0].dtype is DataType.F32)
 
 
+@register_kernel("paged_attention_window_ends", "nvidia", dtypes=FLOATS)
+@register_kernel("paged_attention_ends", "nvidia", dtypes=FLOATS)
 @register_kernel("paged_attention_window", "nvidia", dtypes=FLOATS)
 @register_kernel("paged_attention", "nvidia", dtypes=FLOATS)
 def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any]) -> None:
     """Causal grouped-query attention of q (N, H, D) over the paged cache into out (N, H, Dv):
     inputs (q, k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv), block_tables (B, MB),
-    query_starts (B+1,), context_lens (B,)); attrs: scale, window (as ``self_attention``'s).
-    With checks on, ValueError for
-    inconsistent index tensors, as the CPU kernel raises."""
+    query_starts (B+1,), context_lens (B,)), and for the ``_ends`` kernels key_ends (N,) (row
+    i sees keys before key_ends[i]); attrs: scale, window (as ``self_attention``'s). With
+    checks on, ValueError for inconsistent index tensors, as the CPU kernel raises."""
     if checks_enabled(outputs[0]):
         host = tuple(_HostIndex(t) for t in inputs)
-        check_sequences(host, inputs[4].numpy(), inputs[5].numpy(), inputs[3].numpy())
-    out, q, kc, vc, bt, qs, cl = tv(outputs[0]), *(tv(t) for t in inputs)
+        qs_host, cl_host = inputs[4].numpy(), inputs[5].numpy()
+        check_sequences(host, qs_host, cl_host, inputs[3].numpy())
+        if len(inputs) > 6:
+            check_key_ends(inputs[6].numpy(), qs_host, cl_host)
+    out, q, kc, vc, bt, qs, cl = tv(outputs[0]), *(tv(t) for t in inputs[:6])
+    ke = tv(inputs[6]) if len(inputs) > 6 else qs  # (a placeholder pointer without ENDS)
     n, h, d = q.shape
     nb, bs, kh, _ = kc.shape
     dv = vc.shape[3]
@@ -191,12 +208,12 @@ def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None"
     decode = n == b  # (as many tokens as sequences: a program per token, finding its sequence)
     block_q = _block_q(decode, h // kh, inputs[0].dtype)
     grid = (n, 1, kh) if decode else (b, triton.cdiv(n, block_q), kh)
-    args = (out, q, kc, vc, bt, qs, cl, n, b, 0, bs, float(attrs["scale"]), int(attrs.get("window", 0)),
+    args = (out, q, kc, vc, bt, qs, cl, ke, n, b, 0, bs, float(attrs["scale"]), int(attrs.get("window", 0)),
             *q.stride(), *out.stride(),
-            *kc.stride(), *vc.stride(), bt.stride(0))
+            *kc.stride(), *vc.stride(), bt.stride(0), ke.stride(0) if len(inputs) > 6 else 0)
     launch(_attention, grid, args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": True, "FIND_SEQ": decode,
-            "B_PAD": next_pow2(b) if decode else 1, "CAUSAL": True},
+            "B_PAD": next_pow2(b) if decode else 1, "CAUSAL": True, "ENDS": len(inputs) > 6},
            exact=inputs[0].dtype is DataType.F32)
 
 

@@ -229,4 +229,4 @@ class WindowArgs(ArchArgs):
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
 
 
-from . import gemma3, llama, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself; they import the names above)
+from . import gemma3, llama, qwen2, qwen2_vl, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself; they import the names above)

@@ -6,6 +6,12 @@ vision tower is built from the rest.
 SmolVLM and Idefics3 (``smolvlm``, ``idefics3``): a Llama text model under
 ``model.text_model.``, a SigLIP encoder under ``model.vision_model.`` whose patch positions are
 bucketed for any grid, and a pixel-shuffle projector (``model.connector.modality_projection``).
+
+Gemma 3 (``gemma3`` with a ``vision_config``): a Gemma 3 text model under
+``language_model.model.`` (``model.language_model.`` as transformers 5 names it), a SigLIP
+encoder under ``vision_tower.vision_model.`` (or ``vision_tower.``), and a projector that
+average-pools the patches to ``mm_tokens_per_image`` rows, RMS-normalises them (Gemma's 1 + w)
+and projects them (``multi_modal_projector``); an image's tokens see each other both ways.
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ class Family:
     """Where a vision-language folder keeps its parts, and how its tower is built."""
 
     name: str
-    text_prefix: str  # the text model's weights are named "model." + what follows this prefix
-    kept_names: frozenset[str]  # text weights named as a text model names them ("lm_head.weight")
+    text_prefixes: tuple[str, ...]  # the text model's weights are named "model." + what follows one of these
+    kept_names: dict[str, str]  # other text weights by their names in the file -> a text model's ("lm_head.weight")
     vision_prefixes: tuple[str, ...]  # the tower's weights
     # (raw config.json, source) -> the text model's config.json
     text_config: Callable[[Mapping[str, Any], str], dict[str, Any]] = field(repr=False)
@@ -48,11 +54,10 @@ class Family:
     def text_name(self, name: str) -> str | None:
         """The name the text architecture's table knows ``name`` by, or None when it is the
         tower's."""
-        if name.startswith(self.text_prefix):
-            return "model." + name[len(self.text_prefix):]
-        if name in self.kept_names:
-            return name
-        return None
+        for prefix in self.text_prefixes:
+            if name.startswith(prefix):
+                return "model." + name[len(prefix):]
+        return self.kept_names.get(name)
 
     def is_vision(self, name: str) -> bool:
         return name.startswith(self.vision_prefixes)
@@ -135,9 +140,130 @@ def _refuse_unused(weights: Mapping[str, Any], used: set[str], source: str) -> N
                              "expected only the encoder's and the projector's weights")
 
 
-_IDEFICS3 = Family("idefics3", "model.text_model.", frozenset({"lm_head.weight"}),
+def _gemma3_text_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``text_config`` (a ``gemma3_text`` model) with the whole model's tied head (true unless
+    the top level says otherwise, as transformers' Gemma3Config has it)."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ModelLoadError(f"{source}: text_config must be an object, got {text!r:.80}")
+    return {"model_type": "gemma3_text", **text, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+
+
+GEMMA3_VISION = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.",
+                 "vision_tower.")
+GEMMA3_PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def _gemma3_tower(raw: Mapping[str, Any], weights: Mapping[str, Any], folder: Path, text_hidden: int,
+                  vocab_size: int, dtype: DataType, device: Device) -> VisionTower:
+    """Gemma 3's tower from a folder: SigLIP (``vision_config``), then the projector: average
+    pooling to ``mm_tokens_per_image`` rows, Gemma's RMS norm, a projection to the text width."""
+    from ...vision.preprocess import Gemma3Processor
+    from .projectors import PooledProjector
+
+    source = str(folder / "config.json")
+    config = EncoderConfig.from_hf(raw.get("vision_config"), source, SIGLIP_VISION_DEFAULTS)
+    prefix = next((p for p in GEMMA3_VISION if p + "embeddings.patch_embedding.weight" in weights), GEMMA3_VISION[-1])
+    proj_prefix = next((p for p in GEMMA3_PROJECTOR if p + "mm_input_projection_weight" in weights),
+                       GEMMA3_PROJECTOR[-1])
+    names = {"norm": proj_prefix + "mm_soft_emb_norm.weight", "proj": proj_prefix + "mm_input_projection_weight"}
+    head = {n for n in weights if n.startswith(prefix + "head.")}  # SigLIP's pooling head: Gemma 3 reads no pool
+    _refuse_unused(weights, {prefix + n for n in encoder_shapes(config, True)} | set(names.values()) | head, source)
+    tokens = raw.get("mm_tokens_per_image", 256)
+    side = int(round(tokens ** 0.5)) if is_int(tokens) and tokens > 0 else 0
+    grid = config.patches_per_side
+    if side * side != tokens or grid % side:
+        raise ModelLoadError(f"{source}: mm_tokens_per_image must be a square whose side divides the {grid} patches "
+                             f"per side of vision_config, got {tokens!r}")
+    token = raw.get("image_token_index", raw.get("image_token_id", 262144))
+    if not is_int(token) or not 0 <= token < vocab_size:
+        raise ModelLoadError(f"{source}: image_token_index must be a token id below the vocabulary size "
+                             f"{vocab_size}, got {token!r}")
+    for key, shape in (("norm", (config.hidden_size,)), ("proj", (config.hidden_size, text_hidden))):
+        if names[key] not in weights:
+            raise ModelLoadError(f"{source}: missing vision weight {names[key]!r}")
+        if tuple(weights[names[key]].shape) != shape:
+            raise ModelLoadError(f"{source}: vision weight {names[key]!r} has shape {tuple(weights[names[key]].shape)}; "
+                                 f"expected {shape}")
+    encoder = VisionEncoder(config, _reader(weights, prefix, source), source, dtype=dtype, device=device)
+    projector = PooledProjector(np.asarray(weights[names["norm"]].read()), np.asarray(weights[names["proj"]].read()),
+                                grid // side, config.layer_norm_eps, dtype, device)
+    settings = read_json_object(folder / PREPROCESSOR_CONFIG)
+    try:
+        processor = Gemma3Processor.from_config({**settings, "image_seq_length": tokens})
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder / PREPROCESSOR_CONFIG}: {exc}") from exc
+    return VisionTower("gemma3", processor, encoder, projector, token, "<start_of_image>", text_hidden, two_way=True)
+
+
+# transformers' SiglipVisionConfig defaults
+SIGLIP_VISION_DEFAULTS = {**SIGLIP_DEFAULTS, "intermediate_size": 3072, "hidden_size": 768, "num_attention_heads": 12,
+                          "patch_size": 16}
+
+def _qwen_text_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``text_config`` (transformers 5), or the top level itself (older configs keep the text
+    model's keys there), as a ``qwen2_5_vl_text`` model; the tied head as the top level says."""
+    text = raw.get("text_config")
+    if text is None:
+        text = {k: v for k, v in raw.items() if k not in ("vision_config", "text_config")}
+    if not isinstance(text, Mapping):
+        raise ModelLoadError(f"{source}: text_config must be an object, got {text!r:.80}")
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": "qwen2_5_vl_text", "tie_word_embeddings": tie}
+
+
+QWEN_VISION = ("model.visual.", "visual.")
+
+
+class _Merged:
+    """The projector of a tower whose encoder ends in its own merger: the rows as they come."""
+
+    @staticmethod
+    def project(rows: np.ndarray) -> np.ndarray:
+        return rows
+
+
+def _qwen_tower(raw: Mapping[str, Any], weights: Mapping[str, Any], folder: Path, text_hidden: int,
+                vocab_size: int, dtype: DataType, device: Device) -> VisionTower:
+    """Qwen2.5-VL's tower: its windowed ViT with 2-D rope and the patch merger, the image
+    processor of preprocessor_config.json, and multimodal rope positions for its tokens."""
+    from ...vision.preprocess import Qwen2VLProcessor
+    from .qwen_vision import QwenVisionConfig, QwenVisionEncoder, qwen_vision_shapes
+
+    source = str(folder / "config.json")
+    config = QwenVisionConfig.from_hf(raw.get("vision_config"), source)
+    if config.out_hidden_size != text_hidden:
+        raise ModelLoadError(f"{source}: vision_config.out_hidden_size={config.out_hidden_size} must equal the text "
+                             f"model's hidden_size={text_hidden}")
+    prefix = next((p for p in QWEN_VISION if p + "patch_embed.proj.weight" in weights), QWEN_VISION[-1])
+    _refuse_unused(weights, {prefix + n for n in qwen_vision_shapes(config)}, source)
+    token = raw.get("image_token_id", 151655)
+    if not is_int(token) or not 0 <= token < vocab_size:
+        raise ModelLoadError(f"{source}: image_token_id must be a token id below the vocabulary size {vocab_size}, "
+                             f"got {token!r}")
+    encoder = QwenVisionEncoder(config, _reader(weights, prefix, source), source, dtype=dtype, device=device)
+    settings = read_json_object(folder / PREPROCESSOR_CONFIG)
+    try:
+        processor = Qwen2VLProcessor.from_config(settings)
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder / PREPROCESSOR_CONFIG}: {exc}") from exc
+    if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
+            config.patch_size, config.spatial_merge_size, config.temporal_patch_size):
+        raise ModelLoadError(f"{folder / PREPROCESSOR_CONFIG}: patch_size, merge_size and temporal_patch_size must "
+                             "match vision_config's patch_size, spatial_merge_size and temporal_patch_size")
+    return VisionTower("qwen2_5_vl", processor, encoder, _Merged(), token, "<|image_pad|>", text_hidden,
+                       standalone="<|vision_start|><|image_pad|><|vision_end|>", multimodal_rope=True)
+
+
+_IDEFICS3 = Family("idefics3", ("model.text_model.",), {"lm_head.weight": "lm_head.weight"},
                    ("model.vision_model.", "model.connector."), _idefics3_text_config, _idefics3_tower)
-FAMILIES: dict[str, Family] = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3}
+_GEMMA3 = Family("gemma3", ("model.language_model.", "language_model.model."),
+                 {"lm_head.weight": "lm_head.weight", "language_model.lm_head.weight": "lm_head.weight"},
+                 GEMMA3_VISION + GEMMA3_PROJECTOR, _gemma3_text_config, _gemma3_tower)
+_QWEN2_5_VL = Family("qwen2_5_vl", ("model.language_model.", "model."), {"lm_head.weight": "lm_head.weight"},
+                     QWEN_VISION, _qwen_text_config, _qwen_tower)
+FAMILIES: dict[str, Family] = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3, "gemma3": _GEMMA3,
+                               "qwen2_5_vl": _QWEN2_5_VL}
 
 
 def family_of(raw: Any) -> Family | None:

@@ -1,14 +1,18 @@
 """Projectors: from a vision encoder's output to rows of the text model's embedding space.
 
 ``PixelShuffleProjector`` is SmolVLM's (Idefics3's connector): each s x s square of patches
-becomes one row of s*s*Dv values, then a linear without bias maps it to D. Shapes: N images,
-P patches per image (a square grid), Dv encoder width, s the scale factor, D the text width.
+becomes one row of s*s*Dv values, then a linear without bias maps it to D.
+``PooledProjector`` is Gemma 3's: each k x k square of patches averaged into one row, the rows
+RMS-normalised with Gemma's (1 + w) weight, then projected to D. Shapes: N images, P patches
+per image (a square grid G x G), Dv encoder width, s the scale factor, k the pooling side, D
+the text width.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...ops import functional as F
+from ...runtime.device import Device
 from ...runtime.dtypes import DataType
 from ...tensor import Tensor
 
@@ -40,3 +44,31 @@ class PixelShuffleProjector:
         rows = Tensor.from_numpy(shuffled.reshape(-1, shuffled.shape[-1]), device=self.weight.device,
                                  dtype=self.weight.dtype if not self.weight.dtype.is_quantized else DataType.F32)
         return F.linear(rows, self.weight).numpy().astype(np.float32, copy=False)
+
+
+class PooledProjector:
+    """Gemma 3's projector: average pooling by ``side`` x ``side`` patches, RMS norm with weight
+    1 + ``norm`` (Dv,) and ``eps``, then ``proj`` (Dv, D)."""
+
+    def __init__(self, norm: np.ndarray, proj: np.ndarray, side: int, eps: float, dtype: DataType,
+                 device: Device | None):
+        weight = (1.0 + norm.astype(np.float32)).astype(np.float32)  # Gemma's norm scales by 1 + w, in float32
+        self.norm = Tensor.from_numpy(weight, device=device, dtype=dtype)  # (Dv,)
+        self.proj = Tensor.from_numpy(np.ascontiguousarray(proj.astype(np.float32).T), device=device,
+                                      dtype=dtype)  # (D, Dv)
+        self.side, self.eps = side, eps
+
+    def tokens_per_image(self, patches: int) -> int:
+        """Rows the projector makes of an image of ``patches`` patches."""
+        return patches // (self.side * self.side)
+
+    def project(self, encoded: Tensor) -> np.ndarray:
+        """The rows (N*P/k^2, D) float32 of encoder output ``encoded`` (N, P, Dv), image by image,
+        each image's pooled squares row by row."""
+        x = encoded.numpy().astype(np.float32, copy=False)
+        n, p, d = x.shape
+        g, k = int(round(p ** 0.5)), self.side
+        pooled = x.reshape(n, g // k, k, g // k, k, d).mean(axis=(2, 4), dtype=np.float32)  # (N, G/k, G/k, Dv)
+        rows = Tensor.from_numpy(np.ascontiguousarray(pooled.reshape(-1, d)), device=self.norm.device,
+                                 dtype=self.norm.dtype)
+        return F.linear(F.rms_norm(rows, self.norm, self.eps), self.proj).numpy().astype(np.float32, copy=False)
