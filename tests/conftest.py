@@ -579,10 +579,24 @@ def tiny_gemma3_vlm(hf_gemma3_tokenizer, tmp_path_factory) -> Path:
                            image_size=64, patch_size=8, vision_use_head=False),
         mm_tokens_per_image=16, image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"))
     torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(config).eval().save_pretrained(folder)
+    sharpen_gemma3(Gemma3ForConditionalGeneration(config).eval()).save_pretrained(folder)
     tok.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(folder)
     return folder
+
+
+def sharpen_gemma3(model):
+    """``model`` (a Gemma3ForConditionalGeneration) with its q and k norms scaling by 6 instead
+    of about 1 (weights 5: Gemma's norm scales by 1 + w): a random tiny model's attention is
+    otherwise nearly uniform, and which keys a token sees (an image both ways) would hardly
+    change its output. Returns it."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_norm.weight.fill_(5.0)
+            layer.self_attn.k_norm.weight.fill_(5.0)
+    return model
 
 
 QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -600,7 +614,8 @@ def tiny_qwen25_vl(hf_smollm2_tokenizer, tmp_path_factory) -> Path:
     """A random-weight Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: a 2-layer
     text model with multimodal rope sections (2, 3, 3), on SmolLM2's tokenizer with Qwen's
     vision tokens added; a 4-layer windowed ViT of 14 px patches, windows of 2 x 2 merged
-    units, full attention on blocks 1 and 3) saved as a Hugging Face folder, with an image
+    units, full attention on blocks 1 and 3; q and k scaled up tenfold so that attention,
+    and so the rope positions, decide the output) saved as a Hugging Face folder, with an image
     processor config that keeps grids small (56*56 to 28*28*64 pixels)."""
     import copy
 
@@ -623,7 +638,17 @@ def tiny_qwen25_vl(hf_smollm2_tokenizer, tmp_path_factory) -> Path:
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(folder)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # sharper attention: with random small q and k, scores would hardly depend on them
+        for layer in model.model.language_model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(10.0)
+                proj.bias.mul_(10.0)
+        qk = 2 * config.vision_config.hidden_size
+        for block in model.model.visual.blocks:
+            block.attn.qkv.weight[:qk].mul_(10.0)
+            block.attn.qkv.bias[:qk].mul_(10.0)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(folder)
     return folder

@@ -86,7 +86,7 @@ def llama_folder(tmp_path_factory):
 def test_one_registration_makes_a_new_model_type_load(llama_folder, tmp_path):
     _, folder = llama_folder
     twin_folder = _retyped(folder, tmp_path / TWIN, TWIN)
-    with pytest.raises(ModelLoadError, match=f"unsupported model_type '{TWIN}'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen3"):
+    with pytest.raises(ModelLoadError, match=f"unsupported model_type '{TWIN}'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen2vl, qwen3"):
         load_model(twin_folder)
     arch = architectures.register(dataclasses.replace(architectures.get("llama"), name=TWIN))
     try:

@@ -76,7 +76,7 @@ def test_not_a_gguf_file(tmp_path):
 def test_unknown_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_gguf(path, "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
-    with pytest.raises(ModelLoadError, match=r"mamba\.gguf: unsupported architecture 'mamba'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen3"):
+    with pytest.raises(ModelLoadError, match=r"mamba\.gguf: unsupported architecture 'mamba'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen2vl, qwen3"):
         load_model(path)
 
 
@@ -361,7 +361,7 @@ def test_the_base_folder_loads(tmp_path):
 @pytest.mark.parametrize("config,message", [
     ("{not json", r"config\.json: not valid JSON"),
     ("[1, 2]", r"config\.json: expected a JSON object, got list"),
-    ({**HF_CONFIG, "model_type": "gpt2"}, r"config\.json: unsupported model_type 'gpt2'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen3"),
+    ({**HF_CONFIG, "model_type": "gpt2"}, r"config\.json: unsupported model_type 'gpt2'; expected one of gemma3, gemma3_text, llama, mistral, qwen2, qwen2_5_vl_text, qwen2_vl_text, qwen2vl, qwen3"),
     ({k: v for k, v in HF_CONFIG.items() if k != "hidden_size"}, r"config\.json: missing required key\(s\) hidden_size"),
     ({**HF_CONFIG, "num_key_value_heads": 3}, r"config\.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({**HF_CONFIG, "intermediate_size": -5}, r"config\.json: intermediate_size must be a positive integer, got -5"),

@@ -87,6 +87,7 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("llama", {"sliding_window": True}),  # Llama with a sliding window on every layer
     "gemma3_text": ("gemma3", {}),  # the text model's config of Gemma 3
     "qwen3moe": ("qwen3_moe", {}),  # llama.cpp's name (GGUF general.architecture) for Qwen3-MoE
+    "qwen2vl": ("qwen2_5_vl_text", {}),  # llama.cpp's name for the text model of Qwen2-VL and Qwen2.5-VL
 }
 
 

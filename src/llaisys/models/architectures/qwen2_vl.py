@@ -5,17 +5,21 @@ take their angle from each, in order (transformers' ``recomposition_frequencies`
 
 To rotate each section with one ``ops.rope`` call, the q and k rows of every head are stored
 permuted (``section_order``): section s's pairs (i, i + Dh/2) for i in its range become one
-contiguous rotate-half block. Scores q . k are the same under a permutation applied to both."""
+contiguous rotate-half block. Scores q . k are the same under a permutation applied to both.
+
+llama.cpp writes the text model of Qwen2-VL and Qwen2.5-VL as ``general.architecture``
+"qwen2vl" (an alias of ``qwen2_5_vl_text``, whose text model is the same): Qwen2's tensor names
+in Hugging Face row order, and the sections in ``qwen2vl.rope.dimension_sections`` (t, h, w, 0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
 from ..config import ModelConfig, is_int
 from ..errors import ModelLoadError
-from . import Architecture, WindowArgs, register
+from . import Architecture, RowFix, WindowArgs, register
 from . import qwen2
 
 
@@ -31,7 +35,7 @@ class MropeArgs(WindowArgs):
         sections = self.mrope_section
         if (not isinstance(sections, list) or not sections or len(sections) > 3
                 or not all(is_int(n) and n > 0 for n in sections) or sum(sections) != config.head_dim // 2):
-            raise ModelLoadError(f"{source}: rope_parameters.mrope_section must list up to three positive pair "
+            raise ModelLoadError(f"{source}: {config.key_name('mrope_section')} must list up to three positive pair "
                                  f"counts summing to head_dim / 2 = {config.head_dim // 2}, got {sections!r}")
         if config.partial_rotary_factor != 1.0:
             raise ModelLoadError(f"{source}: multimodal rope rotates whole heads; partial_rotary_factor must be 1")
@@ -82,14 +86,35 @@ def hf_value_fix(ours: str, config: ModelConfig) -> Callable[[np.ndarray], np.nd
     return fix
 
 
+def gguf_row_fix(ours: str, config: ModelConfig) -> RowFix | None:
+    """``hf_value_fix``'s permutation for a GGUF file's q and k rows, which llama.cpp stores in
+    Hugging Face order; it stays within each head, so whole heads can be read at a time."""
+    fix = hf_value_fix(ours, config)
+    return None if fix is None else (fix, config.head_dim)
+
+
 def hf_config(raw: Mapping[str, Any], source: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """Qwen2's, and the sections ``hf_prepare`` took out of the rope table."""
     return {**qwen2.hf_config(raw, source, options), "mrope_section": raw.get("mrope_section")}
 
 
+def gguf_config(meta: Mapping[str, Any], tensors: Collection[str], source: str) -> dict[str, Any]:
+    """Qwen2's, and the sections of ``{arch}.rope.dimension_sections``: llama.cpp pads them to
+    four counts with zeros, which are dropped here (``MropeArgs.validate`` checks the rest)."""
+    key = f"{meta.get('general.architecture')}.rope.dimension_sections"
+    sections = meta.get(key)
+    if not isinstance(sections, list) or not 0 < len(sections) <= 4 or not all(is_int(n) and n >= 0 for n in sections):
+        raise ModelLoadError(f"{source}: {key} must list the multimodal rope's pair counts per position stream "
+                             f"(time, height, width, 0), got {sections!r}")
+    while sections and sections[-1] == 0:
+        sections = sections[:-1]
+    return {**qwen2.gguf_config(meta, tensors, source), "mrope_section": list(sections),
+            "key_names": {"mrope_section": key}}
+
+
 def _register(name: str) -> Architecture:
-    return register(Architecture(name=name, args=MropeArgs, hf_config=hf_config, gguf_config=qwen2.gguf_config,
-                                 hf_prepare=hf_prepare, hf_value_fix=hf_value_fix,
+    return register(Architecture(name=name, args=MropeArgs, hf_config=hf_config, gguf_config=gguf_config,
+                                 gguf_row_fix=gguf_row_fix, hf_prepare=hf_prepare, hf_value_fix=hf_value_fix,
                                  hf_key_names=lambda raw: {"mrope_section": "rope_parameters.mrope_section"}))
 
 

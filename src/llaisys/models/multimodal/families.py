@@ -158,9 +158,6 @@ def _gemma3_tower(raw: Mapping[str, Any], weights: Mapping[str, Any], folder: Pa
                   vocab_size: int, dtype: DataType, device: Device) -> VisionTower:
     """Gemma 3's tower from a folder: SigLIP (``vision_config``), then the projector: average
     pooling to ``mm_tokens_per_image`` rows, Gemma's RMS norm, a projection to the text width."""
-    from ...vision.preprocess import Gemma3Processor
-    from .projectors import PooledProjector
-
     source = str(folder / "config.json")
     config = EncoderConfig.from_hf(raw.get("vision_config"), source, SIGLIP_VISION_DEFAULTS)
     prefix = next((p for p in GEMMA3_VISION if p + "embeddings.patch_embedding.weight" in weights), GEMMA3_VISION[-1])
@@ -170,30 +167,46 @@ def _gemma3_tower(raw: Mapping[str, Any], weights: Mapping[str, Any], folder: Pa
     head = {n for n in weights if n.startswith(prefix + "head.")}  # SigLIP's pooling head: Gemma 3 reads no pool
     _refuse_unused(weights, {prefix + n for n in encoder_shapes(config, True)} | set(names.values()) | head, source)
     tokens = raw.get("mm_tokens_per_image", 256)
-    side = int(round(tokens ** 0.5)) if is_int(tokens) and tokens > 0 else 0
-    grid = config.patches_per_side
-    if side * side != tokens or grid % side:
-        raise ModelLoadError(f"{source}: mm_tokens_per_image must be a square whose side divides the {grid} patches "
-                             f"per side of vision_config, got {tokens!r}")
+    if not is_int(tokens) or tokens <= 0:
+        raise ModelLoadError(f"{source}: mm_tokens_per_image must be a positive integer, got {tokens!r}")
     token = raw.get("image_token_index", raw.get("image_token_id", 262144))
     if not is_int(token) or not 0 <= token < vocab_size:
         raise ModelLoadError(f"{source}: image_token_index must be a token id below the vocabulary size "
                              f"{vocab_size}, got {token!r}")
-    for key, shape in (("norm", (config.hidden_size,)), ("proj", (config.hidden_size, text_hidden))):
-        if names[key] not in weights:
-            raise ModelLoadError(f"{source}: missing vision weight {names[key]!r}")
-        if tuple(weights[names[key]].shape) != shape:
-            raise ModelLoadError(f"{source}: vision weight {names[key]!r} has shape {tuple(weights[names[key]].shape)}; "
-                                 f"expected {shape}")
-    encoder = VisionEncoder(config, _reader(weights, prefix, source), source, dtype=dtype, device=device)
-    projector = PooledProjector(np.asarray(weights[names["norm"]].read()), np.asarray(weights[names["proj"]].read()),
-                                grid // side, config.layer_norm_eps, dtype, device)
-    settings = read_json_object(folder / PREPROCESSOR_CONFIG)
+    for name in names.values():
+        if name not in weights:
+            raise ModelLoadError(f"{source}: missing vision weight {name!r}")
+    scale = np.float32(1.0) + np.asarray(weights[names["norm"]].read(), dtype=np.float32)  # Gemma's 1 + w
+    return gemma3_tower(config, _reader(weights, prefix, source), scale, np.asarray(weights[names["proj"]].read()),
+                        tokens, token, read_json_object(folder / PREPROCESSOR_CONFIG), text_hidden,
+                        str(folder / PREPROCESSOR_CONFIG), dtype, device)
+
+
+def gemma3_tower(config: EncoderConfig, read: Callable[[str], np.ndarray], scale: np.ndarray, projection: np.ndarray,
+                 tokens: int, image_token_id: int, settings: Mapping[str, Any], text_hidden: int, source: str,
+                 dtype: DataType, device: Device) -> VisionTower:
+    """A Gemma 3 tower: the SigLIP encoder whose weights ``read(name)`` gives, average pooling to
+    ``tokens`` rows an image, the soft-embedding norm's ``scale`` (Dv,) (1 + w), ``projection``
+    (Dv, D), and the image processor of ``settings``. ModelLoadError naming ``source``."""
+    from ...vision.preprocess import Gemma3Processor
+    from .projectors import PooledProjector
+
+    side, grid = int(round(tokens ** 0.5)), config.patches_per_side
+    if side * side != tokens or grid % side:
+        raise ModelLoadError(f"{source}: {tokens} image tokens must be a square whose side divides the {grid} "
+                             "patches per side of the vision encoder")
+    if scale.shape != (config.hidden_size,) or projection.shape != (config.hidden_size, text_hidden):
+        raise ModelLoadError(f"{source}: the projector's norm has shape {scale.shape} and its weight "
+                             f"{projection.shape}; expected ({config.hidden_size},) and ({config.hidden_size}, "
+                             f"{text_hidden})")
+    encoder = VisionEncoder(config, read, source, dtype=dtype, device=device)
+    projector = PooledProjector(scale, projection, grid // side, config.layer_norm_eps, dtype, device)
     try:
         processor = Gemma3Processor.from_config({**settings, "image_seq_length": tokens})
     except ValueError as exc:
-        raise ModelLoadError(f"{folder / PREPROCESSOR_CONFIG}: {exc}") from exc
-    return VisionTower("gemma3", processor, encoder, projector, token, "<start_of_image>", text_hidden, two_way=True)
+        raise ModelLoadError(f"{source}: image preprocessing: {exc}") from exc
+    return VisionTower("gemma3", processor, encoder, projector, image_token_id, "<start_of_image>", text_hidden,
+                       two_way=True)
 
 
 # transformers' SiglipVisionConfig defaults

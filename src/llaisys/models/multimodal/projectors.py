@@ -47,13 +47,13 @@ class PixelShuffleProjector:
 
 
 class PooledProjector:
-    """Gemma 3's projector: average pooling by ``side`` x ``side`` patches, RMS norm with weight
-    1 + ``norm`` (Dv,) and ``eps``, then ``proj`` (Dv, D)."""
+    """Gemma 3's projector: average pooling by ``side`` x ``side`` patches, RMS norm scaled by
+    ``scale`` (Dv,) (Gemma's 1 + w, as transformers computes it in float32 and llama.cpp stores
+    it) with ``eps``, then ``proj`` (Dv, D)."""
 
-    def __init__(self, norm: np.ndarray, proj: np.ndarray, side: int, eps: float, dtype: DataType,
+    def __init__(self, scale: np.ndarray, proj: np.ndarray, side: int, eps: float, dtype: DataType,
                  device: Device | None):
-        weight = (1.0 + norm.astype(np.float32)).astype(np.float32)  # Gemma's norm scales by 1 + w, in float32
-        self.norm = Tensor.from_numpy(weight, device=device, dtype=dtype)  # (Dv,)
+        self.norm = Tensor.from_numpy(scale.astype(np.float32), device=device, dtype=dtype)  # (Dv,)
         self.proj = Tensor.from_numpy(np.ascontiguousarray(proj.astype(np.float32).T), device=device,
                                       dtype=dtype)  # (D, Dv)
         self.side, self.eps = side, eps
