@@ -66,12 +66,15 @@ def build(family: str) -> Path:
                                                  num_attention_heads=16, image_size=896, patch_size=14,
                                                  vision_use_head=False),
                               mm_tokens_per_image=256, image_token_index=49190)
-        return _save(folder, Gemma3ForConditionalGeneration(config).eval(),
-                     Gemma3ImageProcessorPil(size={"height": 896, "width": 896}))
+        model = Gemma3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # transformers starts the projection at zero: every image would give zeros
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+        return _save(folder, model, Gemma3ImageProcessorPil(size={"height": 896, "width": 896}))
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    config = Qwen2_5_VLConfig(text_config=dict(hidden_size=2048, intermediate_size=256, **TEXT,
+    config = Qwen2_5_VLConfig(text_config=dict(hidden_size=2048, intermediate_size=256,
+                                               **{**TEXT, "num_attention_heads": 16},  # head_dim 128
                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                                 "mrope_section": [16, 24, 24]}),
                               vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
