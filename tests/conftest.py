@@ -652,3 +652,49 @@ def tiny_qwen25_vl(hf_smollm2_tokenizer, tmp_path_factory) -> Path:
     tok.save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(folder)
     return folder
+
+
+def write_smollm2_text_gguf(path, hf, arch: str, text_prefix: str, tokens: list[str], template: str,
+                            sections: "tuple[int, ...] | None" = None) -> None:
+    """The text model of the transformers vision-language model ``hf`` (its weights under
+    ``text_prefix``) as llama.cpp's converter writes it, architecture ``arch`` ("llama", or
+    "qwen2vl" with its rope ``sections``), float32, with the bundled SmolLM2 GGUF's tokenizer
+    and ``tokens`` appended as control tokens (as the test folders' tokenizers appended them,
+    so the ids agree) and chat ``template``."""
+    import gguf
+
+    text = hf.config.text_config
+    state = {k.replace(text_prefix, "model."): v.float().numpy() for k, v in hf.state_dict().items()
+             if k.startswith(text_prefix) or k == "lm_head.weight"}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(text.num_hidden_layers)
+    w.add_context_length(text.max_position_embeddings)
+    w.add_embedding_length(text.hidden_size)
+    w.add_feed_forward_length(text.intermediate_size)
+    w.add_head_count(text.num_attention_heads)
+    w.add_head_count_kv(text.num_key_value_heads)
+    w.add_rope_freq_base(text.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(text.rms_norm_eps)
+    if arch == "llama":
+        w.add_rope_dimension_count(text.hidden_size // text.num_attention_heads)
+        w.add_vocab_size(text.vocab_size)
+    if sections is not None:
+        w.add_rope_dimension_sections(list(sections))
+    field = gguf.GGUFReader(str(_smollm2_gguf())).fields
+    words = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
+    types = [int(field["tokenizer.ggml.token_type"].parts[i][0]) for i in field["tokenizer.ggml.token_type"].data]
+    merges = [bytes(field["tokenizer.ggml.merges"].parts[i]).decode() for i in field["tokenizer.ggml.merges"].data]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(bytes(field["tokenizer.ggml.pre"].parts[-1]).decode())
+    w.add_token_list(words + list(tokens))
+    w.add_token_types(types + [gguf.TokenType.CONTROL] * len(tokens))
+    w.add_token_merges(merges)
+    for key in ("bos", "eos"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field[f"tokenizer.ggml.{key}_token_id"].parts[-1][0]))
+    w.add_chat_template(template)
+    for name, arr in hf_to_gguf_tensors(state, text, "llama" if arch == "llama" else "qwen2").items():
+        w.add_tensor(name, arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

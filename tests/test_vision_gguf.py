@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMOLVLM_TEMPLATE, SMOLVLM_TOKENS, hf_to_gguf_tensors, random_image
+from conftest import SMOLVLM_TEMPLATE, SMOLVLM_TOKENS, random_image, write_smollm2_text_gguf
 from llaisys.engine import chat, generate
 from llaisys.generation import GenerationConfig
 from llaisys.generation.prompts import image_prompt
@@ -16,51 +16,6 @@ from llaisys.models import ModelLoadError, load_model
 
 PROMPT = "User:<image>Describe this.<end_of_utterance>\nAssistant:"
 GREEDY = GenerationConfig(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _copy_tokenizer(writer, source) -> None:
-    """The bundled SmolLM2 GGUF's tokenizer with SmolVLM's image tokens appended as control tokens."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-    field = reader.fields
-    tokens = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
-    types = [int(field["tokenizer.ggml.token_type"].parts[i][0]) for i in field["tokenizer.ggml.token_type"].data]
-    merges = [bytes(field["tokenizer.ggml.merges"].parts[i]).decode() for i in field["tokenizer.ggml.merges"].data]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(bytes(field["tokenizer.ggml.pre"].parts[-1]).decode())
-    writer.add_token_list(tokens + SMOLVLM_TOKENS)
-    writer.add_token_types(types + [gguf.TokenType.CONTROL] * len(SMOLVLM_TOKENS))
-    writer.add_token_merges(merges)
-    for key in ("bos", "eos"):
-        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field[f"tokenizer.ggml.{key}_token_id"].parts[-1][0]))
-    writer.add_chat_template(SMOLVLM_TEMPLATE)
-
-
-def _write_text(path, hf, tokenizer_source) -> None:
-    import gguf
-
-    text = hf.config.text_config
-    state = {k.replace("model.text_model.", "model."): v.float().numpy() for k, v in hf.state_dict().items()
-             if k.startswith("model.text_model.") or k == "lm_head.weight"}
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(text.num_hidden_layers)
-    w.add_context_length(text.max_position_embeddings)
-    w.add_embedding_length(text.hidden_size)
-    w.add_feed_forward_length(text.intermediate_size)
-    w.add_head_count(text.num_attention_heads)
-    w.add_head_count_kv(text.num_key_value_heads)
-    w.add_rope_freq_base(text.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(text.rms_norm_eps)
-    w.add_rope_dimension_count(text.hidden_size // text.num_attention_heads)
-    w.add_vocab_size(text.vocab_size)
-    _copy_tokenizer(w, tokenizer_source)
-    for name, arr in hf_to_gguf_tensors(state, text, "llama").items():
-        w.add_tensor(name, arr.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _write_mmproj(path, hf, *, projector_type="idefics3", drop=(), extra=None) -> None:
@@ -110,7 +65,8 @@ def hf_model(tiny_smolvlm):
 @pytest.fixture(scope="module")
 def gguf_pair(hf_model, smollm2_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("smolvlm-gguf")
-    _write_text(folder / "SmolVLM-tiny-F32.gguf", hf_model, smollm2_path)
+    write_smollm2_text_gguf(folder / "SmolVLM-tiny-F32.gguf", hf_model, "llama", "model.text_model.", SMOLVLM_TOKENS,
+                            SMOLVLM_TEMPLATE)
     _write_mmproj(folder / "mmproj-SmolVLM-tiny-F32.gguf", hf_model)
     return folder / "SmolVLM-tiny-F32.gguf", folder / "mmproj-SmolVLM-tiny-F32.gguf"
 

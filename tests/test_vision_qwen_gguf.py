@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, hf_to_gguf_tensors, random_image
+from conftest import QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, random_image, write_smollm2_text_gguf
 from llaisys.engine import generate
 from llaisys.generation import GenerationConfig
 from llaisys.generation.prompts import image_prompt
@@ -27,47 +27,10 @@ def _write(writer) -> None:
     writer.close()
 
 
-def _copy_tokenizer(writer, source) -> None:
-    """The bundled SmolLM2 GGUF's tokenizer with Qwen's vision tokens appended as control tokens
-    (the folder's tokenizer appended the same ones, so the ids agree)."""
-    import gguf
-
-    field = gguf.GGUFReader(str(source)).fields
-    tokens = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
-    types = [int(field["tokenizer.ggml.token_type"].parts[i][0]) for i in field["tokenizer.ggml.token_type"].data]
-    merges = [bytes(field["tokenizer.ggml.merges"].parts[i]).decode() for i in field["tokenizer.ggml.merges"].data]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(bytes(field["tokenizer.ggml.pre"].parts[-1]).decode())
-    writer.add_token_list(tokens + QWEN_VL_TOKENS)
-    writer.add_token_types(types + [gguf.TokenType.CONTROL] * len(QWEN_VL_TOKENS))
-    writer.add_token_merges(merges)
-    for key in ("bos", "eos"):
-        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", int(field[f"tokenizer.ggml.{key}_token_id"].parts[-1][0]))
-    writer.add_chat_template(QWEN_VL_TEMPLATE)
-
-
-def _write_text(path, hf, tokenizer_source, sections=(2, 3, 3, 0)) -> None:
+def _write_text(path, hf, sections=(2, 3, 3, 0)) -> None:
     """The text model as llama.cpp's converter writes it (``sections`` None: the key left out)."""
-    import gguf
-
-    text = hf.config.text_config
-    state = {k.replace("model.language_model.", "model."): v.float().numpy() for k, v in hf.state_dict().items()
-             if k.startswith("model.language_model.") or k == "lm_head.weight"}
-    w = gguf.GGUFWriter(str(path), "qwen2vl")
-    w.add_block_count(text.num_hidden_layers)
-    w.add_context_length(text.max_position_embeddings)
-    w.add_embedding_length(text.hidden_size)
-    w.add_feed_forward_length(text.intermediate_size)
-    w.add_head_count(text.num_attention_heads)
-    w.add_head_count_kv(text.num_key_value_heads)
-    w.add_rope_freq_base(text.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(text.rms_norm_eps)
-    if sections is not None:
-        w.add_rope_dimension_sections(list(sections))
-    _copy_tokenizer(w, tokenizer_source)
-    for name, arr in hf_to_gguf_tensors(state, text, "qwen2").items():
-        w.add_tensor(name, arr.astype(np.float32))
-    _write(w)
+    write_smollm2_text_gguf(path, hf, "qwen2vl", "model.language_model.", QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
+                            sections)
 
 
 def _vision_tensors(hf) -> dict[str, np.ndarray]:
@@ -146,7 +109,7 @@ def hf_qwen(tiny_qwen25_vl):
 @pytest.fixture(scope="module")
 def gguf_pair(hf_qwen, smollm2_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen25-vl-gguf")
-    _write_text(folder / "Qwen2.5-VL-tiny-F32.gguf", hf_qwen[0], smollm2_path)
+    _write_text(folder / "Qwen2.5-VL-tiny-F32.gguf", hf_qwen[0])
     _write_mmproj(folder / "mmproj-Qwen2.5-VL-tiny-F32.gguf", hf_qwen[0], hf_qwen[2])
     return folder / "Qwen2.5-VL-tiny-F32.gguf", folder / "mmproj-Qwen2.5-VL-tiny-F32.gguf"
 
@@ -192,7 +155,7 @@ def test_text_gguf_alone_equals_transformers(gguf_pair, hf_qwen, tmp_path):
 ])
 def test_bad_rope_sections(hf_qwen, smollm2_path, tmp_path, sections, match):
     path = tmp_path / "text.gguf"
-    _write_text(path, hf_qwen[0], smollm2_path, sections)
+    _write_text(path, hf_qwen[0], sections)
     with pytest.raises(ModelLoadError, match=rf"text\.gguf: {match}"):
         load_model(str(path))
 
