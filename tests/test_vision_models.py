@@ -189,3 +189,16 @@ def test_bad_folders_are_named(tiny_smolvlm, tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing vision weight 'model.vision_model.encoder.layers.1.mlp.fc2.bias'"):
         load_model(str(folder))
+
+
+def test_speculative_decoding_with_an_image_equals_plain(smolvlm):
+    """Prompt-lookup drafts (which may copy the prompt's image token ids as text) change
+    nothing: the same tokens as plain greedy decoding."""
+    image = random_image(np.random.default_rng(17), 80, 80)
+    plain = generate(smolvlm, PROMPT, GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+                     images=[image])
+    engine = LLMEngine(smolvlm, kv_cache_tokens=2048, block_size=16, speculative_tokens=4)
+    drafted = generate(engine, PROMPT, GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+                       images=[image])
+    assert drafted.token_ids == plain.token_ids
+    assert engine.drafted_tokens > 0

@@ -94,3 +94,32 @@ def test_two_images_batched_with_text_equal_alone(qwen, hf_qwen):
         for out in engine.step():
             got[out.request_id] += out.token_ids
     assert [got[i] for i in ids] == alone
+
+
+def test_speculative_decoding_with_an_image_equals_plain(qwen, monkeypatch):
+    """Drafted tokens after an image take the prompt's rope delta too. A random model repeats
+    nothing for prompt lookup to find, so the drafts here are the plain output's next tokens
+    with every third one wrong: some accepted, some rejected, the same tokens as plain greedy
+    decoding."""
+    from llaisys.generation.speculative import Drafter
+
+    image = random_image(np.random.default_rng(23), 70, 70)
+    config = GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = generate(qwen, PROMPT, config, images=[image]).token_ids
+    prompt, placed = image_prompt(qwen, PROMPT, [image])
+
+    def propose(self, ids, room):
+        done = len(ids) - len(prompt)
+        draft = list(plain[done:done + min(3, room)])
+        if len(draft) == 3:
+            draft[2] = (draft[2] + 1) % qwen.config.vocab_size
+        return draft
+
+    monkeypatch.setattr(Drafter, "propose", propose)
+    engine = LLMEngine(qwen, kv_cache_tokens=2048, block_size=16, speculative_tokens=3)
+    rid = engine.add_request(None, prompt, config, placed)
+    got = []
+    while engine.has_unfinished():
+        got += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+    assert got == plain
+    assert 0 < engine.accepted_tokens < engine.drafted_tokens
