@@ -26,6 +26,14 @@ def speculative_count(text: str) -> int:
     return value
 
 
+def reasoning_budget(text: str) -> int | None:
+    """--reasoning-budget: a whole number of thinking tokens, or -1 for unlimited (None), as
+    llama-server takes it."""
+    if text.strip() == "-1":
+        return None
+    return non_negative_int(text)
+
+
 def host_list(text: str) -> list[str]:
     """--allowed-image-hosts: host names or IP addresses separated by commas."""
     from ..server.options import image_host
@@ -74,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-max-seqs", type=positive_int, default=None, metavar="N",
                    help="no drafts while more than N requests run, where a batch gains nothing from them "
                         "(default: no limit)")
+    p.add_argument("--reasoning-budget", type=reasoning_budget, default=None, metavar="N",
+                   help="thinking tokens a reasoning model may write before </think> is forced, for requests "
+                        "that do not set reasoning_budget (0: none; default: -1, unlimited)")
     p.add_argument("--db", default=None, metavar="PATH", help="SQLite file for the chat page's conversations")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long running requests may take to finish (default 30)")
@@ -150,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
                             max_choices=args.max_choices, header_timeout_s=args.header_timeout,
                             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                             max_body_bytes=args.max_body_bytes, speculative_tokens=args.speculative_tokens,
-                            speculative_max_seqs=args.speculative_max_seqs, grammar_timeout_s=args.grammar_timeout,
+                            speculative_max_seqs=args.speculative_max_seqs,
+                            reasoning_budget=args.reasoning_budget, grammar_timeout_s=args.grammar_timeout,
                             grammar_cache_bytes=args.grammar_cache_bytes, max_grammar_bytes=args.max_grammar_bytes,
                             max_grammar_choices=args.max_grammar_choices, max_grammar_depth=args.max_grammar_depth,
                             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,

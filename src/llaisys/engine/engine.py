@@ -21,7 +21,10 @@ request runs its last token and a draft of the next k (prompt lookup) as one chu
 for every row; its sampler then picks each position in turn, exactly as plain decoding would
 pick it, while the draft matches, so the output is unchanged and only the pass count drops. On
 the CPU only (multi-row passes are bit for bit one-row passes there); grammar-constrained and
-embedding requests do not speculate. Not thread-safe: ``EngineThread`` runs it behind a queue.
+embedding requests do not speculate. A reasoning budget (``GenerationConfig.reasoning_budget``)
+swaps the picks for the forced end of thinking in ``Request.accept``, so every token still runs
+through the model, the text stream and a draft's check one at a time. Not thread-safe:
+``EngineThread`` runs it behind a queue.
 """
 from __future__ import annotations
 
@@ -364,9 +367,11 @@ class LLMEngine:
                                 [None] * len(going))
             still = []
             for j, token in zip(going, tokens):
-                out = outputs[slots[j]] = outputs[slots[j]].then(requests[j].accept(token))
+                later = requests[j].accept(token)
+                out = outputs[slots[j]] = outputs[slots[j]].then(later)
                 self.generation_tokens += 1
-                if pos < len(chunks[j].draft) and token.token_id == chunks[j].draft[pos]:
+                # the token kept (a reasoning budget may force another) decides whether the draft held
+                if pos < len(chunks[j].draft) and later.token_ids[0] == chunks[j].draft[pos]:
                     accepted[j] += 1
                     if not out.finished:
                         still.append(j)

@@ -16,6 +16,7 @@ from ..generation.text_stream import TextStream
 from .grammar import GrammarMatcher, MaskBatch, grammar_of
 from .pooling import Pooler, pooling_of
 from .scheduler import Sequence
+from .thinking import ThinkingBudget, close_ids
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Request:
     """Engine-side state of one request."""
 
     __slots__ = ("request_id", "seq", "config", "sampler", "text", "times", "finish_reason", "matcher", "eos",
-                 "pooler", "device_rng", "drafted", "accepted", "error", "images")
+                 "pooler", "device_rng", "drafted", "accepted", "error", "images", "thinking")
 
     def __init__(self, request_id: str, prompt_ids: list[int], config: GenerationConfig, max_tokens: int,
                  tokenizer, eos: set[int]) -> None:
@@ -103,6 +104,9 @@ class Request:
         self.accepted = 0
         self.error: str | None = None  # why its grammar could not be enforced
         self.images = None  # the rows of its prompt's image tokens (PromptImages), if any
+        # its reasoning budget (None: unlimited); a grammar decides every token itself, so it has none
+        self.thinking = (ThinkingBudget(config, close_ids(config.reasoning_end, tokenizer))
+                         if config.reasoning_budget is not None and self.matcher is None else None)
 
     def device_pickable(self, allowed: np.ndarray | None) -> bool:
         """Whether this step's token may be picked on the model's device (``prepare`` done):
@@ -156,7 +160,10 @@ class Request:
         return None
 
     def accept(self, picked: SampledToken) -> RequestOutput:
-        """Append the token ``picked`` by this request's sampler, and say what it released."""
+        """Append the token ``picked`` by this request's sampler (or the one its reasoning budget
+        forces instead), and say what it released."""
+        if self.thinking is not None:
+            picked = self.thinking.pick(picked)
         seq = self.seq
         seq.output_ids.append(picked.token_id)
         delta = self.text.push(picked.token_id)

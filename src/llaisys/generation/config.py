@@ -21,6 +21,15 @@ def _number(name: str, value: object, *, integer: bool = False) -> None:
         raise ValueError(f"GenerationConfig.{name} must be finite, got {value!r}")
 
 
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """``ids`` as a tuple of token ids >= 0; ValueError naming ``name`` otherwise."""
+    out = tuple(ids)  # type: ignore[arg-type]
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"GenerationConfig.{name} must hold token ids >= 0, got {t!r}")
+    return out
+
+
 @dataclass(slots=True)
 class GenerationConfig:
     """How to pick tokens and when to stop.
@@ -48,6 +57,14 @@ class GenerationConfig:
     ``stream``, and the serving engine, on the CPU): k tokens drafted by prompt lookup are
     checked in one forward pass; the output is identical to decoding without it (0 = off; see
     ``generation.speculative``).
+
+    ``reasoning_budget`` N (None: unlimited) caps a reasoning model's thinking, as llama-server's
+    ``--reasoning-budget``: once N tokens were generated inside the think block without closing
+    it, the ``reasoning_end`` ids (the tokens of ``</think>`` and what follows it) are forced one
+    per step, and the answer is sampled as usual after them. The block opens at the first
+    generated token when ``reasoning_open`` is empty (the prompt opened it), else once the reply
+    begins with the ``reasoning_open`` ids; a reply that begins otherwise is not held to it. A
+    request with a grammar ignores the budget: its grammar decides every token.
     """
 
     max_new_tokens: int = 256
@@ -67,6 +84,9 @@ class GenerationConfig:
     min_tokens: int = 0
     logprobs: int | None = None
     speculative_tokens: int = 0
+    reasoning_budget: int | None = None
+    reasoning_open: tuple[int, ...] = ()
+    reasoning_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _number("max_new_tokens", self.max_new_tokens, integer=True)
@@ -106,6 +126,16 @@ class GenerationConfig:
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"GenerationConfig.speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] "
                              f"(draft tokens per step, 0 = off), got {self.speculative_tokens}")
+        if self.reasoning_budget is not None:
+            _number("reasoning_budget", self.reasoning_budget, integer=True)
+            if self.reasoning_budget < 0:
+                raise ValueError(f"GenerationConfig.reasoning_budget must be None or >= 0 (thinking tokens), "
+                                 f"got {self.reasoning_budget}")
+        self.reasoning_open = _token_ids("reasoning_open", self.reasoning_open)
+        self.reasoning_end = _token_ids("reasoning_end", self.reasoning_end)
+        if self.reasoning_budget is not None and not self.reasoning_end:
+            raise ValueError("GenerationConfig.reasoning_budget needs reasoning_end: the token ids that close "
+                             "the thinking (the tokenizer's encoding of '</think>')")
         _number("min_tokens_to_keep", self.min_tokens_to_keep, integer=True)
         if self.min_tokens_to_keep < 1:
             raise ValueError(f"GenerationConfig.min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")

@@ -77,8 +77,9 @@ class AnthropicToolChoice(Strict):
 
 
 class AnthropicThinking(Strict):
-    """Extended thinking: ``enabled`` (with a ``budget_tokens`` it is not held to), ``disabled``,
-    or ``adaptive`` / ``between_tools`` (the template's default)."""
+    """Extended thinking: ``enabled`` (``budget_tokens``: the chat request's ``reasoning_budget``,
+    thinking tokens before ``</think>`` is forced), ``disabled``, or ``adaptive`` /
+    ``between_tools`` (the template's default)."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: PositiveInt | None = None
@@ -327,7 +328,8 @@ def chat_request(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
             "tool_choice": _tool_choice(req.tool_choice),
             "parallel_tool_calls": not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
             "chat_template_kwargs": {"enable_thinking": thinking == "enabled"}
-            if thinking in ("enabled", "disabled") else None, **req.sampling()}
+            if thinking in ("enabled", "disabled") else None,
+            "reasoning_budget": req.thinking.budget_tokens if thinking == "enabled" else None, **req.sampling()}
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:

@@ -42,6 +42,8 @@ class ServerOptions:
     speculative_tokens: draft tokens per decoding step for requests that do not set their own
     ``speculative_tokens`` (0: off; see docs/engine.md, "Speculative decoding");
     speculative_max_seqs: no drafts while more requests than this run (None: no limit).
+    reasoning_budget: thinking tokens a reasoning model may write before ``</think>`` is forced,
+    for requests that do not set their own (None: unlimited; see docs/server.md, "Reasoning").
     max_choices: engine requests one API call may make, prompts × n (None: max(max_seqs, 128)).
     db_path: the SQLite file of the chat UI's conversations (None: the UI's default).
     shutdown_timeout_s: on SIGINT/SIGTERM, how long running requests may go on before they
@@ -82,6 +84,7 @@ class ServerOptions:
     max_batched_tokens: int = 512
     speculative_tokens: int = 0
     speculative_max_seqs: int | None = None
+    reasoning_budget: int | None = None
     max_choices: int | None = None
     db_path: str | None = None
     shutdown_timeout_s: float = 30.0
@@ -124,6 +127,10 @@ class ServerOptions:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"ServerOptions.speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {k!r}")
+        budget = self.reasoning_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"ServerOptions.reasoning_budget must be a non-negative integer or None (unlimited), "
+                             f"got {budget!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServerOptions.port must be in [0, 65535], got {self.port}")
         if self.api_key == "":

@@ -385,6 +385,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_budget: Annotated[int, Field(ge=0)] | None = None  # thinking tokens before </think> is forced
     _image_fields: list[str] | None = PrivateAttr(default=None)  # see name_images
 
     @model_validator(mode="after")

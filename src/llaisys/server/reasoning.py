@@ -23,6 +23,25 @@ def template_reasons(source: Any) -> bool:
     return THINK_OPEN in str(source or "")
 
 
+def think_end(source: Any) -> str:
+    """The text that ends a think block in a chat template's replies: ``</think>`` and the most
+    newlines the template writes after one (Qwen3's ``'\\n</think>\\n\\n'``), one newline
+    when it shows none (the reader drops them either way)."""
+    most = 1
+    for tail in str(source or "").split(THINK_CLOSE)[1:]:
+        newlines = 0
+        while True:  # a real newline, or the escape "\\n" inside a Jinja string
+            if tail.startswith("\n"):
+                tail = tail[1:]
+            elif tail.startswith("\\n"):
+                tail = tail[2:]
+            else:
+                break
+            newlines += 1
+        most = max(most, newlines)
+    return THINK_CLOSE + "\n" * most
+
+
 def _held(text: str, marker: str) -> int:
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

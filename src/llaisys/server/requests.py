@@ -44,7 +44,7 @@ from .grammars import PendingGrammar
 from .images import load_image, refuse_images
 from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, EmbeddingRequest, ImagePart,
                        SamplingRequest, Tool)
-from .reasoning import template_reasons
+from .reasoning import THINK_OPEN, template_reasons, think_end
 from .structured import GrammarSpec, requested_constraint
 from .tool_calls import forced_call_grammar, template_knows_tools, template_messages, tool_format
 
@@ -117,7 +117,8 @@ async def _chat(service: ModelService, req: ChatCompletionRequest) -> EngineRequ
     def prepare() -> tuple[list[Job], PendingGrammar | None]:  # worker thread: renders, tokenizes, checks
         ids, placed = chat_prompt_ids(service, req)
         max_tokens = completion_budget(service, len(ids), req.max_tokens, req.max_tokens_param, "messages")
-        jobs = [Job(i, ids, generation_config(service, req, max_tokens, req.num_logprobs, i), images=placed)
+        thinking = reasoning_fields(service, req.reasoning_budget, ids, template)
+        jobs = [Job(i, ids, generation_config(service, req, max_tokens, req.num_logprobs, i, thinking), images=placed)
                 for i in range(req.n)]
         constraint = spec
         if forced:
@@ -337,12 +338,30 @@ def completion_budget(service: ModelService, prompt_len: int, max_tokens: int | 
     return max_tokens
 
 
+def reasoning_fields(service: ModelService, budget: int | None, prompt_ids: list[int], template: Any
+                     ) -> dict[str, Any]:
+    """The GenerationConfig fields of a reasoning budget for a chat prompt ``prompt_ids``:
+    ``budget`` (the request's; None: the server's) with the tokens that open the think block
+    (none when the prompt opened it) and those that end it (``think_end`` of the ``template``);
+    {} when no budget applies or the template does not reason."""
+    if budget is None:
+        budget = service.options.reasoning_budget
+    if budget is None or not template_reasons(template):
+        return {}
+    encode = service.tokenizer.encode
+    opened = service.prompt_opens_think(prompt_ids)
+    return {"reasoning_budget": budget,
+            "reasoning_open": () if opened else tuple(encode(THINK_OPEN, add_special_tokens=False)),
+            "reasoning_end": tuple(encode(think_end(template), add_special_tokens=False))}
+
+
 def generation_config(service: ModelService, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                      choice: int) -> GenerationConfig:
+                      choice: int, reasoning: dict[str, Any] | None = None) -> GenerationConfig:
     """The GenerationConfig of choice ``choice`` of ``req``, generating ``max_tokens`` at most:
     the request's values over the defaults the CLI and the chat page use (``sampling_defaults``:
     the sampling keys of the model's generation_config.json, else FALLBACK_SAMPLING); seed +
-    choice when seeded; ``speculative_tokens`` the request's, else the server's. 400 for a stop
+    choice when seeded; ``speculative_tokens`` the request's, else the server's; ``reasoning``:
+    the fields of a reasoning budget (``reasoning_fields``). 400 for a stop
     token id outside the vocabulary, and for values GenerationConfig refuses (naming the API field)."""
     defaults = sampling_defaults(getattr(service.model, "generation_defaults", None))
     vocab = service.vocab_size
@@ -360,7 +379,7 @@ def generation_config(service: ModelService, req: SamplingRequest, max_tokens: i
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed + choice,
             stop=req.stops, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            eos_token_ids=tuple(req.stop_token_ids or ()), speculative_tokens=speculative)
+            eos_token_ids=tuple(req.stop_token_ids or ()), speculative_tokens=speculative, **(reasoning or {}))
     except (TypeError, ValueError) as exc:
         api = {"max_new_tokens": req.max_tokens_param, "eos_token_ids": "stop_token_ids"}  # config field -> API's
         message = str(exc)
