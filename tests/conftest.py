@@ -698,3 +698,27 @@ def write_smollm2_text_gguf(path, hf, arch: str, text_prefix: str, tokens: list[
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def run_with_oracle_drafts(model, prompt: list[int], images, config, plain: list[int], monkeypatch) -> tuple[list[int], "object"]:
+    """Run ``prompt`` (with ``images``, a PromptImages) through a speculating engine whose drafts
+    are ``plain``'s next tokens (the plain greedy output) with every third one wrong, so some
+    drafts hold and some are rejected: a random model need not repeat anything for prompt
+    lookup to find. Returns the tokens it generated and the engine."""
+    from llaisys.engine import LLMEngine
+    from llaisys.generation.speculative import Drafter
+
+    def propose(self, ids, room):
+        done = len(ids) - len(prompt)
+        draft = list(plain[done:done + min(3, room)])
+        if len(draft) == 3:
+            draft[2] = (draft[2] + 1) % model.config.vocab_size
+        return draft
+
+    monkeypatch.setattr(Drafter, "propose", propose)
+    engine = LLMEngine(model, kv_cache_tokens=2048, block_size=16, speculative_tokens=3)
+    rid = engine.add_request(None, prompt, config, images)
+    got: list[int] = []
+    while engine.has_unfinished():
+        got += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+    return got, engine

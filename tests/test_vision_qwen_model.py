@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_image
+from conftest import random_image, run_with_oracle_drafts
 from llaisys.engine import LLMEngine, generate
 from llaisys.generation import GenerationConfig
 from llaisys.generation.prompts import image_prompt
@@ -101,25 +101,10 @@ def test_speculative_decoding_with_an_image_equals_plain(qwen, monkeypatch):
     nothing for prompt lookup to find, so the drafts here are the plain output's next tokens
     with every third one wrong: some accepted, some rejected, the same tokens as plain greedy
     decoding."""
-    from llaisys.generation.speculative import Drafter
-
     image = random_image(np.random.default_rng(23), 70, 70)
     config = GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     plain = generate(qwen, PROMPT, config, images=[image]).token_ids
     prompt, placed = image_prompt(qwen, PROMPT, [image])
-
-    def propose(self, ids, room):
-        done = len(ids) - len(prompt)
-        draft = list(plain[done:done + min(3, room)])
-        if len(draft) == 3:
-            draft[2] = (draft[2] + 1) % qwen.config.vocab_size
-        return draft
-
-    monkeypatch.setattr(Drafter, "propose", propose)
-    engine = LLMEngine(qwen, kv_cache_tokens=2048, block_size=16, speculative_tokens=3)
-    rid = engine.add_request(None, prompt, config, placed)
-    got = []
-    while engine.has_unfinished():
-        got += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+    got, engine = run_with_oracle_drafts(qwen, prompt, placed, config, plain, monkeypatch)
     assert got == plain
     assert 0 < engine.accepted_tokens < engine.drafted_tokens
