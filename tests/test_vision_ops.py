@@ -16,7 +16,8 @@ from llaisys import DataType, Tensor, ops
 from llaisys.kernels import find_kernel, register_kernel, unregister_kernels
 from llaisys.ops import functional as F
 
-from conftest import TOLERANCE, assert_close, dtype_params, random_tensor, to_torch
+from conftest import assert_close, dtype_params, random_tensor, to_torch
+from test_nvidia_kernels import close, pair
 
 DTYPES = dtype_params()
 VISION_KERNELS = ("layer_norm", "gelu_tanh", "gelu_erf", "self_attention_full")
@@ -229,18 +230,6 @@ def test_a_device_without_the_kernels_runs_them_on_the_cpu(fake_device, rng):
 
 
 # ---- NVIDIA kernels against the CPU kernels ---------------------------------------------------
-def pair(host: np.ndarray, dtype: DataType, device: str) -> tuple[Tensor, Tensor]:
-    """The same values as a CPU tensor and as a tensor on ``device``."""
-    cpu = Tensor.from_numpy(host, dtype=dtype)
-    return cpu, Tensor.from_numpy(cpu.numpy(), device=device)
-
-
-def close(got: Tensor, want: Tensor, dtype: DataType, scale: float = 1.0, what: str = "") -> None:
-    atol, rtol = TOLERANCE[dtype]
-    np.testing.assert_allclose(got.numpy().astype(np.float64), want.numpy().astype(np.float64),
-                               atol=atol * scale, rtol=rtol * scale, err_msg=what)
-
-
 def test_nvidia_registers_every_vision_kernel(nvidia_device):
     for name in VISION_KERNELS:
         for dt in (DataType.F32, DataType.F16, DataType.BF16):
