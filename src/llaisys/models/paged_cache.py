@@ -116,9 +116,13 @@ class PagedKVCache:
         """Bytes of keys and values one token takes in all layers."""
         return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
+    def stores(self) -> list[Tensor]:
+        """Every tensor holding the pool's contents, block axis second: k and v (L, NB, BS, ...)."""
+        return [self.k, self.v]
+
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.stores())
 
     @property
     def capacity_tokens(self) -> int:
