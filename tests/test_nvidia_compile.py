@@ -63,4 +63,16 @@ def test_attention_variants_fit_in_shared_memory(compiled):
     assert {r["constexprs"]["D"] for r in attention} == {64, 128}  # SmolLM2 and Qwen2.5-1.5B heads
     assert {r["constexprs"]["PAGED"] for r in attention} == {True, False}
     assert {r["constexprs"]["ENDS"] for r in attention} == {True, False}  # paged_attention_ends (key_ends)
+    assert {r["constexprs"]["Q8"] for r in attention} == {True, False}  # paged_attention_q8: an 8-bit pool
     assert max(r["shared_bytes"] for r in attention) <= 99 * 1024  # sm_86/89 opt-in limit; sm_80/90 allow more
+
+
+def test_the_8_bit_pool_kernels_compile(compiled):
+    """kv_cache_write_q8 and paged_attention_q8 (kv_cache_dtype="int8"): int8 caches under
+    queries of every float type, for both targets."""
+    for kernel in ("_attention", "_kv_write"):
+        q8 = [r for r in compiled if r["kernel"] == kernel and r["constexprs"]["Q8"]]
+        assert {r["arch"] for r in q8} == {"sm_80", "sm_90"}, kernel
+        assert all(r["signature"]["kc"] == "*i8" and r["signature"]["ks"] == "*fp32" for r in q8), kernel
+    attention = {r["signature"]["q"] for r in compiled if r["kernel"] == "_attention" and r["constexprs"]["Q8"]}
+    assert attention == {"*fp32", "*fp16", "*bf16"}

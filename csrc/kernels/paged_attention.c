@@ -21,6 +21,14 @@
  * same float32 operations in the same order as the portable ones (dot products and value sums by
  * fused multiply-adds, fmaf in the portable C, everything else multiply, then add), so every
  * level gives the same bits too.
+ *
+ * An 8-bit pool (k_scale set): k_cache and v_cache hold int8 codes and k_scale, v_scale
+ * (NB, BS, KH) a float32 scale per slot and head. The write quantizes each head of each token on
+ * its own (amax / 127, rounded half to even), so a slot never changes when later tokens or
+ * rejected drafts land in its block. Attention runs the same tasks and chunks, reading the codes
+ * in place: the int8 steps widen them to float in registers (a dot product's sum times its key's
+ * scale; each value's weight times its scale), so there is never a dequantized copy of the cache,
+ * and the same invariances hold.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
 #include <math.h>
@@ -96,7 +104,33 @@ static void axpy_portable(float *acc, const float *w, int64_t rows, const float 
         }
 }
 
-static const lp_steps steps_portable = {scores_portable, softmax_portable, axpy_portable};
+static void scores_q8_portable(const float *const *q, int64_t rows, int64_t d, const int8_t *const *krow,
+                               const float *ks, int64_t len, float scale, float *s) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t p = 0; p < len; p++) {
+            const float *qr = q[r];
+            const int8_t *k = krow[p];
+            float a[LP_LANES] = {0};
+            int64_t i = 0;
+            for (; i + LP_LANES <= d; i += LP_LANES)
+                for (int l = 0; l < LP_LANES; l++) a[l] = fmaf(qr[i + l], (float)k[i + l], a[l]);
+            for (int l = 0; i + l < d; l++) a[l] = fmaf(qr[i + l], (float)k[i + l], a[l]);
+            s[r * LP_CHUNK + p] = fold16(a) * ks[p] * scale;
+        }
+}
+
+static void axpy_q8_portable(float *acc, const float *w, int64_t rows, const int8_t *const *vrow, const float *vs,
+                             int64_t len, int64_t dv) {
+    for (int64_t r = 0; r < rows; r++, acc += dv, w += LP_CHUNK)
+        for (int64_t p = 0; p < len; p++) {
+            const int8_t *v = vrow[p];
+            const float wp = w[p] * vs[p];
+            for (int64_t e = 0; e < dv; e++) acc[e] = fmaf(wp, (float)v[e], acc[e]);
+        }
+}
+
+static const lp_steps steps_portable = {scores_portable, softmax_portable, axpy_portable, scores_q8_portable,
+                                        axpy_q8_portable};
 
 
 
@@ -171,24 +205,71 @@ static int overridden(const lp_attention_args *a, int64_t b, int64_t q0, int64_t
     return 0;
 }
 
+/* The rows of a chunk of keys: float rows, or int8 rows (an int8 cache; `any` for prefetching). */
+typedef union {
+    const float *f[LP_CHUNK];
+    const int8_t *q[LP_CHUNK];
+    const void *any[LP_CHUNK];
+} lp_rows;
+
+/* A chunk's key and value rows, with each int8 row's scale (0 past the chunk's keys). */
+typedef struct {
+    lp_rows k, v;
+    float ks[LP_CHUNK], vs[LP_CHUNK];
+} lp_chunk;
+
 /* The key and value rows of KV head kv for the chunk of keys from position c0 (up to LP_CHUNK,
  * before `end`), found through the sequence's block table; returns how many. */
 static int64_t chunk_rows(const lp_attention_args *a, const int64_t *table, int64_t kv, int64_t c0, int64_t end,
-                          const float *rows[2][LP_CHUNK]) {
+                          lp_chunk *c) {
     const int64_t bs = a->bs, len = end - c0 < LP_CHUNK ? end - c0 : LP_CHUNK;
     for (int64_t p = 0, blk = c0 / bs, off = c0 % bs; p < len; blk++, off = 0) { /* a run of keys in one block */
         const int64_t id = table[blk * a->bt_s1], run = bs - off < len - p ? bs - off : len - p;
-        const float *k = a->k_cache + id * a->k_s0 + off * a->k_s1 + kv * a->k_s2;
-        const float *v = a->v_cache + id * a->v_s0 + off * a->v_s1 + kv * a->v_s2;
-        for (int64_t j = 0; j < run; j++, p++, k += a->k_s1, v += a->v_s1) rows[0][p] = k, rows[1][p] = v;
+        if (a->k_scale) {
+            const int8_t *k = (const int8_t *)a->k_cache + id * a->k_s0 + off * a->k_s1 + kv * a->k_s2;
+            const int8_t *v = (const int8_t *)a->v_cache + id * a->v_s0 + off * a->v_s1 + kv * a->v_s2;
+            const float *ks = a->k_scale + id * a->ks_s0 + off * a->ks_s1 + kv * a->ks_s2;
+            const float *vs = a->v_scale + id * a->vs_s0 + off * a->vs_s1 + kv * a->vs_s2;
+            for (int64_t j = 0; j < run; j++, p++, k += a->k_s1, v += a->v_s1, ks += a->ks_s1, vs += a->vs_s1)
+                c->k.q[p] = k, c->v.q[p] = v, c->ks[p] = *ks, c->vs[p] = *vs;
+        } else {
+            const float *k = (const float *)a->k_cache + id * a->k_s0 + off * a->k_s1 + kv * a->k_s2;
+            const float *v = (const float *)a->v_cache + id * a->v_s0 + off * a->v_s1 + kv * a->v_s2;
+            for (int64_t j = 0; j < run; j++, p++, k += a->k_s1, v += a->v_s1) c->k.f[p] = k, c->v.f[p] = v;
+        }
     }
+    if (a->k_scale) /* the vector steps read whole groups of scales */
+        for (int64_t p = len; p < LP_CHUNK; p++) c->ks[p] = c->vs[p] = 0.0f;
     return len;
+}
+
+/* The chunk's scores (see lp_steps), over float or int8 keys. */
+INLINE void chunk_scores(const attention_job *job, const float *const *q, int64_t rows, const lp_chunk *c,
+                         int64_t len, float *s) {
+    if (job->a->k_scale)
+        job->steps->scores_q8(q, rows, job->a->d, c->k.q, c->ks, len, job->scale, s);
+    else
+        job->steps->scores(q, rows, job->a->d, c->k.f, len, job->scale, s);
+}
+
+/* acc += w v over the chunk's first len values, float or int8. */
+INLINE void chunk_axpy(const attention_job *job, float *acc, const float *w, int64_t rows, const lp_chunk *c,
+                       int64_t len) {
+    if (job->a->k_scale)
+        job->steps->axpy_q8(acc, w, rows, c->v.q, c->vs, len, job->a->dv);
+    else
+        job->steps->axpy(acc, w, rows, c->v.f, len, job->a->dv);
+}
+
+/* Bytes of one key and value row (an int8 row and its scale, or float32 ones). */
+static int64_t kv_row_bytes(const lp_attention_args *a) {
+    return a->k_scale ? a->d + a->dv + 2 * (int64_t)sizeof(float) : (a->d + a->dv) * (int64_t)sizeof(float);
 }
 
 /* Ask for the bytes of `len` rows of `bytes` each now: the next chunk's keys while this one's
  * scores are computed, its values while this one's are summed. The blocks lie anywhere in the
  * pool, where the hardware prefetcher cannot guess them. */
-static void fetch_rows(const float *const *rows, int64_t len, int64_t bytes) {
+static void fetch_rows(const void *const *rows, int64_t len, int64_t bytes) {
     for (int64_t l = 0; l < bytes; l += 64)
 #pragma GCC unroll 8
         for (int64_t p = 0; p < len; p++) __builtin_prefetch((const char *)rows[p] + l, 0, 2);
@@ -233,10 +314,10 @@ static void attend(void *ctx, size_t index, int thread) {
     memset(scores, 0, (size_t)(rows * LP_CHUNK) * sizeof(float)); /* softmax reads (and drops) past n */
 
     const int64_t end = last < t->s1 * LP_SEGMENT ? last : t->s1 * LP_SEGMENT;
-    const float *chunk[2][2][LP_CHUNK]; /* [chunk parity][key, value][key of the chunk] */
-    const int64_t k_bytes = d * (int64_t)sizeof(float), v_bytes = dv * (int64_t)sizeof(float);
+    lp_chunk chunk[2]; /* [chunk parity] */
+    const int64_t item = a->k_scale ? 1 : (int64_t)sizeof(float), k_bytes = d * item, v_bytes = dv * item;
     int parity = 0;
-    chunk_rows(a, table, kv, t->s0 * LP_SEGMENT, end, chunk[0]);
+    chunk_rows(a, table, kv, t->s0 * LP_SEGMENT, end, &chunk[0]);
     for (int64_t s = t->s0; s < t->s1; s++) {
         const int64_t lo = s * LP_SEGMENT, hi = end < lo + LP_SEGMENT ? end : lo + LP_SEGMENT;
         const int64_t ta = lo - first + 1 > 0 ? lo - first + 1 : 0; /* the first token that sees key lo */
@@ -249,16 +330,16 @@ static void attend(void *ctx, size_t index, int thread) {
             const int64_t len = hi - c0 < LP_CHUNK ? hi - c0 : LP_CHUNK;
             const int64_t tc = c0 - first + 1 > 0 ? c0 - first + 1 : 0; /* the first token that sees key c0 */
             const int64_t next =
-                c0 + LP_CHUNK < end ? chunk_rows(a, table, kv, c0 + LP_CHUNK, end, chunk[parity ^ 1]) : 0;
-            const float *const *krow = chunk[parity][0], *const *vrow = chunk[parity][1];
-            fetch_rows(chunk[parity ^ 1][0], next, k_bytes);
-            steps->scores(qp + tc * g, rows - tc * g, d, krow, len, job->scale, scores + tc * g * LP_CHUNK);
-            fetch_rows(chunk[parity ^ 1][1], next, v_bytes);
+                c0 + LP_CHUNK < end ? chunk_rows(a, table, kv, c0 + LP_CHUNK, end, &chunk[parity ^ 1]) : 0;
+            const lp_chunk *here = &chunk[parity];
+            fetch_rows(chunk[parity ^ 1].k.any, next, k_bytes);
+            chunk_scores(job, qp + tc * g, rows - tc * g, here, len, scores + tc * g * LP_CHUNK);
+            fetch_rows(chunk[parity ^ 1].v.any, next, v_bytes);
             for (int64_t tok = tc; tok < nt; tok++) {
                 const int64_t n = first + tok - c0 < len ? first + tok - c0 : len; /* keys it sees here */
                 steps->softmax(scores + tok * g * LP_CHUNK, g, n, mx + tok * g, sum + tok * g * LP_LANES,
                                acc + tok * g * dv, dv, c0 == lo);
-                steps->axpy(acc + tok * g * dv, scores + tok * g * LP_CHUNK, g, vrow, n, dv);
+                chunk_axpy(job, acc + tok * g * dv, scores + tok * g * LP_CHUNK, g, here, n);
             }
         }
         for (int64_t r = ta * g; r < rows; r++) {
@@ -335,7 +416,7 @@ static int check_indices(lp_attention_args *a, int64_t *kv_bytes) {
             }
         }
     }
-    *kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
+    *kv_bytes = keys * a->kh * kv_row_bytes(a);
     return LP_OK;
 }
 
@@ -382,7 +463,7 @@ static void attend_window(void *ctx, size_t index, int thread) {
     const lp_attention_args *a = job->a;
     const lp_steps *steps = job->steps;
     const lp_task *t = job->tasks + index;
-    const int64_t d = a->d, dv = a->dv, g = job->g, kv = t->kv, i = t->i0;
+    const int64_t dv = a->dv, g = job->g, kv = t->kv, i = t->i0;
     const int64_t own = keys_of(a, t->b, i), start = own - a->window > 0 ? own - a->window : 0;
     const int64_t keys = key_end(a, t->b, i);
     const int64_t *table = a->block_tables + t->b * a->bt_s0;
@@ -392,13 +473,13 @@ static void attend_window(void *ctx, size_t index, int thread) {
     memset(scores, 0, (size_t)(g * LP_CHUNK) * sizeof(float));
     memset(acc, 0, (size_t)(g * dv) * sizeof(float));
     memset(sum, 0, (size_t)(g * LP_LANES) * sizeof(float));
-    const float *chunk[2][LP_CHUNK];
+    lp_chunk chunk;
     for (int64_t c0 = start; c0 < keys;) {
         const int64_t next = (c0 / LP_CHUNK + 1) * LP_CHUNK < keys ? (c0 / LP_CHUNK + 1) * LP_CHUNK : keys;
-        const int64_t len = chunk_rows(a, table, kv, c0, next, chunk);
-        steps->scores(qp, g, d, chunk[0], len, job->scale, scores);
+        const int64_t len = chunk_rows(a, table, kv, c0, next, &chunk);
+        chunk_scores(job, qp, g, &chunk, len, scores);
         steps->softmax(scores, g, len, mx, sum, acc, dv, c0 == start);
-        steps->axpy(acc, scores, g, chunk[1], len, dv);
+        chunk_axpy(job, acc, scores, g, &chunk, len);
         c0 = next;
     }
     for (int64_t r = 0; r < g; r++) write_row(a, i, kv * g + r, acc + r * dv, fold16(sum + r * LP_LANES));
@@ -415,7 +496,7 @@ static int paged_attention_window(lp_attention_args *a) {
             keys += key_end(a, b, i) - start;
         }
     }
-    const int64_t kv_bytes = keys * a->kh * (a->d + a->dv) * (int64_t)sizeof(float);
+    const int64_t kv_bytes = keys * a->kh * kv_row_bytes(a);
     const int threads = kv_bytes < LP_SERIAL_BYTES ? 1 : lq_pool_threads();
     attention_job job = {.a = a, .steps = attention_steps(), .scale = (float)a->scale, .g = g, .rows = g};
     job.scratch_bytes = ((size_t)g * sizeof(float *) + (size_t)(g * (LP_CHUNK + a->dv + 1 + LP_LANES)) * sizeof(float)
@@ -502,14 +583,49 @@ LQ_EXPORT int llaisys_paged_simd(int level) {
 
 /* ---- cache write ------------------------------------------------------------------------- */
 
-/* k_cache[slot // BS, slot % BS] = k[i], v likewise, for each token i; every slot is checked
- * before anything is written. */
+/* The row x (n floats) as int8 codes: scale = amax / 127 and code = x / scale rounded half to
+ * even (rintf in the default rounding mode), within [-127, 127]; a row of zeros gets scale 0 and
+ * codes 0. Returns the scale. */
+static float quantize_row(const float *x, int64_t n, int8_t *code) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float scale = amax / 127.0f;
+    if (scale == 0.0f) {
+        memset(code, 0, (size_t)n);
+        return 0.0f;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float c = rintf(x[i] / scale);
+        code[i] = (int8_t)(c > 127.0f ? 127.0f : c >= -127.0f ? c : -127.0f);
+    }
+    return scale;
+}
+
+/* The int8 form of llaisys_paged_kv_write (slots already checked): each head of each token
+ * quantized on its own into its slot, so a slot's codes and scale depend on its own row only. */
+static int paged_kv_write_q8(lp_write_args *a) {
+    for (int64_t i = 0; i < a->n; i++) {
+        const int64_t s = a->slots[i * a->sl_s0], blk = s / a->bs, off = s % a->bs;
+        const float *k = (const float *)a->k + i * a->k_s0, *v = (const float *)a->v + i * a->v_s0;
+        for (int64_t h = 0; h < a->kh; h++) {
+            int8_t *kc = (int8_t *)a->k_cache + blk * a->kc_s0 + off * a->kc_s1 + h * a->kc_s2;
+            int8_t *vc = (int8_t *)a->v_cache + blk * a->vc_s0 + off * a->vc_s1 + h * a->vc_s2;
+            a->k_scale[blk * a->ksc_s0 + off * a->ksc_s1 + h * a->ksc_s2] = quantize_row(k + h * a->k_s1, a->d, kc);
+            a->v_scale[blk * a->vsc_s0 + off * a->vsc_s1 + h * a->vsc_s2] = quantize_row(v + h * a->v_s1, a->dv, vc);
+        }
+    }
+    return LP_OK;
+}
+
+/* k_cache[slot // BS, slot % BS] = k[i], v likewise, for each token i (quantized where k_scale is
+ * set); every slot is checked before anything is written. */
 LQ_EXPORT int llaisys_paged_kv_write(lp_write_args *a) {
     const int64_t cap = a->nb * a->bs, z = a->itemsize;
     for (int64_t i = 0; i < a->n; i++) {
         const int64_t s = a->slots[i * a->sl_s0];
         if (s < 0 || s >= cap) return a->bad[0] = i, a->bad[1] = s, LP_ERR_SLOT;
     }
+    if (a->k_scale) return z == (int64_t)sizeof(float) ? paged_kv_write_q8(a) : LP_ERR_SHAPE;
     const size_t k_row = (size_t)(a->d * z), v_row = (size_t)(a->dv * z);
     const int k_whole = a->k_s1 == a->d && a->kc_s2 == a->d, v_whole = a->v_s1 == a->dv && a->vc_s2 == a->dv;
     for (int64_t i = 0; i < a->n; i++) {

@@ -17,15 +17,17 @@
 /* ---- the exported calls' arguments ------------------------------------------------------ */
 
 /* Arguments of llaisys_paged_attention; strides in elements, the last dimension of every
- * float tensor contiguous. Mirrored by a ctypes Structure in src/llaisys/_native/structs.py. */
+ * float tensor contiguous. Mirrored by a ctypes Structure in src/llaisys/_native/structs.py.
+ * With k_scale set the caches hold int8 codes: key p of KV head kv is k_cache[..] * k_scale[..],
+ * one scale per slot and head (v likewise). */
 typedef struct {
     float *out;                 /* (N, H, Dv) */
     int64_t out_s0, out_s1;
     const float *q;             /* (N, H, D) */
     int64_t q_s0, q_s1;
-    const float *k_cache;       /* (NB, BS, KH, D) */
+    const void *k_cache;        /* (NB, BS, KH, D) float, or int8 with k_scale */
     int64_t k_s0, k_s1, k_s2;
-    const float *v_cache;       /* (NB, BS, KH, Dv) */
+    const void *v_cache;        /* (NB, BS, KH, Dv) float, or int8 with v_scale */
     int64_t v_s0, v_s1, v_s2;
     const int64_t *block_tables; /* (B, MB) */
     int64_t bt_s0, bt_s1;
@@ -39,9 +41,15 @@ typedef struct {
     int64_t window;             /* > 0: a query sees only its last `window` keys (a sliding window) */
     const int64_t *key_ends;    /* (N,) or NULL: row i sees keys before key_ends[i], not only up to its own */
     int64_t ke_s0;
+    const float *k_scale;       /* (NB, BS, KH) or NULL (float caches) */
+    int64_t ks_s0, ks_s1, ks_s2;
+    const float *v_scale;       /* (NB, BS, KH), with k_scale */
+    int64_t vs_s0, vs_s1, vs_s2;
 } lp_attention_args;
 
-/* Arguments of llaisys_paged_kv_write: strides in elements of `itemsize` bytes. */
+/* Arguments of llaisys_paged_kv_write: strides in elements of `itemsize` bytes. With k_scale
+ * set, k and v are float32 (itemsize 4) and each head of each token is stored quantized: int8
+ * codes in the caches (strides in bytes), its scale in k_scale / v_scale. */
 typedef struct {
     char *k_cache;              /* (NB, BS, KH, D) */
     int64_t kc_s0, kc_s1, kc_s2;
@@ -55,6 +63,10 @@ typedef struct {
     int64_t sl_s0;
     int64_t n, kh, d, dv, nb, bs, itemsize;
     int64_t bad[2];
+    float *k_scale;             /* (NB, BS, KH) or NULL (float caches) */
+    int64_t ksc_s0, ksc_s1, ksc_s2;
+    float *v_scale;             /* (NB, BS, KH), with k_scale */
+    int64_t vsc_s0, vsc_s1, vsc_s2;
 } lp_write_args;
 
 /* ---- attention: the per-chunk steps of each SIMD level ---------------------------------- */
@@ -73,11 +85,19 @@ typedef struct {
  *   axpy:   acc[r][e] = fmaf(w[r][p], v[p][e], acc[r][e]) for p = 0 .. len-1 in order, e < Dv,
  *           rows r < rows.
  * Rows of s and w are LP_CHUNK floats apart, rows of acc Dv. */
+/* Over an int8 cache, with each key row's scale ks[p] and each value row's vs[p]:
+ *   scores_q8: s[r][p] = (fold16 of the partial sums of q[r][i] * (float)k[p][i]) * ks[p] * scale,
+ *           the same lanes and fold as scores, the code converted to float in a register;
+ *   axpy_q8: acc[r][e] = fmaf(w[r][p] * vs[p], (float)v[p][e], acc[r][e]), p in order. */
 typedef struct {
     void (*scores)(const float *const *q, int64_t rows, int64_t d, const float *const *krow, int64_t len,
                    float scale, float *s);
     void (*softmax)(float *s, int64_t rows, int64_t n, float *max, float *sum, float *acc, int64_t dv, int fresh);
     void (*axpy)(float *acc, const float *w, int64_t rows, const float *const *vrow, int64_t len, int64_t dv);
+    void (*scores_q8)(const float *const *q, int64_t rows, int64_t d, const int8_t *const *krow, const float *ks,
+                      int64_t len, float scale, float *s);
+    void (*axpy_q8)(float *acc, const float *w, int64_t rows, const int8_t *const *vrow, const float *vs,
+                    int64_t len, int64_t dv);
 } lp_steps;
 
 #define INLINE static inline __attribute__((always_inline))

@@ -142,7 +142,97 @@ AVX2 static void axpy_avx2(float *acc, const float *w, int64_t rows, const float
     }
 }
 
-static const lp_steps steps_avx2 = {scores_avx2, softmax_avx2, axpy_avx2};
+/* ---- over an int8 cache: the codes widened to float in registers ---------------------------- */
+
+/* 8 int8 codes as floats (exact). */
+AVX2_INLINE __m256 codes8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* The last n < 16 codes of a row, zero-padded to 16 (no read past the row). */
+AVX2_INLINE void tail16(const int8_t *p, int64_t n, int8_t out[16]) {
+    memset(out, 0, 16);
+    memcpy(out, p, (size_t)n);
+}
+
+AVX2 static void scores_q8_avx2(const float *const *q, int64_t rows, int64_t d, const int8_t *const *krow,
+                                const float *ks, int64_t len, float scale, float *s) {
+    const int64_t d16 = d / LP_LANES * LP_LANES;
+    const __m256i m_lo = lanes_below(d - d16), m_hi = lanes_below(d - d16 - 8); /* the tail's lanes */
+    int8_t tail[4][16];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q[r];
+        float *sr = s + r * LP_CHUNK;
+        int64_t p = 0;
+        for (; p + 4 <= len; p += 4) { /* four keys at a time: eight independent chains */
+            const int8_t *k[4] = {krow[p], krow[p + 1], krow[p + 2], krow[p + 3]};
+            __m256 lo[4], hi[4];
+            for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d16; i += LP_LANES) {
+                const __m256 x0 = _mm256_loadu_ps(qr + i), x1 = _mm256_loadu_ps(qr + i + 8);
+                for (int j = 0; j < 4; j++) {
+                    lo[j] = _mm256_fmadd_ps(x0, codes8(k[j] + i), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(x1, codes8(k[j] + i + 8), hi[j]);
+                }
+            }
+            if (d16 < d) { /* the lanes past d add 0 * 0 = +0, which leaves a partial sum as it is */
+                const __m256 x0 = _mm256_maskload_ps(qr + d16, m_lo), x1 = _mm256_maskload_ps(qr + d16 + 8, m_hi);
+                for (int j = 0; j < 4; j++) {
+                    tail16(k[j] + d16, d - d16, tail[j]);
+                    lo[j] = _mm256_fmadd_ps(x0, codes8(tail[j]), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(x1, codes8(tail[j] + 8), hi[j]);
+                }
+            }
+            const __m128 dots = _mm_mul_ps(fold16x4(lo, hi), _mm_loadu_ps(ks + p));
+            _mm_storeu_ps(sr + p, _mm_mul_ps(dots, _mm_set1_ps(scale)));
+        }
+        for (; p < len; p++) {
+            const int8_t *k = krow[p];
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d16; i += LP_LANES) {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), codes8(k + i), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), codes8(k + i + 8), hi);
+            }
+            if (d16 < d) {
+                tail16(k + d16, d - d16, tail[0]);
+                lo = _mm256_fmadd_ps(_mm256_maskload_ps(qr + d16, m_lo), codes8(tail[0]), lo);
+                hi = _mm256_fmadd_ps(_mm256_maskload_ps(qr + d16 + 8, m_hi), codes8(tail[0] + 8), hi);
+            }
+            sr[p] = fold8(_mm256_add_ps(lo, hi)) * ks[p] * scale;
+        }
+    }
+}
+
+AVX2 static void axpy_q8_avx2(float *acc, const float *w, int64_t rows, const int8_t *const *vrow, const float *vs,
+                              int64_t len, int64_t dv) {
+    for (int64_t r = 0; r < rows; r++, acc += dv, w += LP_CHUNK) {
+        int64_t e0 = 0;
+        for (; e0 + 32 <= dv; e0 += 32) { /* 32 accumulators in registers across the keys */
+            __m256 a0 = _mm256_loadu_ps(acc + e0), a1 = _mm256_loadu_ps(acc + e0 + 8);
+            __m256 a2 = _mm256_loadu_ps(acc + e0 + 16), a3 = _mm256_loadu_ps(acc + e0 + 24);
+            for (int64_t p = 0; p < len; p++) {
+                const int8_t *v = vrow[p] + e0;
+                const __m256 wp = _mm256_set1_ps(w[p] * vs[p]);
+                a0 = _mm256_fmadd_ps(wp, codes8(v), a0);
+                a1 = _mm256_fmadd_ps(wp, codes8(v + 8), a1);
+                a2 = _mm256_fmadd_ps(wp, codes8(v + 16), a2);
+                a3 = _mm256_fmadd_ps(wp, codes8(v + 24), a3);
+            }
+            _mm256_storeu_ps(acc + e0, a0), _mm256_storeu_ps(acc + e0 + 8, a1);
+            _mm256_storeu_ps(acc + e0 + 16, a2), _mm256_storeu_ps(acc + e0 + 24, a3);
+        }
+        for (; e0 + 8 <= dv; e0 += 8) {
+            __m256 a0 = _mm256_loadu_ps(acc + e0);
+            for (int64_t p = 0; p < len; p++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[p] * vs[p]), codes8(vrow[p] + e0), a0);
+            _mm256_storeu_ps(acc + e0, a0);
+        }
+        for (; e0 < dv; e0++)
+            for (int64_t p = 0; p < len; p++) acc[e0] = fmaf(w[p] * vs[p], (float)vrow[p][e0], acc[e0]);
+    }
+}
+
+static const lp_steps steps_avx2 = {scores_avx2, softmax_avx2, axpy_avx2, scores_q8_avx2, axpy_q8_avx2};
 
 const lp_steps *lp_steps_avx2(void) { return &steps_avx2; }
 #else

@@ -163,7 +163,125 @@ AVX512 static void axpy_avx512(float *acc, const float *w, int64_t rows, const f
     }
 }
 
-static const lp_steps steps_avx512 = {scores_avx512, softmax_avx512, axpy_avx512};
+/* ---- over an int8 cache: the codes widened to float in registers ---------------------------- */
+
+/* 16 int8 codes as floats (exact). */
+AVX512_INLINE __m512 codes16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* scores_tile over int8 keys: the 8 keys' dot products times their scales ks8, then scale. A
+ * head dim with a tail reads each key's last codes from a zero-padded copy. */
+AVX512_INLINE void scores_tile_q8(const float *const *q, const int nr, int64_t d16, int64_t d, __mmask16 tail,
+                                  const int8_t *const k[8], __m256 ks8, __m256 scale, float *s) {
+    __m512 a[3][8];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d16; i += LP_LANES) {
+        __m512 x[3];
+        for (int r = 0; r < nr; r++) x[r] = _mm512_loadu_ps(q[r] + i);
+        for (int j = 0; j < 8; j++) {
+            __m512 kj = codes16(k[j] + i);
+            __asm__("" : "+v"(kj)); /* one conversion for the nr rows */
+            for (int r = 0; r < nr; r++) a[r][j] = _mm512_fmadd_ps(x[r], kj, a[r][j]);
+        }
+    }
+    if (tail) { /* the lanes past d add 0 * 0 = +0, which leaves a partial sum as it is */
+        __m512 x[3];
+        for (int r = 0; r < nr; r++) x[r] = _mm512_maskz_loadu_ps(tail, q[r] + d16);
+        for (int j = 0; j < 8; j++) {
+            int8_t pad[16] = {0};
+            memcpy(pad, k[j] + d16, (size_t)(d - d16));
+            const __m512 kj = codes16(pad);
+            for (int r = 0; r < nr; r++) a[r][j] = _mm512_fmadd_ps(x[r], kj, a[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        _mm256_storeu_ps(s + r * LP_CHUNK, _mm256_mul_ps(_mm256_mul_ps(fold16x8(a[r]), ks8), scale));
+}
+
+/* 8 keys at a time (a partial group reads its last key again; its scales past the chunk's keys
+ * are 0), 3 rows at a time. */
+AVX512 static void scores_q8_avx512(const float *const *q, int64_t rows, int64_t d, const int8_t *const *krow,
+                                    const float *ks, int64_t len, float scale, float *s) {
+    const int64_t d16 = d / LP_LANES * LP_LANES;
+    const __mmask16 tail = mask_below(d - d16);
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < len; p0 += 8) {
+        const int64_t keys = len - p0 < 8 ? len - p0 : 8;
+        const int8_t *k[8];
+        for (int j = 0; j < 8; j++) k[j] = krow[p0 + (j < keys ? j : keys - 1)];
+        const __m256 ks8 = _mm256_loadu_ps(ks + p0);
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) scores_tile_q8(q + r, 3, d16, d, tail, k, ks8, sc, s + r * LP_CHUNK + p0);
+        if (rows - r == 2) scores_tile_q8(q + r, 2, d16, d, tail, k, ks8, sc, s + r * LP_CHUNK + p0);
+        if (rows - r == 1) scores_tile_q8(q + r, 1, d16, d, tail, k, ks8, sc, s + r * LP_CHUNK + p0);
+    }
+}
+
+/* axpy_block over int8 values: acc += (w * vs) v for `nr` rows and the up to 64 values from e0
+ * (`n` of them; all 64 when `full`). */
+AVX512_INLINE void axpy_block_q8(float *acc, const float *w, const int nr, const int8_t *const *vrow,
+                                 const float *vs, int64_t len, int64_t dv, int64_t e0, const __mmask16 mask[4],
+                                 const int full) {
+    __m512 a[4][4];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) {
+            const float *src = acc + r * dv + e0 + 16 * c;
+            a[r][c] = full ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(mask[c], src);
+        }
+    for (int64_t p = 0; p < len; p++) {
+        const int8_t *v = vrow[p] + e0;
+        int8_t pad[64];
+        if (!full) { /* the last values of the row, zero-padded (no read past the row) */
+            memset(pad, 0, sizeof pad);
+            memcpy(pad, v, (size_t)(dv - e0));
+            v = pad;
+        }
+        __m512 x[4];
+        for (int c = 0; c < 4; c++) x[c] = codes16(v + 16 * c);
+        for (int r = 0; r < nr; r++) {
+            const __m512 wp = _mm512_set1_ps(w[r * LP_CHUNK + p] * vs[p]);
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_fmadd_ps(wp, x[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) {
+            float *dst = acc + r * dv + e0 + 16 * c;
+            if (full)
+                _mm512_storeu_ps(dst, a[r][c]);
+            else
+                _mm512_mask_storeu_ps(dst, mask[c], a[r][c]);
+        }
+}
+
+AVX512_INLINE void axpy_rows_q8(float *acc, const float *w, int64_t rows, const int8_t *const *vrow, const float *vs,
+                                int64_t len, int64_t dv, int64_t e0, const __mmask16 mask[4], const int full) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+        axpy_block_q8(acc + r * dv, w + r * LP_CHUNK, 4, vrow, vs, len, dv, e0, mask, full);
+    switch (rows - r) {
+    case 3: axpy_block_q8(acc + r * dv, w + r * LP_CHUNK, 3, vrow, vs, len, dv, e0, mask, full); break;
+    case 2: axpy_block_q8(acc + r * dv, w + r * LP_CHUNK, 2, vrow, vs, len, dv, e0, mask, full); break;
+    case 1: axpy_block_q8(acc + r * dv, w + r * LP_CHUNK, 1, vrow, vs, len, dv, e0, mask, full); break;
+    default: break;
+    }
+}
+
+AVX512 static void axpy_q8_avx512(float *acc, const float *w, int64_t rows, const int8_t *const *vrow,
+                                  const float *vs, int64_t len, int64_t dv) {
+    for (int64_t e0 = 0; e0 < dv; e0 += 64) {
+        __mmask16 mask[4];
+        for (int c = 0; c < 4; c++) mask[c] = mask_below(dv - e0 - 16 * c);
+        if (dv - e0 >= 64)
+            axpy_rows_q8(acc, w, rows, vrow, vs, len, dv, e0, mask, 1);
+        else
+            axpy_rows_q8(acc, w, rows, vrow, vs, len, dv, e0, mask, 0);
+    }
+}
+
+static const lp_steps steps_avx512 = {scores_avx512, softmax_avx512, axpy_avx512, scores_q8_avx512,
+                                      axpy_q8_avx512};
 
 const lp_steps *lp_steps_avx512(void) { return &steps_avx512; }
 #else

@@ -170,12 +170,15 @@ class PagedAttentionArgs(ctypes.Structure):
                 ("context_lens", _PTR), ("cl_s0", _I64),
                 ("n", _I64), ("h", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
                 ("b", _I64), ("mb", _I64), ("scale", ctypes.c_double), ("bad", _I64 * 2), ("window", _I64),
-                ("key_ends", _PTR), ("ke_s0", _I64)]
+                ("key_ends", _PTR), ("ke_s0", _I64),
+                ("k_scale", _PTR), ("ks_s0", _I64), ("ks_s1", _I64), ("ks_s2", _I64),  # an int8 cache's scales
+                ("v_scale", _PTR), ("vs_s0", _I64), ("vs_s1", _I64), ("vs_s2", _I64)]
 
 
 @mirror("kernels", "lp_write_args")
 class PagedWriteArgs(ctypes.Structure):
-    """``llaisys_paged_kv_write``: strides in elements of ``itemsize`` bytes."""
+    """``llaisys_paged_kv_write``: strides in elements of ``itemsize`` bytes (with scales: F32
+    rows quantized into int8 caches, whose strides count bytes)."""
 
     _fields_ = [("k_cache", _PTR), ("kc_s0", _I64), ("kc_s1", _I64), ("kc_s2", _I64),
                 ("v_cache", _PTR), ("vc_s0", _I64), ("vc_s1", _I64), ("vc_s2", _I64),
@@ -183,7 +186,9 @@ class PagedWriteArgs(ctypes.Structure):
                 ("v", _PTR), ("v_s0", _I64), ("v_s1", _I64),
                 ("slots", _PTR), ("sl_s0", _I64),
                 ("n", _I64), ("kh", _I64), ("d", _I64), ("dv", _I64), ("nb", _I64), ("bs", _I64),
-                ("itemsize", _I64), ("bad", _I64 * 2)]
+                ("itemsize", _I64), ("bad", _I64 * 2),
+                ("k_scale", _PTR), ("ksc_s0", _I64), ("ksc_s1", _I64), ("ksc_s2", _I64),  # an int8 cache's scales
+                ("v_scale", _PTR), ("vsc_s0", _I64), ("vsc_s1", _I64), ("vsc_s2", _I64)]
 
 
 @mirror("kernels", "lm_moe_args")

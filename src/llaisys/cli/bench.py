@@ -20,6 +20,8 @@ from collections import Counter
 from typing import Any
 
 from ..engine import LLMEngine, stream
+from ..engine.stream import BLOCK_ROUND
+from ..models.paged_cache import KV_CACHE_DTYPES
 from ..generation import GenerationConfig, Timings
 from .common import add_model_options, load_from_args, non_negative_int, positive_int, read_image
 
@@ -55,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image", default=None, metavar="PATH",
                    help="also time a vision-language model's image path on this image: preprocessing, then "
                         "the encoder and projector (medians over --repeats, the tower's cache bypassed)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, metavar="TYPE",
+                   help="the KV cache's type: auto (the model's, default) or int8 (alias q8_0: 8-bit keys and "
+                        "values with a scale per head of each token)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_model_options(p)
     p.set_defaults(func=run)
@@ -73,9 +78,14 @@ def prompt_ids(tokenizer: Any, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_once(model: Any, ids: list[int], gen_tokens: int) -> Timings:
-    """One greedy generation of ``gen_tokens`` tokens after ``ids``, end-of-sequence ignored."""
-    events = stream(model, ids, GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True))
+def run_once(model: Any, ids: list[int], gen_tokens: int, kv_cache_dtype: str = "auto") -> Timings:
+    """One greedy generation of ``gen_tokens`` tokens after ``ids``, end-of-sequence ignored,
+    on an engine of its own (as ``stream`` makes one: one block for the request; its KV cache
+    in ``kv_cache_dtype``)."""
+    tokens = -(-(len(ids) + gen_tokens) // BLOCK_ROUND) * BLOCK_ROUND
+    engine = LLMEngine(model, kv_cache_tokens=tokens, block_size=tokens, max_seqs=1, prefix_caching=False,
+                       kv_cache_dtype=kv_cache_dtype)
+    events = stream(engine, ids, GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True))
     result = events.result()
     if len(result.token_ids) != gen_tokens:
         raise ValueError(f"generated {len(result.token_ids)} tokens, not {gen_tokens}: the context is too short")
@@ -92,11 +102,13 @@ def distinct_prompts(ids: list[int], n: int, vocab_size: int) -> list[list[int]]
     return out
 
 
-def run_concurrent(model: Any, prompts: list[list[int]], gen_tokens: int) -> dict[str, float]:
-    """All ``prompts`` at once through a fresh LLMEngine, ``gen_tokens`` greedy tokens each
-    (end-of-sequence ignored). Prefill rate: prompt tokens over the time until every sequence
-    had its first token; decode rate: tokens picked by steps after that, over their time."""
-    engine = LLMEngine(model, max_seqs=max(len(prompts), 1))
+def run_concurrent(model: Any, prompts: list[list[int]], gen_tokens: int,
+                   kv_cache_dtype: str = "auto") -> dict[str, float]:
+    """All ``prompts`` at once through a fresh LLMEngine (its KV cache in ``kv_cache_dtype``),
+    ``gen_tokens`` greedy tokens each (end-of-sequence ignored). Prefill rate: prompt tokens over
+    the time until every sequence had its first token; decode rate: tokens picked by steps after
+    that, over their time."""
+    engine = LLMEngine(model, max_seqs=max(len(prompts), 1), kv_cache_dtype=kv_cache_dtype)
     config = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     for p in prompts:
@@ -233,23 +245,25 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          f"model's context of {limit}")
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
     concurrency = getattr(args, "concurrency", 1)
+    kv = getattr(args, "kv_cache_dtype", "auto")
     if concurrency > 1:
         prompts = distinct_prompts(ids, concurrency, model.config.vocab_size)
         for _ in range(args.warmup):
-            run_concurrent(model, prompts, args.gen_tokens)
-        results = [run_concurrent(model, prompts, args.gen_tokens) for _ in range(args.repeats)]
+            run_concurrent(model, prompts, args.gen_tokens, kv)
+        results = [run_concurrent(model, prompts, args.gen_tokens, kv) for _ in range(args.repeats)]
         figures = {key: statistics.median(r[key] for r in results) for key in ("prefill_tok_s", "decode_tok_s")}
         figures["ttft_ms"] = statistics.median(r["ttft_s"] for r in results) * 1000
     else:
         for _ in range(args.warmup):
-            run_once(model, ids, args.gen_tokens)
-        figures = summarize([run_once(model, ids, args.gen_tokens) for _ in range(args.repeats)])
+            run_once(model, ids, args.gen_tokens, kv)
+        figures = summarize([run_once(model, ids, args.gen_tokens, kv) for _ in range(args.repeats)])
     return {
         "engine": "llaisys", "model": str(model.source), "weights": weight_type(model),
         "dtype": str(getattr(model.dtype, "name", model.dtype)),  # the activations' type
         "quant_math": block_arithmetic(model),
         "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-        "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, **figures,
+        "concurrency": concurrency, "repeats": args.repeats, "load_s": load_s, "kv_cache_dtype": kv,
+        "kv_bytes_per_token": model.kv_bytes_per_token(kv), **figures,
         "peak_rss_mb": peak_rss_mb(),  # before the bandwidth probe's buffer
         **bandwidth_figures(model, figures["decode_tok_s"], concurrency), **images,
     }
@@ -278,6 +292,8 @@ def format_table(figures: dict[str, Any]) -> str:
         + (f", {figures['concurrency']} sequences at once (aggregate rates)" if figures.get("concurrency", 1) > 1
            else ""),
         f"threads        {figures['threads'] or 'as the environment says'}",
+        *([f"KV cache       {figures['kv_cache_dtype']}, {figures['kv_bytes_per_token']} bytes a token"]
+          if "kv_cache_dtype" in figures else []),
         f"load time      {figures['load_s']:.2f} s",
         f"time to first  {figures['ttft_ms']:.1f} ms",
         f"prefill        {figures['prefill_tok_s']:.1f} tok/s",

@@ -6,17 +6,23 @@ hands out block ids. A full block is named by a hash chained over every token be
 (``block_hash``), so equal hashes mean equal prefixes, not merely equal blocks. A block is shared
 by reference count; when its last user releases it, it joins the free queue but keeps its hash,
 so a later sequence with that prefix takes it back instead of computing it again, until the
-block is handed out for new content (least recently released first).
+block is handed out for new content (least recently released first). Beyond the pool, the
+prefix cache's tiers (``prefix_tiers``: host memory, a directory) may keep the contents of blocks
+it dropped; ``match_prefix`` restores those that follow the blocks it still holds.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .kv_events import KVEventLog
+
+if TYPE_CHECKING:
+    from .prefix_tiers import PrefixTiers
 
 BlockHash = bytes
 
@@ -43,6 +49,7 @@ class BlockPool:
         # Free blocks, least recently released first; cached ones keep their hash until taken.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.events: KVEventLog | None = None  # told of every prefix forgotten (kv_events)
+        self.tiers: "PrefixTiers | None" = None  # told of every block handed out whose prefix it forgets
 
     @property
     def num_free(self) -> int:
@@ -59,6 +66,8 @@ class BlockPool:
                 del self.by_hash[old]
                 if self.events is not None:
                     self.events.removed([old])
+                if self.tiers is not None:  # its contents are still there: the next pass writes it
+                    self.tiers.forgot(block, old)
         self.ref_count[block] = 1
         return block
 
@@ -126,6 +135,16 @@ class KVBlockManager:
         self.pool.events = log
 
     @property
+    def tiers(self) -> "PrefixTiers | None":
+        """The prefix cache's tiers beyond the pool (``prefix_tiers``; None: none): told of
+        blocks committed and evicted, asked for blocks the pool no longer holds."""
+        return self.pool.tiers
+
+    @tiers.setter
+    def tiers(self, tiers: "PrefixTiers | None") -> None:
+        self.pool.tiers = tiers
+
+    @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
@@ -167,11 +186,19 @@ class KVBlockManager:
         if not self.prefix_caching:
             return 0
         usable = (len(token_ids) - 1) // self.block_size
-        for h in self._hashes(seq_id, token_ids, usable):
-            block = self.pool.take_cached(h)
-            if block is None:
+        hashes = self._hashes(seq_id, token_ids, usable)
+        while len(table) < usable:
+            block = self.pool.take_cached(hashes[len(table)])
+            if block is not None:
+                table.append(block)
+                continue
+            # the tiers may hold the next blocks: restored into new blocks of the pool, as if computed
+            restored = self.tiers.restore(self.pool, hashes[len(table):usable]) if self.tiers is not None else []
+            if not restored:
                 break
-            table.append(block)
+            if self.events is not None:
+                self._stored(list(range(len(table), len(table) + len(restored))), hashes, token_ids)
+            table.extend(restored)
         return len(table) * self.block_size
 
     def next_block_in_flight(self, seq_id: object, token_ids: Sequence[int], cached: int) -> bool:
@@ -244,7 +271,10 @@ class KVBlockManager:
         hashes = self._hashes(seq_id, token_ids, full)
         run: list[int] = []  # indices of consecutive blocks made findable now, for the events
         for i, (block, h) in enumerate(zip(table[:full], hashes)):
-            if self.pool.remember(block, h) and self.events is not None:
+            made = self.pool.remember(block, h)
+            if made and self.tiers is not None:
+                self.tiers.committed(block, h)
+            if made and self.events is not None:
                 if run and run[-1] != i - 1:
                     self._stored(run, hashes, token_ids)
                     run = []

@@ -43,12 +43,14 @@ from ..generation.sampler import sample_batch
 from ..generation.config import MAX_SPECULATIVE_TOKENS
 from ..generation.results import SampledToken
 from ..generation.speculative import Drafter, verifies_exactly
-from ..models.paged_cache import TokenBatch
+from ..models.paged_cache import TokenBatch, parse_kv_cache_dtype
 from ..runtime.device import DeviceType
+from ..runtime.dtypes import DataType
 from .blocks import KVBlockManager
 from .grammar import Grammar, MaskBatch, grammar_of
 from .kv_events import KVEventLog
 from .pooling import pooling_of
+from .prefix_tiers import open_tiers
 from .request import Request, RequestOutput
 from .scheduler import Chunk, Scheduler
 
@@ -64,7 +66,8 @@ MAX_BATCHED_TOKENS = 512  # tokens one step runs by default: a longer prompt run
 @dataclass(slots=True)
 class EngineStats:
     """Counters and gauges for metrics: requests running and waiting, KV pool usage (0..1),
-    prefix-cache lookups (tokens queried and hit), tokens processed, preemptions, steps, and
+    prefix-cache lookups (tokens queried and hit; of the hits, those restored from the host and
+    disk tiers), tokens processed, preemptions, steps, and
     speculative decoding's drafts, draft tokens run and draft tokens accepted (the acceptance
     rate is accepted / drafted)."""
 
@@ -80,6 +83,8 @@ class EngineStats:
     drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    prefix_restored_host: int = 0  # prompt tokens restored from the prefix cache's host tier (in prefix_hits)
+    prefix_restored_disk: int = 0  # ... and from its disk tier
 
 
 def _device_sampling(model):
@@ -105,13 +110,22 @@ class LLMEngine:
     ``speculative_tokens`` at 0 (0: off; a request's own value wins); speculative_max_seqs:
     no drafts while more sequences than this run (None: no limit; vLLM's
     ``speculative_disable_by_batch_size``); kv_events: where each step's prefix-cache events go
-    (a ``kv_events.KVEventPublisher``, or anything with its ``publish``; None: not collected).
+    (a ``kv_events.KVEventPublisher``, or anything with its ``publish``; None: not collected);
+    prefix_cache_host_bytes: host memory kept for blocks the pool drops (0: none);
+    prefix_cache_dir / prefix_cache_dir_bytes: a directory where blocks are written through, found
+    again after a restart, and its byte budget (None: ``prefix_tiers.DEFAULT_DIR_BYTES``); the
+    tiers need prefix_caching (``prefix_tiers``; ``close()`` writes what is queued);
+    kv_cache_dtype: "auto" (the model's type) or "int8" (alias "q8_0": keys and values in 8 bits
+    with a float32 scale per head of each slot, about half of f16's bytes; ValueError on a device
+    without those kernels).
     """
 
     def __init__(self, model, *, kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batched_tokens: int = MAX_BATCHED_TOKENS, max_seqs: int = 64,
                  prefix_caching: bool = True, speculative_tokens: int = 0,
-                 speculative_max_seqs: int | None = None, kv_events: Any = None) -> None:
+                 speculative_max_seqs: int | None = None, kv_events: Any = None,
+                 prefix_cache_host_bytes: int = 0, prefix_cache_dir: "str | os.PathLike[str] | None" = None,
+                 prefix_cache_dir_bytes: int | None = None, kv_cache_dtype: str = "auto") -> None:
         if kv_cache_tokens is not None and kv_cache_bytes is not None:
             raise ValueError("give kv_cache_tokens or kv_cache_bytes, not both")
         for name, value in (("block_size", block_size), ("max_batched_tokens", max_batched_tokens),
@@ -130,7 +144,10 @@ class LLMEngine:
         self.speculative_tokens = speculative_tokens
         self.context_length = int(model.config.max_position_embeddings)
         self.runner = model.runner  # runs the model's passes (models.runner.ModelRunner)
-        per_token = self.runner.kv_bytes_per_token()
+        kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)  # None: the model's own type
+        self.kv_cache_dtype = "int8" if kv_dtype is DataType.I8 else "auto"
+        kv = {} if kv_dtype is None else {"kv_dtype": kv_dtype}  # (a runner of the model's type only needs none)
+        per_token = self.runner.kv_bytes_per_token(**kv)
         if kv_cache_tokens is None:
             budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
             if not isinstance(budget, int) or budget < 1:
@@ -142,10 +159,13 @@ class LLMEngine:
             raise ValueError(f"the KV cache must hold at least one block of {block_size} tokens; "
                              f"got {kv_cache_tokens!r} tokens ({per_token} bytes each)")
         num_blocks = kv_cache_tokens // block_size
-        self.cache = self.runner.new_paged_cache(num_blocks, block_size)
+        self.cache = self.runner.new_paged_cache(num_blocks, block_size, **kv)
         config = getattr(model, "config", None)
         window = config.kv_window() if hasattr(config, "kv_window") else 0
         self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching, window)
+        self.tiers = open_tiers(model, self.cache, prefix_caching, prefix_cache_host_bytes, prefix_cache_dir,
+                                prefix_cache_dir_bytes)  # the prefix cache beyond the pool (None: none)
+        self.blocks.tiers = self.tiers
         self.kv_events = kv_events
         if kv_events is not None:
             self.blocks.events = KVEventLog()
@@ -263,6 +283,8 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
+        if self.tiers is not None:  # copies of blocks committed or dropped, before this pass overwrites any
+            self.tiers.capture()
         self.steps += 1
         now = time.perf_counter()
         chunks = []
@@ -461,9 +483,17 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's counters and gauges now."""
         running, waiting = self.scheduler.counts()
+        tiers = self.tiers
         return EngineStats(running, waiting, self.blocks.usage, self.blocks.prefix_queries, self.blocks.prefix_hits,
                            self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions, self.steps,
-                           self.drafts, self.drafted_tokens, self.accepted_tokens)
+                           self.drafts, self.drafted_tokens, self.accepted_tokens,
+                           tiers.restored_host if tiers else 0, tiers.restored_disk if tiers else 0)
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Hand the prefix cache's disk tier what it has pending and wait for its writer (at
+        most ``timeout`` s), then stop it; the engine can still run, without writing to disk.
+        True when nothing was left unwritten. ``EngineThread`` calls it when it stops."""
+        return self.tiers.close(timeout) if self.tiers is not None else True
 
     # ---- offline -----------------------------------------------------------------------
     def generate(self, prompts: "Iterable[str | Sequence[int]]",

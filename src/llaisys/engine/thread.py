@@ -214,7 +214,8 @@ class EngineThread:
         self.call(drop)
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the loop: running requests end with reason "abort"; waits up to ``timeout`` s."""
+        """Stop the loop: running requests end with reason "abort", then the engine's ``close``
+        writes its prefix cache's queued blocks (at most 5 s); waits up to ``timeout`` s."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -291,3 +292,9 @@ class EngineThread:
                 out = self.engine.abort(rid)
                 stream.push(out if out is not None else EngineStopped(self._why()))
         self._streams.clear()
+        close = getattr(self.engine, "close", None)  # the prefix cache's disk writer: its queue written
+        if close is not None:
+            try:
+                close(5.0)
+            except Exception:  # noqa: BLE001  (stopping goes on)
+                log.exception("closing the engine failed")

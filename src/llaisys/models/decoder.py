@@ -60,13 +60,14 @@ class CausalLM:
         """``ModelRunner.new_cache``: an empty KV cache of one sequence (default: the context, at most 4096)."""
         return self.runner.new_cache(max_tokens)
 
-    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
-        """``ModelRunner.new_paged_cache``: ``num_blocks`` blocks of ``block_size`` tokens for ``forward_batch``."""
-        return self.runner.new_paged_cache(num_blocks, block_size)
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, kv_dtype: Any = None) -> PagedKVCache:
+        """``ModelRunner.new_paged_cache``: ``num_blocks`` blocks of ``block_size`` tokens for
+        ``forward_batch``, in the model's type or ``kv_dtype`` (DataType.I8 or "int8": 8 bits)."""
+        return self.runner.new_paged_cache(num_blocks, block_size, kv_dtype)
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_dtype: Any = None) -> int:
         """``ModelRunner.kv_bytes_per_token``: bytes of keys and values one token takes."""
-        return self.runner.kv_bytes_per_token()
+        return self.runner.kv_bytes_per_token(kv_dtype)
 
     def forward(self, token_ids: "Sequence[int] | np.ndarray", cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """``ModelRunner.forward``: run ``token_ids`` (S,) after the cache's content; float32

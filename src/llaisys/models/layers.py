@@ -139,17 +139,19 @@ def attention(ws: Workspace, lp: LayerParams, kv: tuple[Tensor, Tensor, Tensor, 
     return at
 
 
-def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, Tensor], idx: "BatchIndex",
+def paged_attention(ws: Workspace, lp: LayerParams, pool: tuple[Tensor, ...], idx: "BatchIndex",
                     config: ModelConfig, plan: ops.Plan) -> None:
     """ws.proj = o_proj(attention of ws.h, rows of many sequences) over the paged cache
-    ``pool`` = (K blocks, V blocks) (NB, BS, KH, Dh) of this layer; writes this pass's K/V to
-    their slots first, then each sequence attends to its own keys through its block table."""
-    k_pool, v_pool = pool
+    ``pool`` = (K blocks, V blocks) (NB, BS, KH, Dh) of this layer, and in the 8-bit layout
+    (K scales, V scales) (NB, BS, KH) after them; writes this pass's K/V to their slots first
+    (quantized there in 8 bits), then each sequence attends to its own keys through its block table."""
+    k_pool, v_pool = pool[:2]
+    scales = {"k_scale": pool[2], "v_scale": pool[3]} if len(pool) > 2 else {}  # an 8-bit pool
     project_qkv(ws, lp, config, plan)
-    ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan)
+    ops.kv_cache_write(k_pool, v_pool, ws.k, ws.v_in, idx.slots, plan=plan, **scales)
     ends = {"key_ends": idx.key_ends} if idx.key_ends is not None else {}  # two-way spans (Gemma 3's images)
     ops.paged_attention(ws.attn, ws.q, k_pool, v_pool, idx.block_tables, idx.query_starts, idx.context_lens,
-                        config.attention_scale, plan=plan, **_window(lp), **ends)  # (N, H, Dh)
+                        config.attention_scale, plan=plan, **_window(lp), **ends, **scales)  # (N, H, Dh)
     ops.linear(ws.proj, ws.attn_flat, lp.o, lp.o_bias, plan=plan)  # (N, D)
     sum_over_ranks(ws, ws.proj, plan)
 

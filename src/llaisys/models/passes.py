@@ -77,14 +77,15 @@ class BatchIndex:
 
 class BatchPass:
     """The recorded op calls of a batched pass of one shape (N, B, R) over paged block pools
-    (per layer (K, V), each (NB, BS, KH, Dh), block tables ``max_blocks`` wide), the head
+    (per layer (K, V), each (NB, BS, KH, Dh), and an 8-bit pool's (K scales, V scales) (NB, BS,
+    KH) after them: ``PagedKVCache.pool``; block tables ``max_blocks`` wide), the head
     included: the rows whose logits are wanted are gathered, normalised, then projected. Its
     inputs are static device buffers (``ws.ids``, ``ws.pos``, ``idx``) loaded before each run,
     so a run can be replayed from a graph. A pass made ``with_inputs`` records the embedding
     in a plan of its own, so that given rows can replace its output (``run``); one made
     ``with_key_ends`` attends with per-row key ends (``TokenBatch.key_ends``)."""
 
-    def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, Tensor]]", max_blocks: int,
+    def __init__(self, model: "CausalLM", ws: Workspace, pools: "Sequence[tuple[Tensor, ...]]", max_blocks: int,
                  n: int, b: int, r: int, with_inputs: bool = False, with_key_ends: bool = False):
         self.ws = ws
         self.idx = BatchIndex(n, b, max_blocks, r, model.device, with_key_ends)

@@ -32,10 +32,11 @@ import numpy as np
 
 from .. import ops
 from ..kernels.registry import find_kernel
+from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .kv_cache import KVCache
 from .layers import Workspace
-from .paged_cache import PagedKVCache, TokenBatch
+from .paged_cache import PagedKVCache, TokenBatch, parse_kv_cache_dtype
 from .passes import BatchPass, RowsPass, pad_decode_batch, sequence_batch
 from .tensor_parallel import Leader
 
@@ -73,22 +74,54 @@ class ModelRunner:
         cache = KVCache(c.num_hidden_layers, max_tokens, c.num_key_value_heads, c.head_dim, m.dtype, m.device, owner=self)
         return self._keyed(cache, ("kv", max_tokens))
 
-    def new_paged_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16,
+                        kv_dtype: "DataType | str | None" = None) -> PagedKVCache:
         """An empty paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for
-        ``forward_batch`` (block tables as wide as the context length needs)."""
+        ``forward_batch`` (block tables as wide as the context length needs). ``kv_dtype``: None
+        or "auto" for the model's own type; DataType.I8 ("int8", "q8_0") for keys and values in
+        8 bits with a scale per head of each slot (``PagedKVCache``), ValueError where the model's
+        device lacks the kernels of that layout."""
         c = self.model.local_config
+        dtype = self._kv_dtype(kv_dtype)
         max_blocks = -(-c.max_position_embeddings // block_size) if block_size > 0 else 1
         if not c.kv_window():  # a sequence holds its table's blocks at once (behind a window it hands them back)
             max_blocks = min(max_blocks, num_blocks)
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                             self.model.dtype, self.model.device, max_blocks, owner=self)
-        return self._keyed(cache, ("paged", num_blocks, block_size))
+                             dtype, self.model.device, max_blocks, owner=self)
+        spec = ("paged", num_blocks, block_size) + ((dtype,) if dtype is not self.model.dtype else ())
+        return self._keyed(cache, spec)
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_dtype: "DataType | str | None" = None) -> int:
         """Bytes of keys and values one token takes in a cache of this model (all layers; this
-        rank's KV heads under tensor parallelism)."""
+        rank's KV heads under tensor parallelism), in the model's type or ``kv_dtype`` (as
+        ``new_paged_cache`` takes it; the 8-bit layout's scales included)."""
         c = self.model.local_config
-        return PagedKVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.model.dtype)
+        dtype = self.model.dtype if kv_dtype is None else self._kv_dtype(kv_dtype)
+        return PagedKVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+
+    def _kv_dtype(self, kv_dtype: "DataType | str | None") -> DataType:
+        """The cache type ``kv_dtype`` names (``paged_cache.parse_kv_cache_dtype``): the model's
+        own, or I8 where the device has the kernels of the 8-bit layout (ValueError otherwise)."""
+        dtype = None if kv_dtype is None else parse_kv_cache_dtype(kv_dtype)
+        m = self.model
+        if dtype is None or dtype is m.dtype:
+            return m.dtype
+        if dtype is not DataType.I8:
+            raise ValueError(f"a KV cache holds the model's type ({m.dtype.name}) or I8 (int8), not {dtype.name}")
+        missing = [op for op in self._q8_kernels() if find_kernel(op, m.device.type.name, m.dtype) is None]
+        if missing or not self.paged:
+            raise ValueError(f"an int8 KV cache needs the 8-bit paged kernels on {m.device} for {m.dtype.name} "
+                             f"activations, and this device lacks {', '.join(missing or ['the paged kernels'])}; "
+                             f"use kv_cache_dtype='auto' (the model's own type) here")
+        return DataType.I8
+
+    def _q8_kernels(self) -> list[str]:
+        """The kernels a pass over an 8-bit pool dispatches to (``ops.paged_attention``'s names):
+        the window's forms where a layer has one, the key ends' where the model takes images."""
+        c = self.model.config
+        windows = [""] + (["_window"] if any(c.layer_window(i) for i in range(c.num_hidden_layers)) else [])
+        ends = [""] + (["_ends"] if getattr(self.model, "vision", None) is not None else [])
+        return ["kv_cache_write_q8"] + [f"paged_attention_q8{w}{e}" for w in windows for e in ends]
 
     def _keyed(self, cache, spec: tuple):
         """Name a new cache for the other ranks (which make theirs from ``spec`` when first
@@ -290,7 +323,7 @@ class ModelRunner:
             ("key_ends",) if ends else ())
         step = cache.passes.get(key)
         if step is None:
-            pools = list(zip(cache.k_layers, cache.v_layers))
+            pools = [cache.pool(i) for i in range(len(cache.k_layers))]  # (K, V[, K scales, V scales]) per layer
             step = BatchPass(m, self._workspace(cache, n), pools, cache.max_blocks, n, b, key[2],
                              with_inputs=inputs is not None, with_key_ends=ends)
             cache.passes[key] = step

@@ -341,7 +341,7 @@ def follow(model) -> None:
             cache = caches.get(key)
             if cache is None:
                 cache = caches[key] = (model.new_cache(spec[1]) if spec[0] == "kv"
-                                       else model.new_paged_cache(spec[1], spec[2]))
+                                       else model.new_paged_cache(*spec[1:]))
             if kind == "forward":
                 cache.length = args[2]
                 model.forward(args[3], cache, all_logits=args[4])

@@ -6,29 +6,73 @@ One layer's cache is a pool of NB blocks of BS token slots: k_cache (NB, BS, KH,
 sequence's tokens contiguous and the sequences in order; sequence b owns rows
 query_starts[b]:query_starts[b + 1] and reads its keys through row b of block_tables. The
 values of the index tensors are checked by the kernels (they live on the device).
+
+An 8-bit pool holds k_cache and v_cache as I8 codes with a float32 scale per slot and head,
+k_scale and v_scale (NB, BS, KH): given both, ``kv_cache_write`` quantizes each head of each
+token on its own (scale = amax / 127, codes rounded half to even) and ``paged_attention`` reads
+code * scale; such calls dispatch as ``kv_cache_write_q8`` and ``paged_attention_q8`` (with the
+same ``_window`` / ``_ends`` suffixes), so a device without them is never handed int8 caches.
 """
 from __future__ import annotations
 
 from ..kernels import find_kernel
+from ..runtime.dtypes import DataType
 from ..tensor import Tensor
 from .plan import Plan
 from ._checks import FLOAT_TYPES, INDEX_TYPES, dtype_in, ndim_is, number, shape_is, tensors_match
 from .core import _launch, window_size
 
 
+I8_TYPES = frozenset((DataType.I8,))
+SCALE_TYPES = frozenset((DataType.F32,))
+
+
+def _scales(op: str, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> bool:
+    """Whether the call is over an 8-bit pool (k_scale and v_scale given), checking that both or
+    neither are given, and that with them the caches are I8 and the scales F32 (NB, BS, KH)."""
+    if k_scale is None and v_scale is None:
+        if getattr(k_cache, "dtype", None) is DataType.I8 or getattr(v_cache, "dtype", None) is DataType.I8:
+            raise ValueError(f"{op}: k_cache and v_cache of data type I8 are an 8-bit cache; give its k_scale and "
+                             f"v_scale (NB, BS, KH) F32 too")
+        return False
+    if k_scale is None or v_scale is None:
+        given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+        raise ValueError(f"{op}: {given} given without {missing}; an 8-bit cache takes both k_scale and v_scale "
+                         f"(NB, BS, KH), a float cache neither")
+    tensors_match(op, ("k_cache", "v_cache", "k_scale", "v_scale"), (k_cache, v_cache, k_scale, v_scale), dtypes=0)
+    for name, t, allowed in (("k_cache", k_cache, I8_TYPES), ("v_cache", v_cache, I8_TYPES),
+                             ("k_scale", k_scale, SCALE_TYPES), ("v_scale", v_scale, SCALE_TYPES)):
+        dtype_in(op, name + " (with k_scale and v_scale: an 8-bit cache)", t, allowed)
+    ndim_is(op, "k_cache", k_cache, 4, "(NB, BS, KH, D) block pool")
+    shape_is(op, "k_scale", k_scale, k_cache.shape[:3])
+    shape_is(op, "v_scale", v_scale, k_cache.shape[:3])
+    return True
+
+
 def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, *,
+                   k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                    plan: Plan | None = None) -> tuple[Tensor, Tensor]:
     """Store this step's keys and values in the block pool, in place: for each token i,
     k_cache[s // BS, s % BS] = k[i] and v_cache[s // BS, s % BS] = v[i], s = slots[i].
 
     k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv) of one float type (F32, F16, BF16);
     k (N, KH, D), v (N, KH, Dv) of that type, any strides (slices of a fused qkv buffer);
-    slots (N,) I64, flat slot indices block * BS + offset. The kernel raises ValueError for a
-    slot outside [0, NB * BS), before writing anything. Returns (k_cache, v_cache).
+    slots (N,) I64, flat slot indices block * BS + offset. With k_scale and v_scale (NB, BS, KH)
+    F32 (both or neither), the caches are I8 and each head of each token is stored quantized
+    (k of any float type): k_scale[b, o, h] = max |k[i, h]| / 127 (0 for a row of zeros) and
+    k_cache[b, o, h] = k[i, h] / k_scale[b, o, h] rounded half to even, v likewise; a slot's
+    codes and scale depend on its own row only (dispatched as ``kv_cache_write_q8``). The kernel
+    raises ValueError for a slot outside [0, NB * BS), before writing anything. Returns
+    (k_cache, v_cache).
     """
     op = "kv_cache_write"
-    tensors_match(op, ("k_cache", "v_cache", "k", "v", "slots"), (k_cache, v_cache, k, v, slots), dtypes=4)
-    dtype_in(op, "k_cache", k_cache, FLOAT_TYPES)
+    q8 = _scales(op, k_cache, v_cache, k_scale, v_scale)
+    if q8:
+        tensors_match(op, ("k", "v", "k_cache", "v_cache", "slots"), (k, v, k_cache, v_cache, slots), dtypes=2)
+        dtype_in(op, "k", k, FLOAT_TYPES)
+    else:
+        tensors_match(op, ("k_cache", "v_cache", "k", "v", "slots"), (k_cache, v_cache, k, v, slots), dtypes=4)
+        dtype_in(op, "k_cache", k_cache, FLOAT_TYPES)
     dtype_in(op, "slots", slots, INDEX_TYPES)
     ndim_is(op, "k_cache", k_cache, 4, "(NB, BS, KH, D) block pool")
     ndim_is(op, "v_cache", v_cache, 4, "(NB, BS, KH, Dv) block pool")
@@ -43,17 +87,19 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots
     if n:
         inputs = (k, v, slots)
         device = k_cache.device
-        if not device.is_cpu and find_kernel(op, device.type.name, k_cache.dtype) is None:
+        name, outputs = (op + "_q8", (k_cache, v_cache, k_scale, v_scale)) if q8 else (op, (k_cache, v_cache))
+        if not device.is_cpu and find_kernel(name, device.type.name, k.dtype) is None:
             # The CPU fallback gives a kernel uninitialised host copies of dense outputs (ops
             # write them whole); the caches go in as inputs too, so unwritten slots survive.
-            inputs += (k_cache, v_cache)
-        _launch(plan, op, k_cache.dtype, (k_cache, v_cache), inputs, {})
+            inputs += outputs
+        _launch(plan, name, k.dtype, outputs, inputs, {})
     return k_cache, v_cache
 
 
 def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     query_starts: Tensor, context_lens: Tensor, scale: float, *, window: int = 0,
-                    key_ends: Tensor | None = None, plan: Plan | None = None) -> Tensor:
+                    key_ends: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                    plan: Plan | None = None) -> Tensor:
     """Causal grouped-query attention of a flat batch of queries over the paged KV cache.
 
     q (N, H, D) (any strides), out (N, H, Dv), k_cache (NB, BS, KH, D), v_cache
@@ -75,12 +121,17 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     only kernels that know key_ends see them. out = softmax(q k^T * scale + mask) v. The
     kernel raises ValueError unless query_starts runs from 0 to N without going down,
     q_len <= context_lens[b] <= MB * BS and each key_ends[i] is in its bounds (naming the row).
+    With k_scale and v_scale (NB, BS, KH) F32 (both or neither) the caches are an 8-bit pool
+    (``kv_cache_write``'s): I8 codes, key p being k_cache[blk, o] * k_scale[blk, o, :, None]
+    and value p likewise, read as such (q and out keep their float type); the call dispatches as
+    ``paged_attention_q8`` (``_q8_window``, ``_q8_ends``, ``_q8_window_ends``).
     The F32 CPU kernel is batch invariant: a row's result does not depend on the rest of the
     batch. Returns out.
     """
     op = "paged_attention"
+    q8 = _scales(op, k_cache, v_cache, k_scale, v_scale)
     tensors_match(op, ("out", "q", "k_cache", "v_cache", "block_tables", "query_starts", "context_lens", "key_ends"),
-                  (out, q, k_cache, v_cache, block_tables, query_starts, context_lens, key_ends), dtypes=4)
+                  (out, q, k_cache, v_cache, block_tables, query_starts, context_lens, key_ends), dtypes=2 if q8 else 4)
     dtype_in(op, "q", q, FLOAT_TYPES)
     for name, t in (("block_tables", block_tables), ("query_starts", query_starts), ("context_lens", context_lens)):
         dtype_in(op, name, t, INDEX_TYPES)
@@ -112,6 +163,8 @@ def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
     if 0 not in out.shape:
         attrs = {"scale": scale, "window": window} if window else {"scale": scale}
         inputs = (q, k_cache, v_cache, block_tables, query_starts, context_lens)
-        name = op + ("_window" if window else "") + ("_ends" if key_ends is not None else "")
-        _launch(plan, name, q.dtype, (out,), inputs if key_ends is None else inputs + (key_ends,), attrs)
+        inputs += (key_ends,) if key_ends is not None else ()
+        inputs += (k_scale, v_scale) if q8 else ()  # an 8-bit pool's scales: always the last two inputs
+        name = op + ("_q8" if q8 else "") + ("_window" if window else "") + ("_ends" if key_ends is not None else "")
+        _launch(plan, name, q.dtype, (out,), inputs, attrs)
     return out

@@ -14,7 +14,10 @@ calls around it (``csrc/ops/plugin_calls.c``); a rebind rewrites the descriptors
 
 ``KNOWN_OPS`` are the ops a plugin kernel can serve: the nine of every model and the paged
 KV-cache ops (``kv_cache_write``, ``paged_attention``, ``paged_attention_window``), with which
-a plugin device runs single sequences and the serving engine through paged passes.
+a plugin device runs single sequences and the serving engine through paged passes, and their
+8-bit forms (``kv_cache_write_q8``: outputs k_cache, v_cache I8 and k_scale, v_scale F32;
+``paged_attention_q8``, ``paged_attention_q8_window``: the scales the last two inputs), with
+which the engine runs ``kv_cache_dtype="int8"`` there.
 
 Layouts: the runtime asks only for ``ANY`` (the ops take strided tensors of any layout), so
 a kernel registered under ``ANY`` or ``STRIDED`` serves every call, and one registered under
@@ -43,7 +46,8 @@ log = logging.getLogger(__name__)
 
 # The ops a plugin kernel may serve (a kernel for another name is registered, and logged).
 KNOWN_OPS = ("add", "argmax", "embedding", "linear", "rearrange", "rms_norm", "rope", "self_attention", "swiglu",
-             "kv_cache_write", "paged_attention", "paged_attention_window")
+             "kv_cache_write", "paged_attention", "paged_attention_window",
+             "kv_cache_write_q8", "paged_attention_q8", "paged_attention_q8_window")
 
 # C_DataLayout -> registry Layout; ANY (= ALL_LAYOUT) and STRIDED both take any strided tensor.
 # The layouts of images (NHWC ...) are refused: dispatch never asks for them.

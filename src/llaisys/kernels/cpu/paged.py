@@ -8,6 +8,10 @@ context_lens[b] keys, and its key at position p lies in block block_tables[b, p 
 p % BS. Query j of sequence b sits at position context_lens[b] - q_len + j; with key_ends
 (the ``_ends`` kernels) row i sees keys up to key_ends[i] - 1 rather than up to its position.
 The index checks (and their messages, shared with the native kernels) are here.
+
+An 8-bit pool (the ``_q8`` kernels) holds int8 codes in k_cache and v_cache and a float32
+scale per slot and head in k_scale, v_scale (NB, BS, KH): ``quantize`` is how a row is stored
+(symmetric, absmax / 127, rounded half to even), ``dequantize`` what attention reads.
 """
 from __future__ import annotations
 
@@ -22,6 +26,10 @@ from .attention import windowed_attention
 
 if TYPE_CHECKING:
     from ...tensor import Tensor
+
+# The kernel names of attention over an 8-bit pool (as ``ops.paged_attention`` composes them).
+Q8_ATTENTION = ("paged_attention_q8", "paged_attention_q8_window", "paged_attention_q8_ends",
+                "paged_attention_q8_window_ends")
 
 # What went wrong in the index tensors, as the native kernels report it (paged_attention.c).
 START0, ORDER, END, SHORT, LONG, BLOCK, SLOT, PAST_N, KEY_END = -1, -2, -3, -4, -5, -6, -8, -10, -11
@@ -114,6 +122,40 @@ def check_key_ends(key_ends: np.ndarray, qs: np.ndarray, cl: np.ndarray) -> None
         raise key_end_error(i, int(key_ends[i]), qs, cl)
 
 
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x (..., D) as int8 codes (..., D) and float32 scales (...): scale = amax / 127 of
+    the row, code = x / scale rounded half to even, within [-127, 127]; a row of zeros gets
+    scale 0 and codes 0. The arithmetic is float32 (the native kernel's, bit for bit)."""
+    x = f32(x)
+    scale = np.abs(x).max(axis=-1) / np.float32(127)  # (...)
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]  # a zero row divides 0 by 1
+    codes = np.clip(np.rint(x / safe), -127, 127).astype(np.int8)  # (..., D)
+    return codes, scale.astype(np.float32, copy=False)
+
+
+def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """What an 8-bit slot holds: codes (..., D) int8 times their row's scale (...), float32."""
+    return codes.astype(np.float32) * scale[..., None]
+
+
+def kv_cache_write_q8(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
+    """``kv_cache_write`` into an 8-bit pool: each head of each token quantized on its own
+    (``quantize``) into its slot: outputs (k_cache (NB, BS, KH, D) I8, v_cache (NB, BS, KH, Dv)
+    I8, k_scale (NB, BS, KH) F32, v_scale (NB, BS, KH) F32), inputs (k (N, KH, D), v (N, KH, Dv)
+    of a float type, slots (N,) I64), then, under the CPU fallback, the four stores' current
+    contents. ValueError for a slot outside [0, NB * BS)."""
+    stores = [t.host_array() for t in outputs]  # k_cache, v_cache, k_scale, v_scale
+    k, v, slots = (t.host_array() for t in inputs[:3])
+    nb, bs = stores[0].shape[:2]
+    check_slots(slots, nb, bs)
+    if len(inputs) > 3:
+        for store, now in zip(stores, inputs[3:7]):
+            store[...] = now.host_array()
+    block, offset = np.divmod(slots, bs)  # (N,), (N,)
+    stores[0][block, offset], stores[2][block, offset] = quantize(k)
+    stores[1][block, offset], stores[3][block, offset] = quantize(v)
+
+
 def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any]) -> None:
     """k_cache[s // BS, s % BS] = k[i] and v_cache likewise for each slot s = slots[i]:
     outputs (k_cache (NB, BS, KH, D), v_cache (NB, BS, KH, Dv)), inputs (k (N, KH, D),
@@ -137,6 +179,20 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
     before key_ends[i]); attrs: scale, and for ``paged_attention_window(_ends)`` window (each
     query sees at most the last that many keys up to its own position: the blocks before the
     first any of its queries sees are not gathered). ValueError for inconsistent index tensors."""
+    _attention(outputs, inputs, attrs, None)
+
+
+def paged_attention_q8(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                       attrs: dict[str, Any]) -> None:
+    """``paged_attention`` (and its ``_window``, ``_ends`` forms) over an 8-bit pool: inputs as
+    there with k_cache, v_cache I8, then k_scale and v_scale (NB, BS, KH) F32 last; each key
+    and value the sequence sees is ``dequantize``d, then attended to as float32."""
+    _attention(outputs, inputs[:-2], attrs, (inputs[-2].host_array(), inputs[-1].host_array()))
+
+
+def _attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...], attrs: dict[str, Any],
+               scales: "tuple[np.ndarray, np.ndarray] | None") -> None:
+    """``paged_attention``, over int8 caches where ``scales`` (k_scale, v_scale (NB, BS, KH)) are given."""
     out = outputs[0].host_array()  # (N, H, Dv)
     q = inputs[0].host_array()  # (N, H, D)
     k_cache, v_cache = inputs[1].host_array(), inputs[2].host_array()  # (NB, BS, KH, D), (NB, BS, KH, Dv)
@@ -153,8 +209,11 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
             continue
         lo = max(0, t - (q1 - q0) - window + 1) // bs if window else 0  # the first block a query sees
         blocks = bt[b, lo: -(-t // bs)]
-        k = f32(k_cache[blocks].reshape(-1, kh, d)[:t - lo * bs])  # (T - lo*BS, KH, D)
-        v = f32(v_cache[blocks].reshape(-1, kh, v_cache.shape[3])[:t - lo * bs])
+        k, v = k_cache[blocks], v_cache[blocks]  # (blocks, BS, KH, D), (blocks, BS, KH, Dv)
+        if scales is not None:
+            k, v = dequantize(k, scales[0][blocks]), dequantize(v, scales[1][blocks])
+        k = f32(k.reshape(-1, kh, d)[:t - lo * bs])  # (T - lo*BS, KH, D)
+        v = f32(v.reshape(-1, kh, v_cache.shape[3])[:t - lo * bs])
         # positions counted from the first gathered key: a window needs only their differences
         ends = None if key_ends is None else key_ends[q0:q1] - lo * bs  # (S,)
         out[q0:q1] = windowed_attention(f32(q[q0:q1]), k, v, attrs["scale"], window, ends)
@@ -162,8 +221,12 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
 
 for _name in ("paged_attention_window", "paged_attention_ends", "paged_attention_window_ends"):
     register_kernel(_name, "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention)
+for _name in Q8_ATTENTION:
+    register_kernel(_name, "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention_q8)
+register_kernel("kv_cache_write_q8", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=kv_cache_write_q8)
 
 
-# F32 attention and every kv_cache_write go through paged_native, which runs these where the
-# native library is missing or a layout does not suit it.
+# F32 attention and every kv_cache_write (F32 kv_cache_write_q8 and paged_attention_q8 too) go
+# through paged_native, which runs these where the native library is missing or a layout does
+# not suit it.
 register_kernel("paged_attention", "cpu", dtypes=(DataType.F16, DataType.BF16), kernel=paged_attention)

@@ -9,6 +9,12 @@ call, whatever the thread count, and at every SIMD level (``set_simd``). Where t
 was not built, or a float tensor's last dimension is strided, the NumPy kernels run instead
 (same results to float32 rounding, not bit for bit).
 
+Over an 8-bit pool (``kv_cache_write_q8``, ``paged_attention_q8`` and its forms, F32 rows) the
+same C functions take the scales too (their inputs last, or the write's last two outputs): the
+write quantizes each head of each token into its slot, attention reads the int8 codes and
+widens them in registers (never a dequantized copy of the cache), with the same tasks, so the
+same batch invariance and the same bits at every SIMD level and thread count.
+
 A decoding step calls these twice per layer, so the ctypes argument block of a call (a mirror
 of ``llaisys._native.structs``) is built once and kept with the output tensor
 (``Tensor.derived``, a ``native_ops.KeptBlock``), reused while the same tensors
@@ -75,9 +81,11 @@ def _row_dense(*tensors: Tensor) -> bool:
     return all(t.strides[-1] == 1 or t.shape[-1] == 1 for t in tensors)
 
 
-def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
-                         window: int = 0) -> structs.PagedAttentionArgs | None:
-    q, kc, vc, bt, qs, cl = inputs[:6]
+def _make_attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0,
+                         q8: bool = False) -> structs.PagedAttentionArgs | None:
+    """The block of a call; ``q8``: the last two inputs are an 8-bit pool's k_scale, v_scale."""
+    base = inputs[:-2] if q8 else inputs
+    q, kc, vc, bt, qs, cl = base[:6]
     if out.dtype is not DataType.F32 or not _row_dense(out, q, kc, vc) or not _library():
         return None
     n, h, d = q.shape
@@ -88,8 +96,12 @@ def _make_attention_args(out: Tensor, inputs: tuple, scale: float,
         qs.data_ptr, qs.strides[0], cl.data_ptr, cl.strides[0],
         n, h, kh, d, dv, nb, bs, bt.shape[0], bt.shape[1], scale)
     args.window = window
-    if len(inputs) > 6:  # the _ends kernels: each row's key end
-        args.key_ends, args.ke_s0 = inputs[6].data_ptr, inputs[6].strides[0]
+    if len(base) > 6:  # the _ends kernels: each row's key end
+        args.key_ends, args.ke_s0 = base[6].data_ptr, base[6].strides[0]
+    if q8:
+        ks, vs = inputs[-2:]  # (NB, BS, KH) each
+        args.k_scale, (args.ks_s0, args.ks_s1, args.ks_s2) = ks.data_ptr, ks.strides
+        args.v_scale, (args.vs_s0, args.vs_s1, args.vs_s2) = vs.data_ptr, vs.strides
     return args
 
 
@@ -102,12 +114,12 @@ class _Kept:
     inputs: tuple
 
 
-def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0) -> KeptBlock:
+def _attention_args(out: Tensor, inputs: tuple, scale: float, window: int = 0, q8: bool = False) -> KeptBlock:
     """The entry of this call, kept with ``out`` while the same tensors come back; its args None
     when the native kernel does not apply."""
-    entry, key = out.derived("paged_attention", KeptBlock.fresh), (inputs, scale, window)
+    entry, key = out.derived("paged_attention", KeptBlock.fresh), (inputs, scale, window, q8)
     if entry.key != key:
-        entry.keep(key, _make_attention_args(out, inputs, scale, window))
+        entry.keep(key, _make_attention_args(out, inputs, scale, window, q8))
     return entry
 
 
@@ -133,30 +145,49 @@ def paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ..
         _run_attention(entry, inputs)
 
 
+def paged_attention_q8(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                       attrs: dict[str, Any]) -> None:
+    """The F32 ``paged_attention_q8`` kernel and its ``_window``, ``_ends`` and ``_window_ends``
+    forms (``paged_attention``'s inputs over int8 caches, then k_scale, v_scale): native where
+    it applies, else ``paged.paged_attention_q8``."""
+    entry = _attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)), True)
+    if entry.args is None:
+        paged.paged_attention_q8(outputs, inputs, attrs)
+    else:
+        _run_attention(entry, inputs)
+
+
 def native_paged_attention(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                           attrs: dict[str, Any]) -> None:
+                           attrs: dict[str, Any], q8: bool = False) -> None:
     """``paged_attention`` (with ``attrs["window"]``, its windowed form; with a seventh input,
-    key_ends, its ``_ends`` form) on the native kernel only (tests, benchmarks); RuntimeError
-    when the library is missing, the type is not F32 or a float tensor's last dimension is
-    strided."""
-    _run_attention(_attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0))), inputs)
+    key_ends, its ``_ends`` form; with ``q8``, over int8 caches, k_scale and v_scale the last
+    inputs) on the native kernel only (tests, benchmarks); RuntimeError when the library is
+    missing, the type is not F32 or a float tensor's last dimension is strided."""
+    _run_attention(_attention_args(outputs[0], inputs, attrs["scale"], int(attrs.get("window", 0)), q8), inputs)
 
 
 def _make_write_args(outputs: tuple, inputs: tuple) -> structs.PagedWriteArgs | None:
-    kc, vc = outputs
+    """The block of a write; four outputs: an 8-bit pool (int8 caches, then their scales) fed F32 rows."""
+    kc, vc = outputs[:2]
     k, v, slots = inputs
-    if not _row_dense(kc, vc, k, v) or not _library():
+    q8 = len(outputs) == 4
+    if not _row_dense(kc, vc, k, v) or not _library() or (q8 and k.dtype is not DataType.F32):
         return None
     nb, bs, kh, d = kc.shape
-    return structs.PagedWriteArgs(kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3],
+    args = structs.PagedWriteArgs(kc.data_ptr, *kc.strides[:3], vc.data_ptr, *vc.strides[:3],
                                   k.data_ptr, *k.strides[:2], v.data_ptr, *v.strides[:2],
                                   slots.data_ptr, slots.strides[0],
-                                  k.shape[0], kh, d, vc.shape[3], nb, bs, kc.dtype.itemsize)
+                                  k.shape[0], kh, d, vc.shape[3], nb, bs, k.dtype.itemsize)
+    if q8:
+        ks, vs = outputs[2:]  # (NB, BS, KH) each
+        args.k_scale, (args.ksc_s0, args.ksc_s1, args.ksc_s2) = ks.data_ptr, ks.strides
+        args.v_scale, (args.vsc_s0, args.vsc_s1, args.vsc_s2) = vs.data_ptr, vs.strides
+    return args
 
 
 def _write_args(outputs: tuple, inputs: tuple) -> KeptBlock:
     """The entry of this call, kept with k_cache (as ``_attention_args``)."""
-    entry, key = outputs[0].derived("kv_cache_write", KeptBlock.fresh), (outputs[1], inputs)
+    entry, key = outputs[0].derived("kv_cache_write", KeptBlock.fresh), (outputs[1:], inputs)
     if entry.key != key:
         entry.keep(key, _make_write_args(outputs, inputs))
     return entry
@@ -184,10 +215,23 @@ def kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...
         _run_write(entry, outputs)
 
 
+def kv_cache_write_q8(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                      attrs: dict[str, Any]) -> None:
+    """The F32 ``kv_cache_write_q8`` kernel (outputs k_cache, v_cache I8, k_scale, v_scale F32):
+    native where it applies, else ``paged.kv_cache_write_q8`` (and always under the CPU
+    fallback, which passes the four stores' contents as inputs too)."""
+    entry = None if len(inputs) > 3 else _write_args(outputs, inputs)
+    if entry is None or entry.args is None:
+        paged.kv_cache_write_q8(outputs, inputs, attrs)
+    else:
+        _run_write(entry, outputs)
+
+
 def native_kv_cache_write(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                           attrs: dict[str, Any]) -> None:
-    """``kv_cache_write`` on the native kernel only (tests, benchmarks); RuntimeError when the
-    library is missing or a float tensor's last dimension is strided."""
+    """``kv_cache_write`` (four outputs: ``kv_cache_write_q8``) on the native kernel only (tests,
+    benchmarks); RuntimeError when the library is missing or a float tensor's last dimension is
+    strided."""
     _run_write(_write_args(outputs, inputs), outputs)
 
 
@@ -202,21 +246,21 @@ def _call_function(function: str) -> "int | None":
 
 
 def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
-                                attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``paged_attention`` as an argument block run by ``llaisys_paged_attention_call``: the
-    same C function as a direct call, the same block layout, so the same bits (the same tasks on
-    the library's pool, batch invariant). None where the direct call would run
-    NumPy. The index tensors are read at every run (a pass reloads them in place); a rebind to
-    other tensors rewrites the block in place."""
+                                attrs: dict[str, Any], q8: bool = False) -> native_calls.NativeCall | None:
+    """``paged_attention`` (``q8``: ``paged_attention_q8``) as an argument block run by
+    ``llaisys_paged_attention_call``: the same C function as a direct call, the same block
+    layout, so the same bits (the same tasks on the library's pool, batch invariant). None where
+    the direct call would run NumPy. The index tensors are read at every run (a pass reloads
+    them in place); a rebind to other tensors rewrites the block in place."""
     scale, window = attrs["scale"], int(attrs.get("window", 0))
     fn = _call_function("llaisys_paged_attention_call")
-    args = None if fn is None else _make_attention_args(outputs[0], inputs, scale, window)
+    args = None if fn is None else _make_attention_args(outputs[0], inputs, scale, window, q8)
     if args is None:
         return None
     kept = _Kept(args, outputs, inputs)
 
     def rebind(outputs2: tuple, inputs2: tuple) -> bool:
-        new = _make_attention_args(outputs2[0], inputs2, scale, window)
+        new = _make_attention_args(outputs2[0], inputs2, scale, window, q8)
         if new is None:
             return False
         ctypes.pointer(args)[0] = new  # the stretch's table keeps the block's address
@@ -229,11 +273,18 @@ def native_paged_attention_call(outputs: tuple[Tensor, ...], inputs: tuple[Tenso
     return native_calls.NativeCall("paged_attention", fn, args, keep=kept, rebind=rebind, fail=fail)
 
 
+def native_paged_attention_q8_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
+                                   attrs: dict[str, Any]) -> native_calls.NativeCall | None:
+    """``paged_attention_q8`` as an argument block (``native_paged_attention_call``)."""
+    return native_paged_attention_call(outputs, inputs, attrs, q8=True)
+
+
 def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor | None, ...],
                                attrs: dict[str, Any]) -> native_calls.NativeCall | None:
-    """``kv_cache_write`` as an argument block run by ``llaisys_paged_kv_write_call`` (the
-    direct call's C function and block); None under the CPU fallback (the caches come in as
-    inputs too) or where the direct call would run NumPy. Slots are read at every run."""
+    """``kv_cache_write`` (four outputs: ``kv_cache_write_q8``) as an argument block run by
+    ``llaisys_paged_kv_write_call`` (the direct call's C function and block); None under the
+    CPU fallback (the caches come in as inputs too) or where the direct call would run NumPy.
+    Slots are read at every run."""
     fn = None if len(inputs) > 3 else _call_function("llaisys_paged_kv_write_call")
     args = None if fn is None else _make_write_args(outputs, inputs)
     if args is None:
@@ -257,7 +308,12 @@ def native_kv_cache_write_call(outputs: tuple[Tensor, ...], inputs: tuple[Tensor
 
 paged_attention.native_call = native_paged_attention_call  # type: ignore[attr-defined]
 kv_cache_write.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
+paged_attention_q8.native_call = native_paged_attention_q8_call  # type: ignore[attr-defined]
+kv_cache_write_q8.native_call = native_kv_cache_write_call  # type: ignore[attr-defined]
 
 for _name in ("paged_attention", "paged_attention_window", "paged_attention_ends", "paged_attention_window_ends"):
     register_kernel(_name, "cpu", dtypes=(DataType.F32,), kernel=paged_attention)
 register_kernel("kv_cache_write", "cpu", dtypes=FLOATS, kernel=kv_cache_write)
+for _name in paged.Q8_ATTENTION:
+    register_kernel(_name, "cpu", dtypes=(DataType.F32,), kernel=paged_attention_q8)
+register_kernel("kv_cache_write_q8", "cpu", dtypes=(DataType.F32,), kernel=kv_cache_write_q8)

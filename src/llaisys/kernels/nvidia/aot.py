@@ -58,9 +58,9 @@ def _start_recording_backend() -> None:
 
 def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
     """Run every kernel the decoder runs, at ``shape``, in ``dtype``, on ``device`` (prefill and
-    decoding, one sequence and a paged batch, with and without key_ends; argmax on logits; routed
-    experts; a vision encoder's layer_norm, gelu and non-causal attention), through the kernel
-    registry with the arguments the ops would pass."""
+    decoding, one sequence and a paged batch, with and without key_ends, over a float and an
+    8-bit pool; argmax on logits; routed experts; a vision encoder's layer_norm, gelu and
+    non-causal attention), through the kernel registry with the arguments the ops would pass."""
     from ...runtime.dtypes import DataType
     from ...tensor import Tensor
     from ..registry import dispatch
@@ -110,6 +110,13 @@ def workload(shape: Shape, dtype: Any, device: str = "nvidia") -> None:
         # Gemma 3's image tokens: each row's key end given (key_ends), with a sliding window
         run("paged_attention_window_ends", (new(n, h, dh),),
             (qk.slice(1, 0, h), pool_k, pool_v, *index, new(n, dt=DataType.I64)), {"scale": 0.125, "window": 16})
+        # an 8-bit pool (kv_cache_dtype="int8"): int8 codes and a scale per slot and head
+        q8 = (new(8, 16, kh, dh, dt=DataType.I8), new(8, 16, kh, dh, dt=DataType.I8))
+        scales = (new(8, 16, kh, dt=DataType.F32), new(8, 16, kh, dt=DataType.F32))
+        run("kv_cache_write_q8", (*q8, *scales), (qk.slice(1, h, h + kh), v, new(n, dt=DataType.I64)))
+        run("paged_attention_q8", (new(n, h, dh),), (qk.slice(1, 0, h), *q8, *index, *scales), {"scale": 0.125})
+        run("paged_attention_q8_window_ends", (new(n, h, dh),),
+            (qk.slice(1, 0, h), *q8, *index, new(n, dt=DataType.I64), *scales), {"scale": 0.125, "window": 16})
     run("argmax", (new(2, dt=DataType.I64), new(2)), (new(2, 4096),))
     experts, inter = 16, 768  # routed experts (Qwen3-MoE's moe_intermediate_size), 8 per token
     gate, up, down = new(experts * inter, d), new(experts * inter, d), new(experts * d, inter)

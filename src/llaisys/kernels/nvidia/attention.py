@@ -6,6 +6,10 @@ query sees its last ``window`` keys, its own included; the walk starts at the fi
 query sees every key), a vision encoder's. ``paged_attention_ends`` (and ``_window_ends``)
 reads each row's key end from key_ends (``ENDS``) instead of taking its position + 1 (the
 tokens of an image that see each other both ways); a window still starts from its position.
+``paged_attention_q8`` (and its ``_window`` / ``_ends`` forms) reads an 8-bit pool (``Q8``):
+int8 codes widened in registers to the queries' type (exact), each key's dot products times its
+scale, each value row times its own; ``kv_cache_write_q8`` quantizes each head of each token
+(absmax / 127, IEEE division, rounded half to even: the CPU's codes and scales, bit for bit).
 
 One kernel serves both attentions (``PAGED`` picks how key p is found). A program takes
 BLOCK_Q queries of one sequence and all G query heads of one KV head, as ROWS = BLOCK_Q * G
@@ -39,18 +43,20 @@ PREFILL_ROWS = 64
 
 
 @triton.jit
-def _attention(out, q, kc, vc, bt, qs, cl, ke, n_rows, n_seqs, t_plain, bs, scale, window,
+def _attention(out, q, kc, vc, bt, qs, cl, ke, ks, vs, n_rows, n_seqs, t_plain, bs, scale, window,
                q_n, q_h, q_d, o_n, o_h, o_d, k_b, k_s, k_h, k_d, v_b, v_s, v_h, v_d, bt_b, ke_n,
+               ks_b, ks_s, ks_h, vs_b, vs_s, vs_h,
                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                FIND_SEQ: tl.constexpr, B_PAD: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr,
-               ENDS: tl.constexpr):
+               ENDS: tl.constexpr, Q8: tl.constexpr):
     """Grid (B, query blocks, KH), or with FIND_SEQ (BLOCK_Q = 1) (N, 1, KH): a program per
     token, which finds its sequence in qs. Sequence b owns rows qs[b]:qs[b+1] of q and cl[b]
     keys (PAGED), or rows 0:n_rows and t_plain keys (not PAGED); its query j sits at key count
     - q_len + j and sees keys 0..that position, or with ``window`` > 0 the last ``window`` of them;
     with ENDS (PAGED, CAUSAL) row n's keys end before ke[n] instead (a window counting back from
-    its position still); without CAUSAL (window 0) every query sees every key."""
+    its position still); without CAUSAL (window 0) every query sees every key. With Q8 (PAGED)
+    kc and vc hold int8 codes and ks, vs (NB, BS, KH) each slot's scales: key p is kc[p] * ks[p]."""
     kh = tl.program_id(2).to(tl.int64)
     if FIND_SEQ:  # the sequence of token `tok`: how many sequences end at or before it
         tok = tl.program_id(0).to(tl.int64)
@@ -104,11 +110,16 @@ def _attention(out, q, kc, vc, bt, qs, cl, ke, n_rows, n_seqs, t_plain, bs, scal
             k_at = p.to(tl.int64) * k_s
             v_at = p.to(tl.int64) * v_s
         kt = tl.load(kc + k_at[None, :] + kh * k_h + d[:, None] * k_d,
-                     mask=p_ok[None, :] & (d[:, None] < D), other=0.0)  # (DP, BLOCK_N)
+                     mask=p_ok[None, :] & (d[:, None] < D), other=0)  # (DP, BLOCK_N)
+        if Q8:
+            kt = kt.to(tl.float32 if IEEE else qv.dtype)  # int8 codes: exact in any float type
         if IEEE:
             s = tl.dot(qv.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(qv, kt)
+        if Q8:
+            k_sc = tl.load(ks + blk * ks_b + (p % bs) * ks_s + kh * ks_h, mask=p_ok, other=0.0)  # (BLOCK_N,)
+            s = s * k_sc[None, :]
         s = s * scale  # (ROWS, BLOCK_N)
         if CAUSAL:
             if ENDS:
@@ -125,7 +136,10 @@ def _attention(out, q, kc, vc, bt, qs, cl, ke, n_rows, n_seqs, t_plain, bs, scal
         pr = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
         vt = tl.load(vc + v_at[:, None] + kh * v_h + dv[None, :] * v_d,
-                     mask=p_ok[:, None] & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, DVP)
+                     mask=p_ok[:, None] & (dv[None, :] < DV), other=0)  # (BLOCK_N, DVP)
+        if Q8:  # the values dequantized in registers, in the queries' type (F16 keeps its range)
+            v_sc = tl.load(vs + blk * vs_b + (p % bs) * vs_s + kh * vs_h, mask=p_ok, other=0.0)  # (BLOCK_N,)
+            vt = (vt.to(tl.float32) * v_sc[:, None]).to(tl.float32 if IEEE else qv.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
         else:
@@ -174,12 +188,13 @@ def _one_sequence(out_t: "Tensor", inputs: tuple["Tensor | None", ...], scale: f
     s, h, d = q.shape
     t, kh, dv = v.shape
     block_q = _block_q(s == 1, h // kh, inputs[0].dtype)
-    args = (out, q, k, v, q, q, q, q, s, 1, t, 1, scale, window,
+    args = (out, q, k, v, q, q, q, q, q, q, s, 1, t, 1, scale, window,
             *q.stride(), *out.stride(),
-            0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0, 0)
+            0, k.stride(0), k.stride(1), k.stride(2), 0, v.stride(0), v.stride(1), v.stride(2), 0, 0,
+            0, 0, 0, 0, 0, 0)
     launch(_attention, (1, triton.cdiv(s, block_q), kh), args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": False, "FIND_SEQ": False,
-            "B_PAD": 1, "CAUSAL": causal, "ENDS": False},
+            "B_PAD": 1, "CAUSAL": causal, "ENDS": False, "Q8": False},
            exact=inputs[0].dtype is DataType.F32)
 
 
@@ -193,6 +208,23 @@ def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None"
     query_starts (B+1,), context_lens (B,)), and for the ``_ends`` kernels key_ends (N,) (row
     i sees keys before key_ends[i]); attrs: scale, window (as ``self_attention``'s). With
     checks on, ValueError for inconsistent index tensors, as the CPU kernel raises."""
+    _paged(outputs, inputs, attrs, None)
+
+
+@register_kernel("paged_attention_q8_window_ends", "nvidia", dtypes=FLOATS)
+@register_kernel("paged_attention_q8_ends", "nvidia", dtypes=FLOATS)
+@register_kernel("paged_attention_q8_window", "nvidia", dtypes=FLOATS)
+@register_kernel("paged_attention_q8", "nvidia", dtypes=FLOATS)
+def paged_attention_q8(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...],
+                       attrs: dict[str, Any]) -> None:
+    """``paged_attention`` over an 8-bit pool: its inputs with k_cache, v_cache I8, then
+    k_scale and v_scale (NB, BS, KH) F32 last; q and out of a float type."""
+    _paged(outputs, inputs[:-2], attrs, inputs[-2:])
+
+
+def _paged(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...], attrs: dict[str, Any],
+           scales: "tuple[Tensor, Tensor] | None") -> None:
+    """``_attention`` over the paged pool of ``inputs`` (an 8-bit one where ``scales`` are given)."""
     if checks_enabled(outputs[0]):
         host = tuple(_HostIndex(t) for t in inputs)
         qs_host, cl_host = inputs[4].numpy(), inputs[5].numpy()
@@ -208,12 +240,15 @@ def paged_attention(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None"
     decode = n == b  # (as many tokens as sequences: a program per token, finding its sequence)
     block_q = _block_q(decode, h // kh, inputs[0].dtype)
     grid = (n, 1, kh) if decode else (b, triton.cdiv(n, block_q), kh)
-    args = (out, q, kc, vc, bt, qs, cl, ke, n, b, 0, bs, float(attrs["scale"]), int(attrs.get("window", 0)),
+    ks, vs = (tv(scales[0]), tv(scales[1])) if scales is not None else (kc, vc)  # (NB, BS, KH) or placeholders
+    scale_strides = (*ks.stride(), *vs.stride()) if scales is not None else (0,) * 6
+    args = (out, q, kc, vc, bt, qs, cl, ke, ks, vs, n, b, 0, bs, float(attrs["scale"]), int(attrs.get("window", 0)),
             *q.stride(), *out.stride(),
-            *kc.stride(), *vc.stride(), bt.stride(0), ke.stride(0) if len(inputs) > 6 else 0)
+            *kc.stride(), *vc.stride(), bt.stride(0), ke.stride(0) if len(inputs) > 6 else 0, *scale_strides)
     launch(_attention, grid, args,
            {**_shape_consts(h, kh, d, dv, block_q, inputs[0].dtype), "PAGED": True, "FIND_SEQ": decode,
-            "B_PAD": next_pow2(b) if decode else 1, "CAUSAL": True, "ENDS": len(inputs) > 6},
+            "B_PAD": next_pow2(b) if decode else 1, "CAUSAL": True, "ENDS": len(inputs) > 6,
+            "Q8": scales is not None},
            exact=inputs[0].dtype is DataType.F32)
 
 
@@ -228,10 +263,24 @@ class _HostIndex:
 
 
 @triton.jit
-def _kv_write(kc, vc, k, v, slots, cap, bs, KH, D, DV, k_n, k_h, k_d, v_n, v_h, v_d,
-              kc_b, kc_s, kc_h, kc_d, vc_b, vc_s, vc_h, vc_d,
-              KHP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr):
-    """Token i: k[i] and v[i] (KH, D) into slot slots[i] of the pools (a slot outside [0, cap) is skipped)."""
+def _quantized(x, m):
+    """Rows x (KHP, DP) (lanes outside m ignored) as int8 codes (KHP, DP) and scales (KHP, 1):
+    scale = amax / 127, code = x / scale rounded half to even (adding and taking away 1.5 * 2^23
+    rounds a float32 of magnitude below 2^22 to an integer, ties to even), 0 for a zero row."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.where(m, tl.abs(xf), 0.0), 1)[:, None]  # (KHP, 1)
+    sc = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    y = tl.math.div_rn(xf, tl.where(sc == 0.0, 1.0, sc))
+    r = (y + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), sc
+
+
+@triton.jit
+def _kv_write(kc, vc, k, v, slots, ks, vs, cap, bs, KH, D, DV, k_n, k_h, k_d, v_n, v_h, v_d,
+              kc_b, kc_s, kc_h, kc_d, vc_b, vc_s, vc_h, vc_d, ks_b, ks_s, ks_h, vs_b, vs_s, vs_h,
+              KHP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, Q8: tl.constexpr):
+    """Token i: k[i] and v[i] (KH, D) into slot slots[i] of the pools (a slot outside [0, cap) is
+    skipped); with Q8 each head quantized into int8 codes, its scale into ks / vs (NB, BS, KH)."""
     i = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, KHP)[:, None]
     slot = tl.load(slots + i) + tl.zeros([KHP, 1], tl.int64)  # as a tensor: masks are built of tensors
@@ -241,10 +290,16 @@ def _kv_write(kc, vc, k, v, slots, cap, bs, KH, D, DV, k_n, k_h, k_d, v_n, v_h, 
     d = tl.arange(0, DP)[None, :]
     m = ok & (hh < KH) & (d < D)
     x = tl.load(k + i * k_n + hh * k_h + d * k_d, mask=m)
+    if Q8:
+        x, k_sc = _quantized(x, m)
+        tl.store(ks + blk * ks_b + off * ks_s + hh * ks_h, k_sc, mask=ok & (hh < KH))
     tl.store(kc + blk * kc_b + off * kc_s + hh * kc_h + d * kc_d, x, mask=m)
     dv = tl.arange(0, DVP)[None, :]
     mv = ok & (hh < KH) & (dv < DV)
     y = tl.load(v + i * v_n + hh * v_h + dv * v_d, mask=mv)
+    if Q8:
+        y, v_sc = _quantized(y, mv)
+        tl.store(vs + blk * vs_b + off * vs_s + hh * vs_h, v_sc, mask=ok & (hh < KH))
     tl.store(vc + blk * vc_b + off * vc_s + hh * vc_h + dv * vc_d, y, mask=mv)
 
 
@@ -257,7 +312,20 @@ def kv_cache_write(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None",
     if checks_enabled(outputs[0]):
         check_slots(inputs[2].numpy(), nb, bs)
     kc, vc, k, v, slots = tv(outputs[0]), tv(outputs[1]), tv(inputs[0]), tv(inputs[1]), tv(inputs[2])
+    q8 = len(outputs) == 4
+    ks, vs = (tv(outputs[2]), tv(outputs[3])) if q8 else (kc, vc)  # (NB, BS, KH) or placeholders
     n, kh, d = k.shape
     dv = v.shape[2]
-    args = (kc, vc, k, v, slots, nb * bs, bs, kh, d, dv, *k.stride(), *v.stride(), *kc.stride(), *vc.stride())
-    launch(_kv_write, (n,), args, {"KHP": next_pow2(kh), "DP": next_pow2(d), "DVP": next_pow2(dv)})
+    scale_strides = (*ks.stride(), *vs.stride()) if q8 else (0,) * 6
+    args = (kc, vc, k, v, slots, ks, vs, nb * bs, bs, kh, d, dv, *k.stride(), *v.stride(), *kc.stride(),
+            *vc.stride(), *scale_strides)
+    launch(_kv_write, (n,), args, {"KHP": next_pow2(kh), "DP": next_pow2(d), "DVP": next_pow2(dv), "Q8": q8})
+
+
+@register_kernel("kv_cache_write_q8", "nvidia", dtypes=FLOATS)
+def kv_cache_write_q8(outputs: tuple["Tensor", ...], inputs: tuple["Tensor | None", ...],
+                      attrs: dict[str, Any]) -> None:
+    """``kv_cache_write`` into an 8-bit pool: outputs (k_cache, v_cache I8 (NB, BS, KH, D / Dv),
+    k_scale, v_scale F32 (NB, BS, KH)), inputs (k, v of a float type, slots); each head of each
+    token quantized on its own (``ops.kv_cache_write``)."""
+    kv_cache_write(outputs, inputs, attrs)
