@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(180)
 @contextmanager
 def running(app) -> Iterator[str]:
     """Serve ``app`` on a free loopback port in a thread; yields its base URL."""
-    server = make_server(app, app.state.service.options, log_level="warning", access_log=False)
+    server = make_server(app, app.state.models.options, log_level="warning", access_log=False)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -628,7 +628,7 @@ def test_cors(smollm2_model, url):
 
 def test_graceful_shutdown(smollm2_model):
     app = create_app(ServerOptions(kv_cache_tokens=4096, shutdown_timeout_s=1.5), model=smollm2_model)
-    server = make_server(app, app.state.service.options, log_level="warning", access_log=False)
+    server = make_server(app, app.state.models.options, log_level="warning", access_log=False)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -772,3 +772,41 @@ def test_the_real_server(smollm2_model: Any, tmp_path: Path, driver: Any) -> Non
         assert 1 <= answer["meta"]["completion_tokens"] <= 12 and answer["meta"]["finish_reason"] in ("stop", "length")
     finally:
         server.stop()
+
+
+def test_the_model_picker_of_a_server_of_several(smollm2_path: Path, tmp_path: Path, driver: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from llaisys.server import ServerOptions, create_app
+
+    monkeypatch.setattr("llaisys.server.fleet.listed_models", dict)  # only the two named here
+    options = ServerOptions(db_path=str(tmp_path / "chat.sqlite3"), kv_cache_tokens=512,
+                            models=(("first", str(smollm2_path)), ("second", str(smollm2_path))))
+    log = RequestLog(create_app(options))
+    server = LiveServer(log.app, log=log)
+    try:
+        open_page(driver, server.url)
+        wait(driver, lambda d: not css(d, "#model-picker")[0].get_attribute("hidden"), "the model picker")
+        options_shown = [o.text for o in css(driver, "#model-picker option")]
+        assert options_shown == ["first (unloaded)", "second (unloaded)"] and not css(driver, "#model-name")[0].is_displayed()
+        from selenium.webdriver.support.ui import Select
+
+        Select(css(driver, "#model-picker")[0]).select_by_value("second")  # loads it for its defaults
+        wait(driver, lambda d: [o.text for o in css(d, "#model-picker option")] == ["first (unloaded)", "second"],
+             "the chosen model loaded", timeout=60)
+        css(driver, "#new-chat")[0].click()
+        css(driver, "#settings-button")[0].click()
+        css(driver, "#set-max_tokens")[0].send_keys("4")
+        css(driver, "#prompt")[0].click()
+        send(driver, "Hello there")
+        answer_done(driver, timeout=60)
+        assert log.bodies[-1]["model"] == "second"
+        answer = conversation(server, "Hello there")["messages"][-1]
+        assert answer["meta"]["model"] == "second" and answer["meta"]["status"] == "done"
+        states = {m["id"]: m["status"]["value"] for m in server.api("v1/models")["data"]}
+        assert states == {"first": "unloaded", "second": "loaded"}
+        reload(driver)  # the choice is kept
+        wait(driver, lambda d: Select(css(d, "#model-picker")[0]).first_selected_option.get_attribute("value")
+             == "second", "the kept choice")
+    finally:
+        driver.execute_script("localStorage.clear()")
+        server.stop()

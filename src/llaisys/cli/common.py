@@ -48,6 +48,18 @@ def _number_type(convert: type, low: float, high: float, what: str, name: str) -
     return parse
 
 
+def byte_size(text: str) -> int:
+    """A size in bytes: a whole number, or one with a unit K, M, G, T (powers of 1024; KiB,
+    MB, GiB and the like read the same), e.g. 512M, 8G, 1.5GiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.I)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M, 8G or 1073741824, got {text!r}")
+    value = float(match.group(1)) * 1024 ** " KMGT".index(match.group(2).upper() or " ")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return int(value)
+
+
 INF = float("inf")
 positive_int = _number_type(int, 1, INF, "a number >= 1", "positive_int")
 non_negative_int = _number_type(int, 0, INF, "a number >= 0", "non_negative_int")
@@ -63,12 +75,19 @@ def add_verbose(parser: argparse.ArgumentParser, dest: str = "verbose") -> None:
                         help="log progress to stderr (twice: debug output and tracebacks)")
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --plugin, --threads, --quant-math, --tensor-parallel, -v."""
-    parser.add_argument("-m", "--model", default=None, metavar="PATH",
-                        help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows: "
-                             "org/name[:QUANT] of the Hugging Face cache, name[:tag] of ollama's "
-                             "(default: the bundled SmolLM2-135M)")
+def add_model_options(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    """--model, --dtype, --device, --plugin, --threads, --quant-math, --tensor-parallel, -v.
+    With ``many``, --model may be repeated (a list, None when not given)."""
+    if many:
+        parser.add_argument("-m", "--model", action="append", default=None, metavar="[NAME=]PATH",
+                            help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows "
+                                 "(default: the bundled SmolLM2-135M); repeat it to serve several models, each "
+                                 "loaded on its first request, named NAME or after its file")
+    else:
+        parser.add_argument("-m", "--model", default=None, metavar="PATH",
+                            help="a Hugging Face model folder, a .gguf file, or a name `llaisys list` shows: "
+                                 "org/name[:QUANT] of the Hugging Face cache, name[:tag] of ollama's "
+                                 "(default: the bundled SmolLM2-135M)")
     parser.add_argument("--mmproj", default=None, metavar="PATH",
                         help="the vision tower of a GGUF vision-language model, as llama.cpp writes it (default: "
                              "the one mmproj*.gguf beside the model file, if any)")

@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from ..generation.config import MAX_SPECULATIVE_TOKENS
-from .common import (UsageError, add_model_options, following_rank, load_from_args, non_negative_float,
-                     non_negative_int, port_number, positive_int)
+from .common import (UsageError, add_model_options, byte_size, following_rank, load_from_args, load_plugins,
+                     non_negative_float, non_negative_int, port_number, positive_int)
 
 API_KEY_VAR = "LLAISYS_API_KEY"
 
@@ -136,7 +136,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also answer replay requests for missed event messages on this endpoint (a ROUTER socket)")
     p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
                    help="the topic frame of every event message (default: empty)")
-    add_model_options(p)
+    many = p.add_argument_group("several models", "Repeat --model, or give --models-dir, to serve several models: "
+                                "a request's `model` picks one, loaded on first use; models `llaisys list` shows are "
+                                "served by their names too. The least recently used idle model is unloaded to make "
+                                "room.")
+    many.add_argument("--models-dir", default=None, metavar="DIR",
+                      help="serve the .gguf files and model folders in DIR, by their names")
+    many.add_argument("--max-models", type=positive_int, default=None, metavar="N",
+                      help="models loaded at once (default: no limit but memory)")
+    many.add_argument("--models-memory", type=byte_size, default=None, metavar="SIZE",
+                      help="memory the loaded models may hold together, weights and KV caches, e.g. 8G "
+                           "(default: 90%% of this machine's)")
+    many.add_argument("--idle-unload", type=non_negative_float, default=None, metavar="SECONDS",
+                      help="unload a model unused this long (default: never)")
+    many.add_argument("--pin", action="append", default=[], metavar="NAME",
+                      help="load this model at start and never unload it to make room or when idle; may be repeated")
+    many.add_argument("--load-timeout", type=non_negative_float, default=600.0, metavar="SECONDS",
+                      help="how long a request waits for its model to load before a 503 (default 600)")
+    cache = p.add_argument_group("KV cache")
+    cache.add_argument("--kv-cache-dtype", choices=("auto", "int8", "q8_0"), default="auto",
+                       help="keys and values in the model's dtype (auto), or in 8 bits with a scale per head of "
+                            "each token (int8; q8_0 is llama.cpp's name): a quarter of f32's memory, half of "
+                            "f16's, close to lossless (docs/serving.md)")
+    cache.add_argument("--prefix-cache-ram", type=byte_size, default=0, metavar="SIZE",
+                       help="keep prefix-cache blocks evicted from the KV cache in this much host memory, e.g. 2G, "
+                            "to restore rather than recompute them (default: 0, off)")
+    cache.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="keep prefix-cache blocks in DIR too, so cached prompts outlive a restart (default: off)")
+    cache.add_argument("--prefix-cache-dir-size", type=byte_size, default=None, metavar="SIZE",
+                       help="the most --prefix-cache-dir may hold, oldest dropped first (default: the engine's)")
+    add_model_options(p, many=True)
     p.set_defaults(func=run)
 
 
@@ -144,9 +173,17 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 1 if the model failed to load."""
     from ..server import ServerOptions, create_app, serve
 
+    models = model_specs(args)
+    args.model = models[0][1] if len(models) == 1 and args.models_dir is None else None
     if following_rank(args):  # a tensor-parallel rank other than 0: no server, only its part of the model
         load_from_args(args)
         return 0
+    many = len(models) > 1 or args.models_dir is not None
+    if many:
+        check_many_options(args)
+    elif args.pin or args.max_models or args.models_memory or args.idle_unload is not None:
+        raise UsageError("--pin, --max-models, --models-memory and --idle-unload are for several models "
+                         "(repeat --model or give --models-dir)")
 
     api_key = args.api_key or os.environ.get(API_KEY_VAR) or None
     if args.metrics_require_key and api_key is None:
@@ -168,15 +205,67 @@ def run(args: argparse.Namespace) -> int:
                             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                             kv_events_topic=args.kv_events_topic,
                             allowed_image_hosts=tuple(args.allowed_image_hosts), max_images=args.max_images,
-                            max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
+                            max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                            models=tuple(models) if many else (), models_dir=args.models_dir,
+                            max_models=args.max_models, models_memory_bytes=args.models_memory,
+                            idle_unload_s=args.idle_unload or None, pinned=tuple(args.pin),
+                            load_timeout_s=args.load_timeout or 600.0, kv_cache_dtype=args.kv_cache_dtype,
+                            prefix_cache_host_bytes=args.prefix_cache_ram, prefix_cache_dir=args.prefix_cache_dir,
+                            prefix_cache_dir_bytes=args.prefix_cache_dir_size)
+    url = base_url(args.host, args.port)
+    if many:
+        load_plugins(args.plugin)  # once, for every model
+        args.plugin = []
+        try:
+            app = create_app(options, load_source=lambda source: load_from_args(args, source))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        names = ", ".join(app.state.models.services)
+        print(f"llaisys serve: serving {names} (each loaded on its first request); API at {url}v1",
+              file=sys.stderr)
+        print(f"llaisys serve: chat page at {url}", file=sys.stderr, flush=True)
+        return serve(app, options)
     app = create_app(options, loader=lambda: load_from_args(args))
     service = app.state.service
-    url = base_url(args.host, args.port)
     print(f"llaisys serve: loading {args.model or 'the bundled SmolLM2-135M'} as {service.model_name!r}; "
           f"API at {url}v1 (/health answers 503 until the model is ready)", file=sys.stderr)
     print(f"llaisys serve: chat page at {url}", file=sys.stderr, flush=True)
     announce_ready(service, url)
     return serve(app, options)
+
+
+def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The --model options as (name, source) pairs: ``NAME=SOURCE``, or a source named after
+    its file (the stem of a .gguf, a folder's name, a listed name as given). UsageError for
+    two models under one name."""
+    from ..server.fleet import model_name_for
+    from ..server.options import ServerOptions
+
+    specs: list[tuple[str, str]] = []
+    for given in args.model or []:
+        name, eq, source = given.partition("=")
+        if not eq or not name or "/" in name or os.path.exists(given):
+            name, source = "", given
+        if len(args.model) == 1 and args.served_model_name:
+            name = args.served_model_name
+        name = name or model_name_for(ServerOptions(), source)
+        if any(name == n for n, _ in specs):
+            raise UsageError(f"--model: two models are named {name!r}; name one with --model NAME=PATH")
+        specs.append((name, source))
+    return specs
+
+
+def check_many_options(args: argparse.Namespace) -> None:
+    """UsageError for options that serve one model only, given with several."""
+    if args.tensor_parallel > 1:
+        raise UsageError("--tensor-parallel serves one model; give one --model")
+    if args.mmproj is not None:
+        raise UsageError("--mmproj names one model's vision tower; with several models put each mmproj*.gguf beside "
+                         "its model file")
+    if args.served_model_name is not None:
+        raise UsageError("--served-model-name names one model; with several use --model NAME=PATH")
+    if args.models_dir is not None and not os.path.isdir(args.models_dir):
+        raise UsageError(f"--models-dir {args.models_dir}: no such folder")
 
 
 def check_events_options(args: argparse.Namespace) -> None:

@@ -38,21 +38,22 @@ STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-class Metrics:
-    """The server's metrics for one model, in ``self.registry``."""
+class MetricFamilies:
+    """Every metric family, in one registry shared by the models of a server: each model's
+    ``Metrics`` writes its own ``model_name`` label of them."""
 
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(name, doc, labels, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+            return Counter(name, doc, labels, registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -67,9 +68,8 @@ class Metrics:
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
                                        "Speculative draft tokens accepted (acceptance rate: these over the draft "
                                        "tokens).")
-        success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                          ["model_name", "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
@@ -77,10 +77,39 @@ class Metrics:
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens", "Tokens generated per request.",
                                             TOKEN_BUCKETS)
-        # ours (vLLM has no such metric): the engine's own step time, to compare with in-process runs
-        self.step = Histogram("llaisys:engine_step_seconds", "Wall time of one engine step (forward pass, "
-                              "sampling, detokenizing), measured on the engine thread.", labels,
-                              buckets=STEP_BUCKETS, registry=self.registry).labels(model_name)
+        # ours (vLLM has no such metrics): the engine's own step time, to compare with in-process runs,
+        # the prefix cache's tiers, and the models' loading and unloading
+        self.step = histogram("llaisys:engine_step_seconds", "Wall time of one engine step (forward pass, sampling, "
+                              "detokenizing), measured on the engine thread.", STEP_BUCKETS)
+        self.prefix_host_hits = counter("llaisys:prefix_cache_host_hits", "Prompt tokens restored from the prefix "
+                                        "cache's host-memory tier.")
+        self.prefix_disk_hits = counter("llaisys:prefix_cache_disk_hits", "Prompt tokens restored from the prefix "
+                                        "cache's directory (--prefix-cache-dir).")
+        self.model_loaded = gauge("llaisys:model_loaded", "1 while the model is loaded, else 0.")
+        self.model_memory = gauge("llaisys:model_memory_bytes", "Memory the loaded model holds: weights and KV pools.")
+        self.model_loads = counter("llaisys:model_loads", "Times the model was loaded.")
+        self.model_load_failures = counter("llaisys:model_load_failures", "Loads of the model that failed.")
+        self.model_unloads = counter("llaisys:model_unloads", "Times the model was unloaded (evicted, idle, asked).")
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (every model's, when the families are shared)."""
+        return generate_latest(self.registry)
+
+
+class Metrics:
+    """The server's metrics for one model: its label of ``families`` (its own when None)."""
+
+    def __init__(self, model_name: str, families: MetricFamilies | None = None) -> None:
+        self.families = families or MetricFamilies()
+        self.registry = self.families.registry
+        f = self.families
+        for name in ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "preemptions",
+                     "prompt_tokens", "generation_tokens", "drafts", "draft_tokens", "accepted_tokens", "ttft", "itl",
+                     "e2e", "queue", "request_prompt", "request_generation", "step", "prefix_host_hits",
+                     "prefix_disk_hits", "model_loaded", "model_memory", "model_loads", "model_load_failures",
+                     "model_unloads"):
+            setattr(self, name, getattr(f, name).labels(model_name))
+        self.success = {reason: f.success.labels(model_name, reason) for reason in FINISH_REASONS}
         # engine-thread state: requests not yet finished, and each one's last token time
         self._live: set[str] = set()
         self._last_token: dict[str, float] = {}
@@ -151,8 +180,28 @@ class Metrics:
         self.drafts.inc(max(stats.drafts - seen.drafts, 0))
         self.draft_tokens.inc(max(stats.drafted_tokens - seen.drafted_tokens, 0))
         self.accepted_tokens.inc(max(stats.accepted_tokens - seen.accepted_tokens, 0))
+        self.prefix_host_hits.inc(max(stats.prefix_restored_host - seen.prefix_restored_host, 0))
+        self.prefix_disk_hits.inc(max(stats.prefix_restored_disk - seen.prefix_restored_disk, 0))
         self._seen = stats
 
+    # ---- the model's life --------------------------------------------------------------
+    def loaded(self, memory_bytes: int) -> None:
+        """The model is loaded and holds ``memory_bytes``."""
+        self.model_loaded.set(1)
+        self.model_memory.set(memory_bytes)
+        self.model_loads.inc()
+
+    def load_failed(self) -> None:
+        """A load of the model failed."""
+        self.model_load_failures.inc()
+
+    def unloaded(self) -> None:
+        """The model was unloaded; its engine's counters start again from 0 when it is loaded again."""
+        self.model_loaded.set(0)
+        self.model_memory.set(0)
+        self.model_unloads.inc()
+        self._seen = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+
     def render(self) -> bytes:
-        """The text exposition of every metric."""
+        """The text exposition of every metric (every model's, when the families are shared)."""
         return generate_latest(self.registry)

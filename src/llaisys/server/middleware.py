@@ -5,7 +5,9 @@ adds them; CORS, when asked for, sits outside them all):
   ``{"type": "error", "error": {"type", "message"}}``, those of the middlewares below included;
 - ``HostCheck``: 421 for a Host header naming another site (DNS rebinding);
 - ``BodyGuard``: the whole body read before the app runs: 413 above ``max_body_bytes``, 408
-  after ``body_timeout_s``, 503 when the server ends requests at shutdown.
+  after ``body_timeout_s``, 503 when the server ends requests at shutdown;
+- ``ModelLeases``: the models a request took (``fleet.ModelFleet.acquire``) are given back when
+  its response has been sent, so no model is unloaded under a request.
 
 They live apart from the routes so that a request's way enters each server module once: this
 module as it comes in, then ``app.py`` for its route, then the protocol module.
@@ -16,6 +18,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+import time
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,7 +28,12 @@ from .bodies import error_body, is_json_type, media_type, render_json
 from .errors import APIError, shutting_down
 from .service import ModelService
 
+if TYPE_CHECKING:
+    from .fleet import ModelFleet
+
 log = logging.getLogger(__name__)
+
+LEASES = "llaisys.leases"  # the ASGI scope key of the model services a request holds (fleet.acquire)
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 MESSAGES_PATH = "/v1/messages"
@@ -102,7 +111,7 @@ class BodyGuard:
     requests (shutdown) meanwhile. These answers close the connection (the rest of the body is
     not read). A request the server cut off at shutdown ends with a 503 rather than a traceback."""
 
-    def __init__(self, app: ASGIApp, service: ModelService) -> None:
+    def __init__(self, app: ASGIApp, service: "ModelService | ModelFleet") -> None:
         self.app = app
         self.service = service
         self.limit = service.options.max_body_bytes
@@ -186,6 +195,26 @@ class BodyGuard:
             log.info("%s %s was cut off by the shutdown", scope.get("method"), scope.get("path"))
             if not started:
                 await shutting_down().response(close=True)(scope, receive, send)
+
+
+# ---- models held by a request ----------------------------------------------------------------
+class ModelLeases:
+    """ASGI middleware: the model services a request acquired are released when its response
+    has been sent (a stream's last byte included), so a model is never unloaded under a request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for service in scope.get(LEASES, ()):
+                service.leases -= 1
+                service.last_used = time.monotonic()
 
 
 # ---- Anthropic's error shape -----------------------------------------------------------------

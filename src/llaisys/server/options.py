@@ -10,7 +10,8 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: 128 prompts of 8k token ids as JSON f
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 DEFAULT_MAX_IMAGES = 8
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # one encoded image; as a data: URL it also counts against max_body_bytes
-DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # width * height from the header: the decompression-bomb guard
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+KV_CACHE_DTYPES = ("auto", "int8", "q8_0")  # q8_0: llama.cpp's name for the 8-bit cache  # width * height from the header: the decompression-bomb guard
 
 
 def image_host(text: str) -> str:
@@ -67,6 +68,18 @@ class ServerOptions:
     images one request may carry; max_image_bytes: one encoded image's size (a data: URL is
     also held to max_body_bytes, 8 MiB by default); max_image_pixels: one image's width times
     height, read from its header before any pixel is decoded.
+    models: several models served at once, (name, source) pairs (source: what ``--model``
+    takes); with it, or with ``models_dir``, the server loads each on its first request (see
+    ``fleet``), ``model`` and ``served_model_name`` unused. models_dir: a folder whose .gguf
+    files and model folders are served by their names. max_models: models loaded at once
+    (None: no limit); models_memory_bytes: the memory they may hold together (None: 90% of the
+    machine's); idle_unload_s: a model unused this long is unloaded (None: never); pinned:
+    names never unloaded (loaded at start); load_timeout_s: how long a request waits for its
+    model to load before a 503.
+    kv_cache_dtype: "auto" (the model's) or "int8" (keys and values quantized per head).
+    prefix_cache_host_bytes: host memory holding prefix-cache blocks evicted from the KV pool
+    (0: off); prefix_cache_dir: a folder they are also kept in across restarts (None: off),
+    up to prefix_cache_dir_bytes (None: the engine's default).
     """
 
     model: str | None = None
@@ -105,8 +118,26 @@ class ServerOptions:
     max_images: int = DEFAULT_MAX_IMAGES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    models: tuple[tuple[str, str], ...] = ()
+    models_dir: str | None = None
+    max_models: int | None = None
+    models_memory_bytes: int | None = None
+    idle_unload_s: float | None = None
+    pinned: tuple[str, ...] = ()
+    load_timeout_s: float = 600.0
+    kv_cache_dtype: str = "auto"
+    prefix_cache_host_bytes: int = 0
+    prefix_cache_dir: str | None = None
+    prefix_cache_dir_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        self.models = tuple((str(name), str(source)) for name, source in self.models)
+        self.pinned = (self.pinned,) if isinstance(self.pinned, str) else tuple(self.pinned)
+        names = [name for name, _ in self.models]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"ServerOptions.models: the name {twice[0]!r} is given to two models; give each its own "
+                             "(NAME=PATH)")
         for name in ("allowed_origins", "allowed_hosts", "allowed_image_hosts"):
             value = getattr(self, name)
             setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
@@ -119,7 +150,8 @@ class ServerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerOptions.{name} must be a positive integer, got {value!r}")
-        for name in ("kv_cache_tokens", "max_choices", "max_connections", "speculative_max_seqs"):
+        for name in ("kv_cache_tokens", "max_choices", "max_connections", "speculative_max_seqs", "max_models",
+                     "models_memory_bytes", "prefix_cache_dir_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"ServerOptions.{name} must be a positive integer or None, got {value!r}")
@@ -146,9 +178,36 @@ class ServerOptions:
                 from ..engine.kv_events import check_endpoint
 
                 check_endpoint(getattr(self, name))
-        for name in ("header_timeout_s", "body_timeout_s", "grammar_timeout_s"):
+        if self.idle_unload_s is not None and not self.idle_unload_s > 0:
+            raise ValueError(f"ServerOptions.idle_unload_s must be > 0 or None (never), got {self.idle_unload_s}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"ServerOptions.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        host_bytes = self.prefix_cache_host_bytes
+        if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
+            raise ValueError(f"ServerOptions.prefix_cache_host_bytes must be a non-negative integer, got {host_bytes!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "grammar_timeout_s", "load_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerOptions.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def many_models(self) -> bool:
+        """Whether the server serves several models, each loaded on demand (``models`` or
+        ``models_dir`` given), rather than the one of ``model``."""
+        return bool(self.models) or self.models_dir is not None
+
+    def engine_extras(self) -> dict[str, object]:
+        """The engine's keywords for the KV cache's dtype and the prefix cache's tiers, those set only."""
+        extras: dict[str, object] = {}
+        if self.kv_cache_dtype != "auto":
+            extras["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.prefix_cache_host_bytes:
+            extras["prefix_cache_host_bytes"] = self.prefix_cache_host_bytes
+        if self.prefix_cache_dir is not None:
+            extras["prefix_cache_dir"] = self.prefix_cache_dir
+            if self.prefix_cache_dir_bytes is not None:
+                extras["prefix_cache_dir_bytes"] = self.prefix_cache_dir_bytes
+        return extras
 
     @property
     def choices_limit(self) -> int:

@@ -37,6 +37,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .errors import APIError
 from .options import ServerOptions
+from .fleet import ModelFleet
 from .service import ModelService
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,9 @@ def guarded_protocol(options: ServerOptions, notices: Notices) -> type[asyncio.P
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, draining the model service's requests on exit."""
+    """uvicorn's server, draining the models' requests on exit."""
 
-    def __init__(self, config: uvicorn.Config, service: ModelService, shutdown_timeout_s: float,
+    def __init__(self, config: uvicorn.Config, service: "ModelFleet | ModelService", shutdown_timeout_s: float,
                  notices: Notices | None = None) -> None:
         super().__init__(config)
         self.service = service
@@ -229,11 +230,11 @@ def make_server(app: FastAPI, options: ServerOptions, *, log_level: str = "info"
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=options.shutdown_timeout_s + 5.0, lifespan="on",
                             http=guarded_protocol(options, notices), backlog=ACCEPT_BATCH)
-    return Server(config, app.state.service, options.shutdown_timeout_s, notices)
+    return Server(config, app.state.models, options.shutdown_timeout_s, notices)
 
 
 def serve(app: FastAPI, options: ServerOptions, sock: socket.socket | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0, or 1 when the model failed to load."""
     server = make_server(app, options)
     server.run(sockets=[sock] if sock is not None else None)
-    return 1 if app.state.service.error is not None else 0
+    return 1 if app.state.models.error is not None else 0

@@ -13,6 +13,7 @@ steps kept as methods are for older callers).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -68,24 +69,39 @@ def read_chat_template(path: str) -> ChatTemplate:
 
 
 class ModelService:
-    """The served model's lifecycle and state shared by the routes: the model (once loaded), its
-    engine threads and the requests in them, the facts the request builder reads, the metrics."""
+    """One served model's lifecycle and the state shared by the routes: the model (once loaded),
+    its engine threads and the requests in them, the facts the request builder reads, the
+    metrics.
 
-    def __init__(self, options: ServerOptions, model: Any = None, loader: Loader | None = None) -> None:
+    States: "unloaded" (nothing in memory), "loading" (a thread reads it), "ready", "failed"
+    (the load raised: ``error``), "unloading" (its engines stop). A server of several models
+    (``fleet.ModelFleet``) moves each through them; a server of one loads it at start and
+    keeps it. ``leases`` counts the HTTP requests using the model (the fleet never unloads a
+    leased one); ``last_used`` orders the idle ones for eviction."""
+
+    def __init__(self, options: ServerOptions, model: Any = None, loader: Loader | None = None, *,
+                 name: str | None = None, metrics: Metrics | None = None, pinned: bool = False) -> None:
         self.options = options
         self.model = model
         self.loader = loader
-        self.model_name = default_model_name(options, model)
+        self.model_name = name or default_model_name(options, model)
         self.chat_template = read_chat_template(options.chat_template) if options.chat_template else None
-        self.metrics = Metrics(self.model_name)
+        self.metrics = metrics or Metrics(self.model_name)
         self.engine: EngineThread | None = None
         self.error: BaseException | None = None
+        self.failed_at = 0.0  # time.monotonic() of the last failed load
         self.created = int(time.time())
         self.ready = threading.Event()
+        self.state = "loading" if model is not None else "unloaded"  # a model given starts its engine in start()
+        self.pinned = pinned or (model is not None and loader is None)  # a model given, not loadable again
+        self.leases = 0
+        self.last_used = time.monotonic()
+        self.loaded_bytes: int | None = None  # memory the model took when last loaded (weights + KV pools)
         self.kv_events: Any = None  # the prefix-cache events' publisher (options.kv_events)
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.draining = False
         self.ending = asyncio.Event()  # set when the running requests are ended (shutdown)
+        self._settled: asyncio.Event | None = None  # set when a load or an unload ends (event loop)
         self._inflight: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token_text: dict[int, str] = {}
@@ -97,14 +113,40 @@ class ModelService:
         self._embedder_lock = threading.Lock()
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start loading (in a thread unless the model is here already) and the engine thread."""
-        self._loop = loop
-        self.ending = asyncio.Event()  # one of this loop's
+    def start(self, loop: asyncio.AbstractEventLoop, load: bool = True) -> None:
+        """Attach to the event loop; unless ``load`` is False, start loading (in a thread) or,
+        with the model here already, the engine thread."""
+        self.attach(loop)
         if self.model is not None:
             self._start_engine()
-        else:
-            threading.Thread(target=self._load, name="llaisys-model-load", daemon=True).start()
+        elif load:
+            self.begin_load()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind the asyncio parts to ``loop`` (the app's, at startup)."""
+        self._loop = loop
+        self.ending = asyncio.Event()  # one of this loop's
+        self._settled = asyncio.Event()
+
+    def begin_load(self) -> None:
+        """Start reading the model in a thread (state "loading"); event loop or before it runs."""
+        self.state, self.error = "loading", None
+        if self._settled is not None:
+            self._settled.clear()
+        threading.Thread(target=self._load, name=f"llaisys-load-{self.model_name}"[:60], daemon=True).start()
+
+    async def settled(self) -> None:
+        """Wait until no load or unload is under way (event loop)."""
+        while self.state in ("loading", "unloading"):
+            assert self._settled is not None, "attach() the service to the event loop first"
+            await self._settled.wait()
+            if self.state in ("loading", "unloading"):
+                self._settled.clear()
+
+    def _notify_settled(self) -> None:
+        loop, event = self._loop, self._settled
+        if loop is not None and event is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
 
     def _load(self) -> None:
         try:
@@ -118,25 +160,61 @@ class ModelService:
             self._start_engine()
         except BaseException as exc:  # noqa: BLE001  (reported by /health and the callback)
             expected = isinstance(exc, (FileNotFoundError, PermissionError, ValueError, TypeError))
-            log.error("the model failed to load: %s", exc, exc_info=not expected)  # a traceback for bugs only
-            self.error = exc
+            log.error("%s failed to load: %s", self.model_name, exc, exc_info=not expected)  # a traceback for bugs only
+            self.model, self.error, self.failed_at = None, exc, time.monotonic()
+            self.state = "failed"
+            self.metrics.load_failed()
             if self.on_load_failed is not None:
                 self.on_load_failed(exc)
+        finally:
+            self._notify_settled()
 
     def _start_engine(self) -> None:
         opts = self.options
-        if opts.kv_events is not None:  # opened first: an endpoint that cannot be used fails the start
+        if opts.kv_events is not None and self.kv_events is None:  # opened first: an unusable endpoint fails the start
             from ..engine.kv_events import KVEventPublisher
 
             self.kv_events = KVEventPublisher(opts.kv_events, opts.kv_events_replay, opts.kv_events_topic)
         engine = LLMEngine(self.model, kv_cache_tokens=opts.kv_cache_tokens, max_seqs=opts.max_seqs,
                            max_batched_tokens=opts.max_batched_tokens,
-                           speculative_max_seqs=opts.speculative_max_seqs, kv_events=self.kv_events)
+                           speculative_max_seqs=opts.speculative_max_seqs, kv_events=self.kv_events,
+                           **opts.engine_extras())
         thread = EngineThread(engine)
         thread.on_step = self.metrics.on_step
         self.engine = thread
+        self.loaded_bytes = self.memory_bytes()
+        self.state = "ready"
+        self.metrics.loaded(self.loaded_bytes)
         self.ready.set()
         log.info("serving %s as %r", getattr(self.model, "source", self.model), self.model_name)
+
+    def memory_bytes(self) -> int:
+        """Bytes the loaded model holds: its weights and its engines' KV pools (0 when unloaded)."""
+        if self.model is None:
+            return 0
+        weights = getattr(self.model, "weight_bytes", None)
+        total = int(weights()) if callable(weights) else 0
+        for thread in (self.engine, self._embedder):
+            if thread is not None:
+                total += int(thread.engine.cache.nbytes)
+        return total
+
+    def unload(self, timeout: float = 10.0) -> None:
+        """Stop the engine threads (requests still in them end with reason "abort") and drop the
+        model, so its memory goes back (any thread but the event loop's: it waits for them)."""
+        self.ready.clear()
+        for thread in (self.engine, self._embedder):
+            if thread is not None:
+                thread.stop(timeout)
+        self.engine = self._embedder = None
+        self.model = None
+        self._token_text.clear()
+        self._longest_token = None
+        self.state = "unloaded"
+        self.metrics.unloaded()
+        gc.collect()  # the weights' cycles (plans, caches) go now, not at some later collection
+        self._notify_settled()
+        log.info("unloaded %s", self.model_name)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (requests still in it end with reason "abort") and the workers."""
@@ -151,13 +229,13 @@ class ModelService:
 
     @property
     def status(self) -> str:
-        """"loading", "ready", "failed" (the model did not load, or the engine loop died) or
-        "shutting_down"."""
+        """"unloaded", "loading", "ready", "unloading", "failed" (the model did not load, or
+        the engine loop died) or "shutting_down"."""
         if self.draining:
             return "shutting_down"
         if self.error is not None or (self.engine is not None and not self.engine.alive):
             return "failed"
-        return "ready" if self.ready.is_set() else "loading"
+        return self.state
 
     def failure(self) -> str:
         """Why the service is not serving, in words (after ``status`` said "failed")."""
@@ -172,6 +250,9 @@ class ModelService:
         if status == "loading":
             raise APIError(503, "the model is still loading; try again shortly (GET /health answers 200 when ready)",
                            code="model_loading")
+        if status in ("unloaded", "unloading"):
+            raise APIError(503, f"the model `{self.model_name}` is not loaded; try again (a request naming it loads "
+                           "it)", code="model_unloaded")
         if status == "failed":
             raise APIError(503, self.failure(), code="engine_unavailable")
         if status == "shutting_down":
@@ -297,8 +378,9 @@ class ModelService:
         with self._embedder_lock:
             if self._embedder is None:
                 opts = self.options
+                kv_dtype = {"kv_cache_dtype": opts.kv_cache_dtype} if opts.kv_cache_dtype != "auto" else {}
                 engine = LLMEngine(self.model, kv_cache_tokens=self.max_model_len, max_seqs=opts.max_seqs,
-                                   max_batched_tokens=opts.max_batched_tokens, prefix_caching=False)
+                                   max_batched_tokens=opts.max_batched_tokens, prefix_caching=False, **kv_dtype)
                 self._embedder = EngineThread(engine, name="llaisys-embed")
             return self._embedder
 

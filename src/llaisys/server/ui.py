@@ -247,6 +247,10 @@ def mount(app: Any, options: Any) -> None:
     @app.get("/api/settings", tags=["chat UI"], response_model=None)
     @endpoint
     async def settings_defaults(request: Request) -> Any:
+        name = request.query_params.get("model")
+        fleet = getattr(request.app.state, "models", None)
+        if name and fleet is not None:  # the model the page's picker chose: loaded for it
+            return page_defaults(await fleet.acquire(request.scope, name))
         return page_defaults(getattr(request.app.state, "service", None))
 
     async def index() -> FileResponse:

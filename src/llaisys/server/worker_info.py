@@ -18,8 +18,9 @@ from fastapi import APIRouter, Request
 from .. import __version__
 
 
-def _service(request: Request) -> Any:
-    return request.app.state.service
+async def _service(request: Request) -> Any:
+    """The default model's service (loaded when a server of several has to load it)."""
+    return await request.app.state.models.acquire(request.scope, None)
 
 
 def server_info(service: Any) -> dict[str, Any]:
@@ -67,10 +68,10 @@ def install(api: APIRouter) -> None:
     @api.get("/get_server_info", include_in_schema=False)
     async def get_server_info(request: Request) -> dict[str, Any]:
         """SGLang's /server_info: the served model and the engine's sizes."""
-        return server_info(_service(request))
+        return server_info(await _service(request))
 
     @api.get("/model_info")
     @api.get("/get_model_info", include_in_schema=False)
     async def get_model_info(request: Request) -> dict[str, Any]:
         """SGLang's /model_info: the model's path and type."""
-        return model_info(_service(request))
+        return model_info(await _service(request))

@@ -11,6 +11,7 @@
 // A model that lists "vision" among its capabilities (v1/models) takes images: the user attaches,
 // pastes or drops them on the composer; a user message keeps them as data URLs (its ``images``,
 // stored with the conversation) and sends them, with the history, as OpenAI image_url parts.
+// A server of several models gets a picker (v1/models lists them); the model picked answers.
 (function () {
   "use strict";
 
@@ -28,6 +29,7 @@
   const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
   const MAX_IMAGES = 8;
   const MODEL_RETRY_MS = 3000; // v1/models asked again while the model loads (503)
+  const MODEL_KEY = "llaisys.model"; // localStorage: the model picked last, on a server of several
 
   const $ = (id) => document.getElementById(id);
   const isNum = (v) => typeof v === "number" && Number.isFinite(v);
@@ -53,6 +55,7 @@
     stream: null,        // the answer being generated: {convId, msg, controller, content, reasoning, ...}
     openReasoning: new Set(), // ids of answers whose reasoning the user unfolded (kept across re-renders)
     model: null,
+    models: [],          // v1/models' entries (a picker shows them when there are several)
     vision: false,       // the model takes images (v1/models lists "vision"); false until known
     attachments: [],     // images in the composer, to go with the next message: {url, name}
     defaults: null,      // api/settings: the model's sampling defaults and max_tokens
@@ -591,7 +594,8 @@
 
   // The model's defaults (api/settings); an Error saying why when the server has none (yet).
   async function loadDefaults() {
-    const res = await authFetch("api/settings", {});
+    const chosen = state.models.length > 1 && state.model ? "?model=" + encodeURIComponent(state.model) : "";
+    const res = await authFetch("api/settings" + chosen, {});
     if (!res.ok) throw new Error("no sampling defaults from the server: " + await errorText(res));
     const d = await res.json();
     state.defaults = isObj(d) ? d : {};
@@ -920,22 +924,62 @@
     return isObj(caps) && !!caps.vision;
   }
 
-  // The served model's name and whether it takes images (asked again while it loads).
+  // The served models (v1/models), the one in use and whether it takes images (asked again
+  // while a server of one model loads it). A server of several shows a picker; the choice is
+  // kept in localStorage, and a model chosen is loaded at once (api/settings?model= loads it).
   const loadModel = async function () {
     try {
       const res = await authFetch("v1/models", {});
       if (res.status === 503) setTimeout(loadModel, MODEL_RETRY_MS);
       if (!res.ok) return;
       const body = await res.json();
-      const model = body.data && body.data.length ? body.data[0] : null;
-      state.model = model && typeof model.id === "string" ? model.id : null;
-      state.vision = takesImages(model);
+      const list = Array.isArray(body.data) ? body.data.filter((m) => isObj(m) && typeof m.id === "string") : [];
+      state.models = list;
+      const kept = localStorage.getItem(MODEL_KEY);
+      const loaded = list.find((m) => isObj(m.status) && m.status.value === "loaded");
+      const pick = list.find((m) => m.id === state.model) || list.find((m) => m.id === kept) || loaded || list[0];
+      state.model = pick ? pick.id : null;
+      state.vision = takesImages(pick);
       $("model-name").textContent = state.model || "";
+      renderPicker();
     } catch (e) {
       console.warn("no model list", e);
     }
     renderAttach();
   };
+
+  // The model picker: shown when the server has more than one model, each with its state.
+  function renderPicker() {
+    const picker = $("model-picker");
+    const several = state.models.length > 1;
+    picker.hidden = !several;
+    $("model-name").hidden = several;
+    if (!several) return;
+    picker.replaceChildren(...state.models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      const status = isObj(m.status) ? m.status.value : "";
+      option.textContent = m.id + (status && status !== "loaded" ? " (" + status + ")" : "");
+      option.selected = m.id === state.model;
+      return option;
+    }));
+  }
+
+  // The user picks a model: the next answers come from it; its defaults (and loading it) now.
+  async function chooseModel(name) {
+    state.model = name;
+    localStorage.setItem(MODEL_KEY, name);
+    state.defaults = null;
+    const model = state.models.find((m) => m.id === name);
+    state.vision = takesImages(model);
+    renderAttach();
+    try {
+      await loadDefaults();
+    } catch (e) {
+      notify(e.message, true);
+    }
+    await loadModel(); // its state and capabilities, now that it is loaded
+  }
 
   function readDataUrl(file) {
     return new Promise((resolve, reject) => {
@@ -1065,6 +1109,7 @@
       clearTimeout(searchTimer);
       searchTimer = setTimeout(() => { state.search = $("search").value.trim(); refreshList(); }, 200);
     });
+    $("model-picker").addEventListener("change", (e) => chooseModel(e.target.value));
     $("settings-button").addEventListener("click", () => {
       const panel = $("settings-panel");
       panel.hidden = !panel.hidden;
