@@ -157,7 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache.add_argument("--kv-cache-dtype", choices=("auto", "int8", "q8_0"), default="auto",
                        help="keys and values in the model's dtype (auto), or in 8 bits with a scale per head of "
                             "each token (int8; q8_0 is llama.cpp's name): a quarter of f32's memory, half of "
-                            "f16's, close to lossless (docs/serving.md)")
+                            "f16's, close to lossless (docs/engine.md)")
     cache.add_argument("--prefix-cache-ram", type=byte_size, default=0, metavar="SIZE",
                        help="keep prefix-cache blocks evicted from the KV cache in this much host memory, e.g. 2G, "
                             "to restore rather than recompute them (default: 0, off)")
