@@ -185,7 +185,7 @@ class ModelFleet:
             raise APIError(400, f"this server serves several models: name one in `model` ({self.names()})",
                            param="model", code="model_required")
         service = self.services.get(name)
-        if service is None and self.options.many_models:
+        if service is None:  # a model copied into the folder since, or newly in a cache
             self._rescan()
             service = self.services.get(name)
         if service is None:
