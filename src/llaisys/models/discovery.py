@@ -141,10 +141,16 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def later_split_part(path: Path) -> bool:
+    """Whether ``path`` is a part of a split GGUF file other than its first (model-00002-of-00003.gguf)."""
+    match = _SPLIT_PART.search(path.name[:-5]) if path.name.lower().endswith(".gguf") else None
+    return match is not None and int(match.group(1)) != 1
+
+
 def _ggufs(snapshot: Path) -> list[Path]:
     """The .gguf files of a snapshot (subfolders included), sorted; of a split file only its first part."""
     files = sorted(p for p in snapshot.rglob("*") if p.name.lower().endswith(".gguf") and not p.is_dir())
-    return [p for p in files if (m := _SPLIT_PART.search(p.name[:-5])) is None or int(m.group(1)) == 1]
+    return [p for p in files if not later_split_part(p)]
 
 
 def _is_folder_model(snapshot: Path) -> bool:

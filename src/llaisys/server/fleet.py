@@ -32,6 +32,7 @@ from typing import Any
 
 from starlette.types import Scope
 
+from ..models.discovery import later_split_part
 from .errors import APIError, shutting_down
 from .metrics import MetricFamilies
 from .middleware import LEASES
@@ -82,7 +83,7 @@ def folder_models(folder: str) -> dict[str, str]:
         name = entry.stem if entry.suffix.lower() == ".gguf" else entry.name
         try:
             if entry.is_file() and entry.suffix.lower() == ".gguf":
-                if entry.name.lower().startswith("mmproj") or ("-of-" in entry.stem and "-00001-of-" not in entry.stem):
+                if entry.name.lower().startswith("mmproj") or later_split_part(entry):
                     continue
                 found.setdefault(name, str(entry))
             elif entry.is_dir() and not entry.name.startswith("."):
